@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine (see README):
+#   make demo   -- the main job (for now: the theory benchmark on the scheduling core)
+#   make test   -- the whole test suite
+# Both build their own virtual environment in .venv first.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test venv bench-theory clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/binbatch bench theory
+
+bench-theory: $(STAMP)
+	$(BIN)/binbatch bench theory --plot theory.png
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

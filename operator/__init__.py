@@ -1,0 +1,1 @@
+"""binbatch operator (kopf). Built in the operator issue; nothing here works yet."""

@@ -1,0 +1,1 @@
+"""binbatch gRPC API (generated stubs). Built in the sidecar issue."""

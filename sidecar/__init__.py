@@ -1,0 +1,1 @@
+"""binbatch sidecar: the scheduling core, its simulator and benchmarks."""
