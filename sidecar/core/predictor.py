@@ -1,0 +1,197 @@
+"""Length predictors: the expected output tokens of a request, before it runs.
+
+* ``HintPredictor``: the client's ``expected_output_tokens`` hint, else ``max_tokens``.
+* ``OnlinePredictor``: learns from the completions the sidecar sees, per
+  (request class, prompt-length bucket), with coarser fallbacks.
+* ``AccuracyTracker``: how often the prediction lands in the right bin - the
+  analogue of multi-bin-batching-v2 Table 1 (bin classification accuracy) and its
+  "1 bin accuracy" (predicted bin within one of the actual bin, Appendix C.1).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict, deque
+from typing import Protocol, Sequence
+
+from .request import Request
+
+_Key = tuple[str] | tuple[str, int]  # (request_class,) or (request_class, prompt bucket)
+
+
+class LengthPredictor(Protocol):
+    """What the batch former and the simulator need from a predictor."""
+
+    name: str
+
+    def predict(self, req: Request) -> float:
+        """Expected output tokens of ``req`` (> 0)."""
+        ...
+
+    def observe(self, req: Request, actual_tokens: float) -> None:
+        """A completion the sidecar saw: ``req`` produced ``actual_tokens``."""
+        ...
+
+
+class HintPredictor:
+    """The client's hint if > 0, else ``max_tokens`` if > 0, else ``default_tokens``."""
+
+    name = "hint"
+
+    def __init__(self, default_tokens: float = 256.0) -> None:
+        if not (math.isfinite(default_tokens) and default_tokens > 0):
+            raise ValueError(f"default_tokens must be finite and > 0, got {default_tokens}")
+        self.default_tokens = float(default_tokens)
+
+    def predict(self, req: Request) -> float:
+        if req.hint_tokens is not None and req.hint_tokens > 0:
+            return float(req.hint_tokens)
+        if req.max_tokens > 0:
+            return float(req.max_tokens)
+        return self.default_tokens
+
+    def observe(self, req: Request, actual_tokens: float) -> None:
+        pass
+
+
+class _Estimate:
+    """Running mean that turns into an EWMA: weight max(1/n, alpha) on each sample.
+
+    The first 1/alpha samples are averaged exactly (no bias toward a start value);
+    after that old samples fade with factor (1 - alpha).  Two numbers per key.
+    """
+
+    __slots__ = ("n", "mean")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean = 0.0
+
+    def add(self, x: float, alpha: float) -> None:
+        self.n += 1
+        self.mean += max(1 / self.n, alpha) * (x - self.mean)
+
+
+def prompt_bucket(prompt_tokens: int) -> int:
+    """Powers of two: 0 -> 0, 1 -> 1, 2-3 -> 2, 4-7 -> 3, ... (``int.bit_length``)."""
+    return max(0, int(prompt_tokens)).bit_length()
+
+
+class OnlinePredictor:
+    """Learns output lengths from observed completions.
+
+    Keys, finest first: (request_class, prompt_bucket), (request_class,), global.
+    ``predict`` uses the finest key with at least ``min_samples`` observations, else
+    the ``HintPredictor`` rule; the result is capped at ``max_tokens`` when that is
+    > 0 and floored at ``min_tokens`` so it is always > 0.
+
+    Memory is bounded: per key a two-number estimate (``_Estimate``: exact mean for
+    the first 1/alpha samples, then EWMA, so it follows drift), and at most
+    ``max_keys`` keys (fine and class keys together, least recently used evicted;
+    both ``predict`` and ``observe`` count as use).  Class names come from clients,
+    so without the bound a stream of distinct classes would grow without limit.
+    """
+
+    name = "online"
+
+    def __init__(
+        self,
+        *,
+        min_samples: int = 8,
+        alpha: float = 0.05,
+        max_keys: int = 4096,
+        min_tokens: float = 1.0,
+        fallback: HintPredictor | None = None,
+    ) -> None:
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if max_keys < 2:
+            raise ValueError(f"max_keys must be >= 2, got {max_keys}")
+        if not (math.isfinite(min_tokens) and min_tokens > 0):
+            raise ValueError(f"min_tokens must be finite and > 0, got {min_tokens}")
+        self.min_samples = min_samples
+        self.alpha = alpha
+        self.max_keys = max_keys
+        self.min_tokens = float(min_tokens)
+        self.fallback = fallback or HintPredictor()
+        self._keys: OrderedDict[_Key, _Estimate] = OrderedDict()
+        self._global = _Estimate()
+
+    def __len__(self) -> int:
+        """Keys held (at most ``max_keys``; the global estimate is not counted)."""
+        return len(self._keys)
+
+    @staticmethod
+    def _key_chain(req: Request) -> tuple[tuple[str, int], tuple[str]]:
+        return (req.request_class, prompt_bucket(req.prompt_tokens)), (req.request_class,)
+
+    def predict(self, req: Request) -> float:
+        estimate = self._learned(req)
+        if estimate is None:
+            estimate = self.fallback.predict(req)
+        if req.max_tokens > 0:
+            estimate = min(estimate, float(req.max_tokens))
+        return max(estimate, self.min_tokens)
+
+    def _learned(self, req: Request) -> float | None:
+        for key in self._key_chain(req):
+            est = self._keys.get(key)
+            if est is not None:
+                self._keys.move_to_end(key)
+                if est.n >= self.min_samples:
+                    return est.mean
+        return self._global.mean if self._global.n >= self.min_samples else None
+
+    def observe(self, req: Request, actual_tokens: float) -> None:
+        if not (math.isfinite(actual_tokens) and actual_tokens >= 0):
+            raise ValueError(f"actual_tokens must be finite and >= 0, got {actual_tokens}")
+        x = float(actual_tokens)
+        for key in self._key_chain(req):
+            est = self._keys.get(key)
+            if est is None:
+                est = self._keys[key] = _Estimate()
+            self._keys.move_to_end(key)
+            est.add(x, self.alpha)
+        self._global.add(x, self.alpha)
+        while len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)  # LRU eviction
+
+
+class AccuracyTracker:
+    """Bin accuracy of the last ``window`` (predicted, actual) pairs.
+
+    A value's bin is ``bisect_right(boundaries, value)``.  ``bin_accuracy`` is
+    Table 1's classification accuracy (predicted bin == actual bin);
+    ``within_one_bin_accuracy`` is Appendix C.1's "1 bin accuracy"
+    (|predicted bin - actual bin| <= 1).  Boundaries are passed at query time, so
+    the same pairs can be scored against the binner's current boundaries.
+    """
+
+    def __init__(self, window: int = 1024) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def record(self, predicted: float, actual: float) -> None:
+        self._pairs.append((float(predicted), float(actual)))
+
+    def bin_accuracy(self, boundaries: Sequence[float]) -> float | None:
+        return self._share_within(boundaries, 0)
+
+    def within_one_bin_accuracy(self, boundaries: Sequence[float]) -> float | None:
+        return self._share_within(boundaries, 1)
+
+    def _share_within(self, boundaries: Sequence[float], tolerance: int) -> float | None:
+        if not self._pairs:
+            return None
+        bin_of = bisect.bisect_right
+        hits = sum(
+            abs(bin_of(boundaries, p) - bin_of(boundaries, a)) <= tolerance for p, a in self._pairs
+        )
+        return hits / len(self._pairs)

@@ -1,0 +1,36 @@
+"""The request record that flows through the scheduling core.
+
+The core never looks inside ``payload``: the server keeps its own per-call handle
+there (a future, a gRPC context), the simulator keeps nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One inference request as the scheduler sees it.
+
+    Lengths are in output tokens.  The simulator uses the same fields with
+    service-time units, which is why they are floats.
+    """
+
+    id: str
+    arrival: float  # clock time at which the request was accepted
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    hint_tokens: float | None = None  # the client's expected_output_tokens, if given
+    priority: int = 0  # larger is more urgent
+    deadline: float | None = None  # absolute clock time; None = no deadline
+    request_class: str = ""
+    predicted_tokens: float | None = None  # set by the length predictor
+    actual_tokens: float | None = None  # set when the engine reports completion
+    bin: int | None = None  # set by the batch former
+    cancelled: bool = False  # set by cancel(); such a request is never dispatched
+    payload: Any = field(default=None, repr=False)
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
