@@ -1,0 +1,251 @@
+"""Length predictors (hint, online) and the bin-accuracy tracker (Table 1 analogue)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from binbatch_sidecar.core.predictor import (
+    AccuracyTracker,
+    HintPredictor,
+    LengthPredictor,
+    OnlinePredictor,
+    prompt_bucket,
+)
+from binbatch_sidecar.core.request import Request
+
+_ids = itertools.count()
+
+
+def req(**kw) -> Request:
+    return Request(id=f"r{next(_ids)}", arrival=0.0, **kw)
+
+
+def test_both_predictors_satisfy_the_protocol():
+    predictors: list[LengthPredictor] = [HintPredictor(), OnlinePredictor()]
+    assert [p.name for p in predictors] == ["hint", "online"]
+
+
+# -- HintPredictor -------------------------------------------------------------------
+
+
+def test_hint_predictor_uses_the_clients_hint_first():
+    assert HintPredictor().predict(req(hint_tokens=42.0, max_tokens=512)) == 42.0
+
+
+@pytest.mark.parametrize("hint", [None, 0.0, -3.0])
+def test_hint_predictor_falls_back_to_max_tokens_without_a_positive_hint(hint):
+    assert HintPredictor().predict(req(hint_tokens=hint, max_tokens=512)) == 512.0
+
+
+def test_hint_predictor_uses_its_default_when_neither_is_set():
+    assert HintPredictor(default_tokens=100).predict(req(hint_tokens=0.0, max_tokens=0)) == 100.0
+
+
+def test_hint_predictor_ignores_observations():
+    p = HintPredictor()
+    r = req(max_tokens=512)
+    p.observe(r, 3.0)
+    assert p.predict(r) == 512.0
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_hint_predictor_rejects_a_bad_default_naming_it(bad):
+    with pytest.raises(ValueError, match="default_tokens"):
+        HintPredictor(default_tokens=bad)
+
+
+# -- OnlinePredictor -----------------------------------------------------------------
+
+
+def synthetic_stream(n: int, seed: int = 0):
+    """Class "a" answers ≈ 100 tokens, class "b" ≈ 10; every request allows 200."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        cls = rng.choice("ab")
+        actual = rng.gauss(100, 8) if cls == "a" else rng.gauss(10, 2)
+        r = req(request_class=cls, prompt_tokens=rng.randint(20, 30), max_tokens=200)
+        yield r, max(actual, 1)
+
+
+def test_online_predictor_learns_the_mean_per_class():
+    p = OnlinePredictor(min_samples=5)
+    for r, actual in synthetic_stream(2000):
+        p.observe(r, actual)
+    a = p.predict(req(request_class="a", prompt_tokens=25, max_tokens=200))
+    b = p.predict(req(request_class="b", prompt_tokens=25, max_tokens=200))
+    assert a == pytest.approx(100, abs=6)
+    assert b == pytest.approx(10, abs=1.5)
+
+
+def test_online_predictor_beats_the_hint_predictor_on_bin_accuracy():
+    hint, online = HintPredictor(), OnlinePredictor(min_samples=5)
+    scores = {"hint": AccuracyTracker(), "online": AccuracyTracker()}
+    for r, actual in synthetic_stream(3000, seed=1):
+        for p in (hint, online):
+            scores[p.name].record(p.predict(r), actual)
+            p.observe(r, actual)
+    boundaries = (50.0,)
+    assert scores["hint"].bin_accuracy(boundaries) == pytest.approx(0.5, abs=0.05)  # all say 200
+    assert scores["online"].bin_accuracy(boundaries) > 0.95
+
+
+def test_online_predictor_prefers_the_prompt_bucket_key_when_it_has_enough_samples():
+    p = OnlinePredictor(min_samples=3)
+    for _ in range(3):
+        p.observe(req(request_class="a", prompt_tokens=10), 40.0)  # bucket 4 (8-15)
+        p.observe(req(request_class="a", prompt_tokens=1000), 400.0)  # bucket 10
+    assert p.predict(req(request_class="a", prompt_tokens=12)) == 40.0
+    assert p.predict(req(request_class="a", prompt_tokens=900)) == 400.0
+
+
+def test_online_predictor_falls_back_to_the_class_then_global_then_hint():
+    p = OnlinePredictor(min_samples=3)
+    assert p.predict(req(request_class="a", hint_tokens=77.0)) == 77.0  # nothing learned: hint rule
+    for _ in range(3):
+        p.observe(req(request_class="a", prompt_tokens=10), 40.0)
+    # An unseen prompt bucket of a known class: the class estimate.
+    assert p.predict(req(request_class="a", prompt_tokens=5000)) == 40.0
+    # An unseen class: the global estimate.
+    assert p.predict(req(request_class="zzz", hint_tokens=77.0)) == 40.0
+
+
+def test_online_predictor_needs_min_samples_before_trusting_a_key():
+    p = OnlinePredictor(min_samples=4)
+    for _ in range(3):
+        p.observe(req(request_class="a"), 40.0)
+    assert p.predict(req(request_class="a", max_tokens=300)) == 300.0
+    p.observe(req(request_class="a"), 40.0)
+    assert p.predict(req(request_class="a", max_tokens=300)) == 40.0
+
+
+def test_online_predictor_never_predicts_above_max_tokens():
+    p = OnlinePredictor(min_samples=1)
+    p.observe(req(request_class="a"), 900.0)
+    assert p.predict(req(request_class="a", max_tokens=128)) == 128.0
+    assert p.predict(req(request_class="a", max_tokens=0)) == 900.0  # 0 = no cap
+
+
+def test_online_predictor_always_predicts_a_positive_length():
+    p = OnlinePredictor(min_samples=1)
+    p.observe(req(request_class="a"), 0.0)  # an immediate end-of-sequence
+    assert p.predict(req(request_class="a")) == 1.0
+
+
+def test_online_predictor_follows_a_drift_in_lengths():
+    p = OnlinePredictor(min_samples=1, alpha=0.1)
+    for _ in range(200):
+        p.observe(req(request_class="a"), 100.0)
+    for _ in range(100):
+        p.observe(req(request_class="a"), 20.0)
+    assert p.predict(req(request_class="a")) == pytest.approx(20.0, abs=0.1)
+
+
+def test_online_predictor_memory_stays_bounded_with_100k_distinct_keys():
+    p = OnlinePredictor(max_keys=500, min_samples=1)
+    for i in range(100_000):
+        p.observe(req(request_class=f"c{i}", prompt_tokens=i), 10.0)
+    assert len(p) <= 500
+    # The most recent keys survive; the oldest were evicted (falls back to global = 10).
+    assert p.predict(req(request_class="c99999", prompt_tokens=99_999)) == 10.0
+
+
+def test_online_predictor_evicts_the_least_recently_used_key():
+    p = OnlinePredictor(max_keys=2, min_samples=1)
+    p.observe(req(request_class="a"), 40.0)  # keys ("a", 0), ("a",)
+    p.observe(req(request_class="b"), 80.0)  # evicts both "a" keys
+    assert len(p) == 2
+    assert p.predict(req(request_class="a", max_tokens=1000)) == 60.0  # global mean of 40, 80
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"min_samples": 0}, "min_samples"),
+        ({"alpha": 0.0}, "alpha"),
+        ({"alpha": 1.5}, "alpha"),
+        ({"max_keys": 1}, "max_keys"),
+        ({"min_tokens": 0.0}, "min_tokens"),
+    ],
+)
+def test_online_predictor_rejects_bad_settings_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        OnlinePredictor(**kw)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_online_predictor_rejects_a_bad_observation_naming_it(bad):
+    with pytest.raises(ValueError, match="actual_tokens"):
+        OnlinePredictor().observe(req(), bad)
+
+
+@given(
+    observations=st.lists(st.floats(0, 10_000), max_size=30),
+    max_tokens=st.integers(0, 4096),
+    hint=st.none() | st.floats(-10, 10_000),
+)
+def test_online_prediction_is_positive_and_within_max_tokens(observations, max_tokens, hint):
+    p = OnlinePredictor(min_samples=2)
+    for x in observations:
+        p.observe(req(request_class="a", prompt_tokens=7), x)
+    y = p.predict(req(request_class="a", prompt_tokens=7, max_tokens=max_tokens, hint_tokens=hint))
+    assert y > 0
+    if max_tokens > 0:
+        assert y <= max_tokens
+
+
+@pytest.mark.parametrize(
+    ("tokens", "bucket"), [(0, 0), (1, 1), (2, 2), (3, 2), (4, 3), (1023, 10), (1024, 11)]
+)
+def test_prompt_buckets_are_powers_of_two(tokens, bucket):
+    assert prompt_bucket(tokens) == bucket
+
+
+# -- AccuracyTracker -----------------------------------------------------------------
+
+
+def test_accuracy_is_none_without_samples():
+    t = AccuracyTracker()
+    assert t.bin_accuracy((10.0,)) is None
+    assert t.within_one_bin_accuracy((10.0,)) is None
+
+
+def test_accuracy_worked_by_hand():
+    # Boundaries (10, 20, 30): bins [<10], [10,20), [20,30), [>=30].
+    t = AccuracyTracker()
+    t.record(5, 9)  # bins 0, 0: exact
+    t.record(10, 19.9)  # bins 1, 1: exact (10 is the lower edge of bin 1)
+    t.record(15, 25)  # bins 1, 2: off by one
+    t.record(35, 5)  # bins 3, 0: off by three
+    boundaries = (10.0, 20.0, 30.0)
+    assert t.bin_accuracy(boundaries) == 2 / 4
+    assert t.within_one_bin_accuracy(boundaries) == 3 / 4
+
+
+def test_accuracy_window_keeps_only_the_latest_pairs():
+    t = AccuracyTracker(window=2)
+    t.record(5, 50)  # wrong, then pushed out
+    t.record(5, 5)
+    t.record(50, 50)
+    assert len(t) == 2
+    assert t.bin_accuracy((10.0,)) == 1.0
+
+
+def test_accuracy_tracker_rejects_a_bad_window_naming_it():
+    with pytest.raises(ValueError, match="window"):
+        AccuracyTracker(window=0)
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e4), st.floats(0, 1e4)), min_size=1, max_size=50))
+def test_within_one_bin_accuracy_is_never_below_bin_accuracy(pairs):
+    t = AccuracyTracker()
+    for p, a in pairs:
+        t.record(p, a)
+    boundaries = (10.0, 100.0, 1000.0)
+    exact, near = t.bin_accuracy(boundaries), t.within_one_bin_accuracy(boundaries)
+    assert exact is not None and near is not None
+    assert 0 <= exact <= near <= 1
