@@ -1,0 +1,138 @@
+"""Reading vLLM's Prometheus metrics into what the batch sizer needs.
+
+vLLM has renamed its metrics over releases; ``ALIASES`` lists, for each quantity
+the sizer uses, the names to look for, newest first (DESIGN §2).  Histograms are
+read as deltas between two scrapes -- the mean over the last interval, not the
+lifetime average.  Parsing uses prometheus-client's own text parser.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..core.sizer import EngineSnapshot
+
+# quantity -> metric family names, newest first
+ALIASES: dict[str, tuple[str, ...]] = {
+    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "ttft": ("vllm:time_to_first_token_seconds",),
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+    "preemptions": ("vllm:num_preemptions", "vllm:num_preemptions_total"),
+    "cache_config": ("vllm:cache_config_info",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramTotals:
+    """Cumulative sum and count of one histogram (all label sets added)."""
+
+    sum: float
+    count: float
+
+    def mean_since(self, earlier: HistogramTotals | None) -> float | None:
+        """Mean of the observations made since ``earlier``; None if there were none
+        or there is no earlier scrape (a lifetime mean is not a recent one).
+
+        A count that went down means the engine restarted: its totals are all recent.
+        """
+        if earlier is None:
+            return None
+        if self.count < earlier.count:
+            return self.sum / self.count if self.count > 0 else None
+        dc = self.count - earlier.count
+        return (self.sum - earlier.sum) / dc if dc > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """One scrape of the engine, by quantity (None = the engine did not expose it)."""
+
+    kv_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    preemptions: float | None = None
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    itl: HistogramTotals | None = None
+    ttft: HistogramTotals | None = None
+    names_seen: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """η = num_gpu_blocks × block_size (DESIGN §3.2)."""
+        if self.num_gpu_blocks is None or self.block_size is None:
+            return None
+        return self.num_gpu_blocks * self.block_size
+
+
+def parse(text: str) -> EngineMetrics:
+    """Parse a Prometheus text exposition from vLLM (either naming generation)."""
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def family(quantity: str):
+        for name in ALIASES[quantity]:
+            if name in families:
+                return families[name]
+        return None
+
+    def gauge_sum(quantity: str, reduce=sum) -> float | None:
+        f = family(quantity)
+        if f is None:
+            return None
+        values = [s.value for s in f.samples if not s.name.endswith("_created")]
+        return float(reduce(values)) if values else None
+
+    def histogram(quantity: str) -> HistogramTotals | None:
+        f = family(quantity)
+        if f is None:
+            return None
+        total = sum(s.value for s in f.samples if s.name.endswith("_sum"))
+        count = sum(s.value for s in f.samples if s.name.endswith("_count"))
+        return HistogramTotals(total, count)
+
+    blocks = block = None
+    cfg = family("cache_config")
+    if cfg is not None:
+        for s in cfg.samples:
+            blocks = _int_label(s.labels, "num_gpu_blocks") or blocks
+            block = _int_label(s.labels, "block_size") or block
+    return EngineMetrics(
+        # several engines behind one endpoint: the fullest cache speaks for all
+        kv_usage=gauge_sum("kv_usage", max),
+        running=gauge_sum("running"),
+        waiting=gauge_sum("waiting"),
+        preemptions=gauge_sum("preemptions"),
+        num_gpu_blocks=blocks,
+        block_size=block,
+        itl=histogram("itl"),
+        ttft=histogram("ttft"),
+        names_seen=frozenset(families),
+    )
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    raw = labels.get(key)
+    if raw in (None, "", "None"):
+        return None
+    try:
+        v = float(raw)  # type: ignore[arg-type]
+    except ValueError:
+        return None
+    return int(v) if math.isfinite(v) and v > 0 else None
+
+
+def snapshot(current: EngineMetrics, previous: EngineMetrics | None, fresh: bool) -> EngineSnapshot:
+    """What the sizer sees: capacity, usage and the TPOT of the last interval."""
+    return EngineSnapshot(
+        kv_capacity_tokens=current.kv_capacity_tokens,
+        kv_usage_ratio=current.kv_usage,
+        running=None if current.running is None else int(current.running),
+        waiting=None if current.waiting is None else int(current.waiting),
+        tpot_seconds=current.itl.mean_since(previous.itl if previous else None) if current.itl else None,
+        fresh=fresh,
+    )
