@@ -1,0 +1,431 @@
+"""The sidecar's one config file: schema, loading, and reload without restart.
+
+The operator renders this YAML from a ``BatchingPolicy`` spec into a ConfigMap
+(DESIGN §2 "Config"), so it follows the CRD's conventions (CONVENTIONS.md "CRD"):
+camelCase keys, CamelCase enum values, integers whose unit is in the name
+(``maxWaitMilliseconds``, ``kvReservePercent``), probabilities as per-mille
+integers (``overflowPerMille``), a description and bounds on every field. No
+floats: a float in a spec rounds differently in Go, YAML and JSON, and an integer
+with its unit in the name cannot be misread. The server converts to SI floats
+once, through the properties on ``SidecarConfig`` (``max_wait_seconds``, ``eps_m``…).
+
+Every section and every key is optional; unknown keys and wrong types are errors
+(strict: ``"32"`` is not an integer), so a typo never silently falls back to a
+default. Cross-field rules mirror the CRD's CEL rules. Every problem is reported
+at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError``).
+
+    engine:    {url, model, requestTimeoutSeconds, healthPath}
+    bins:      {mode: Fixed|Auto|Adaptive, count, boundaries, maxOutputTokens,
+                autoWindow, autoRefreshEvery, splitThresholdPercent, maxRequestsPerBin}
+    batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
+                minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
+                maxQueuedRequests, dispatch: MaxWait|Smdp}
+    memory:    {overflowPerMille, kvReservePercent, kvSaturationPercent}
+    latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
+    predictor: {kind: Hint|Online, defaultOutputTokens}
+    metrics:   {source: Scrape|PromQL|None, url, intervalMilliseconds,
+                staleAfterMilliseconds, promqlSelector}
+    server:    {grpcPort, metricsPort, drainGraceSeconds, configPollMilliseconds}
+    logging:   {level: Debug|Info|Warning|Error, logPrompts}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+log = logging.getLogger("binbatch.config")
+
+BinMode = Literal["Fixed", "Auto", "Adaptive"]
+BatchMode = Literal["Gang", "Continuous"]
+Sizing = Literal["Static", "Memory", "Sla", "Combined"]
+Dispatch = Literal["MaxWait", "Smdp"]
+PredictorKind = Literal["Hint", "Online"]
+MetricsSource = Literal["Scrape", "PromQL", "None"]
+LogLevel = Literal["Debug", "Info", "Warning", "Error"]
+
+_RULE = "binbatch_rule"  # error type of a cross-field rule; ctx["problems"] holds (relative path, message)
+
+
+def _broken(problems: Sequence[tuple[str, str]]) -> NoReturn:
+    summary = "; ".join(f"{path}: {msg}" for path, msg in problems)
+    raise PydanticCustomError(_RULE, "{summary}", {"summary": summary, "problems": tuple(problems)})
+
+
+def _http_url(value: str) -> str:
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise ValueError(f"not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http(s) URL with a host, got {value!r}")
+    return value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", populate_by_name=True, frozen=True, strict=True, alias_generator=to_camel
+    )
+
+
+class EngineConfig(_Section):
+    url: str = Field("http://127.0.0.1:8000", max_length=2048, description="Base URL of the vLLM OpenAI-compatible server (http or https).")  # fmt: skip
+    model: str = Field("", max_length=512, description='Model used when a request names none; "" means the request must name one, or the engine serves exactly one.')  # fmt: skip
+    request_timeout_seconds: int = Field(600, ge=1, le=86400, description="Timeout of one engine HTTP call.")
+    health_path: str = Field("/health", min_length=1, max_length=512, description="Engine path whose 200 answer marks the sidecar ready.")  # fmt: skip
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        return _http_url(value)
+
+    @field_validator("health_path")
+    @classmethod
+    def _absolute_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"must start with '/', got {value!r}")
+        return value
+
+
+class BinsConfig(_Section):
+    mode: BinMode = Field("Fixed", description="Fixed boundaries, Auto (equal-mass quantiles of observed lengths), or Adaptive (split/merge by load).")  # fmt: skip
+    count: int = Field(4, ge=1, le=64, description="Number of bins k (the maximum number of buckets for Adaptive).")
+    boundaries: list[int] = Field(default_factory=list, max_length=63, description="Fixed only: count-1 strictly increasing token boundaries below maxOutputTokens; empty means uniform over [1, maxOutputTokens].")  # fmt: skip
+    max_output_tokens: int = Field(2048, ge=1, le=1_000_000, description="Upper end of the uniform bins and the default max_tokens cap.")  # fmt: skip
+    auto_window: int = Field(4096, ge=16, le=1_000_000, description="Auto: observed output lengths kept for the quantile estimate.")  # fmt: skip
+    auto_refresh_every: int = Field(256, ge=1, le=1_000_000, description="Auto: recompute the boundaries every N observations.")  # fmt: skip
+    split_threshold_percent: int = Field(60, ge=1, le=99, description="Adaptive: load share θ above which a bin splits, in percent.")  # fmt: skip
+    max_requests_per_bin: int = Field(0, ge=0, le=1_000_000, description="Adaptive: N_max requests per bin; 0 derives it from KV-cache memory.")  # fmt: skip
+
+    @field_validator("boundaries")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        for i, b in enumerate(value):
+            if not 1 <= b <= 1_000_000:
+                raise ValueError(f"entry {i} must be between 1 and 1000000, got {b}")
+        return value
+
+    @model_validator(mode="after")
+    def _boundaries_fit(self) -> BinsConfig:
+        b, problems = self.boundaries, []
+        if b and self.mode != "Fixed":
+            problems.append(("boundaries", f"must be empty unless mode is Fixed (mode is {self.mode})"))
+        elif b:
+            if len(b) != self.count - 1:
+                problems.append(("boundaries", f"needs count-1 = {self.count - 1} entries, got {len(b)}"))
+            if any(x >= y for x, y in zip(b, b[1:])):
+                problems.append(("boundaries", f"must be strictly increasing, got {b}"))
+            if max(b) >= self.max_output_tokens:
+                problems.append(("boundaries", f"every entry must be below maxOutputTokens ({self.max_output_tokens}), got {max(b)}"))  # fmt: skip
+        if problems:
+            _broken(problems)
+        return self
+
+
+class BatchConfig(_Section):
+    mode: BatchMode = Field("Continuous", description="Gang: a batch holds its slot until all its requests finish. Continuous: admit into the engine per request.")  # fmt: skip
+    sizing: Sizing = Field("Combined", description="Target batch size: Static, Memory (KV overflow bound), Sla (TPOT bound) or Combined (the min of both).")  # fmt: skip
+    static_size: int = Field(32, ge=1, le=4096, description="Batch size for Static sizing, and before metrics arrive.")
+    min_batch_size: int = Field(1, ge=1, le=4096, description="Lower clamp of the dynamic batch size.")
+    max_batch_size: int = Field(256, ge=1, le=4096, description="Upper clamp of the dynamic batch size.")
+    max_wait_milliseconds: int = Field(50, ge=0, le=600_000, description="A partial batch leaves its bin once its oldest request waited this long.")  # fmt: skip
+    max_inflight_batches: int = Field(4, ge=1, le=1024, description="Batches in the engine at once (the seed's servers).")  # fmt: skip
+    max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED).")  # fmt: skip
+    dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (timeout) or Smdp (control limit).")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _sizes_ordered(self) -> BatchConfig:
+        problems = []
+        if self.min_batch_size > self.static_size:
+            problems.append(("minBatchSize", f"must be <= staticSize ({self.static_size}), got {self.min_batch_size}"))
+        if self.static_size > self.max_batch_size:
+            problems.append(("staticSize", f"must be <= maxBatchSize ({self.max_batch_size}), got {self.static_size}"))
+        if problems:
+            _broken(problems)
+        return self
+
+
+class MemoryConfig(_Section):
+    overflow_per_mille: int = Field(10, ge=1, le=999, description="ε_M: accepted probability of KV-cache overflow, per mille (10 = 0.010).")  # fmt: skip
+    kv_reserve_percent: int = Field(0, ge=0, le=90, description="Share of the KV cache kept out of the memory bound, in percent.")  # fmt: skip
+    kv_saturation_percent: int = Field(95, ge=1, le=100, description="KV-cache usage at or above which no bin grows, in percent.")  # fmt: skip
+
+
+class LatencyConfig(_Section):
+    tpot_milliseconds: int = Field(0, ge=0, le=100_000, description="Time-per-output-token SLO D_SLA; 0 means none.")
+    ttft_milliseconds: int = Field(0, ge=0, le=600_000, description="Time-to-first-token SLO; 0 means none.")
+    tolerance_percent: int = Field(10, ge=0, le=100, description="ε_D: accepted TPOT deviation, in percent of the target.")  # fmt: skip
+
+
+class PredictorConfig(_Section):
+    kind: PredictorKind = Field("Online", description="Hint: the client's hint only. Online: learn from observed output lengths.")  # fmt: skip
+    default_output_tokens: int = Field(256, ge=1, le=1_000_000, description="Expected output length with no hint, no max_tokens and no history.")  # fmt: skip
+
+
+class MetricsConfig(_Section):
+    source: MetricsSource = Field("Scrape", description="Scrape the engine's /metrics, query Prometheus (PromQL), or None.")  # fmt: skip
+    url: str = Field("http://127.0.0.1:8000/metrics", max_length=2048, description="Scrape: the engine's /metrics URL. PromQL: the Prometheus base URL.")  # fmt: skip
+    interval_milliseconds: int = Field(500, ge=50, le=60_000, description="Time between scrapes (and batch-size updates).")  # fmt: skip
+    stale_after_milliseconds: int = Field(3000, ge=100, le=600_000, description="Metrics older than this count as stale (shrink, never grow).")  # fmt: skip
+    promql_selector: str = Field("", max_length=1024, description="PromQL: label matcher appended to every metric, e.g. '{pod=\"x\"}'.")  # fmt: skip
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        return _http_url(value)
+
+    @field_validator("promql_selector")
+    @classmethod
+    def _braced(cls, value: str) -> str:
+        if value and not (value.startswith("{") and value.endswith("}")):
+            raise ValueError(f"must be a label matcher in braces, e.g. '{{pod=\"x\"}}', got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _stale_after_two_scrapes(self) -> MetricsConfig:
+        if self.stale_after_milliseconds < 2 * self.interval_milliseconds:
+            _broken([("staleAfterMilliseconds", f"must be >= 2 x intervalMilliseconds ({2 * self.interval_milliseconds}), got {self.stale_after_milliseconds}")])  # fmt: skip
+        return self
+
+
+class ServerConfig(_Section):
+    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC listen port; 0 picks a free port.")
+    metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics listen port; 0 picks a free port.")
+    drain_grace_seconds: int = Field(30, ge=0, le=3600, description="On SIGTERM, time to drain queued and in-flight requests.")  # fmt: skip
+    config_poll_milliseconds: int = Field(1000, ge=100, le=600_000, description="How often the config file is checked for a change.")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> ServerConfig:
+        if self.grpc_port == self.metrics_port != 0:
+            _broken([("grpcPort", f"must differ from metricsPort (both {self.grpc_port}); only 0 may repeat")])
+        return self
+
+
+class LoggingConfig(_Section):
+    level: LogLevel = Field("Info", description="Log level.")
+    log_prompts: bool = Field(False, description="Log prompt and completion text (off: they may hold personal data).")
+
+
+class SidecarConfig(_Section):
+    """The whole file; every section defaults."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The vLLM server behind the sidecar.")
+    bins: BinsConfig = Field(default_factory=BinsConfig, description="Bins over predicted output length.")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="Batch forming, sizing and dispatch.")
+    memory: MemoryConfig = Field(default_factory=MemoryConfig, description="The memory-aware batch-size bound.")
+    latency: LatencyConfig = Field(default_factory=LatencyConfig, description="Latency SLOs.")
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig, description="Output-length predictor.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Where engine metrics come from.")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="The sidecar's own ports and lifecycle.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+
+    @model_validator(mode="after")
+    def _sla_needs_target(self) -> SidecarConfig:
+        if self.batch.sizing == "Sla" and self.latency.tpot_milliseconds == 0:
+            _broken([("latency.tpotMilliseconds", "must be > 0 when batch.sizing is Sla")])
+        return self
+
+    # SI values for the server, converted once here.
+    @property
+    def max_wait_seconds(self) -> float:
+        return self.batch.max_wait_milliseconds / 1000
+
+    @property
+    def eps_m(self) -> float:
+        return self.memory.overflow_per_mille / 1000
+
+    @property
+    def tpot_seconds(self) -> float | None:
+        ms = self.latency.tpot_milliseconds
+        return ms / 1000 if ms else None
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        ms = self.latency.ttft_milliseconds
+        return ms / 1000 if ms else None
+
+    @property
+    def eps_d(self) -> float:
+        """ε_D as a fraction of the TPOT target (multiply by ``tpot_seconds`` for seconds)."""
+        return self.latency.tolerance_percent / 100
+
+    @property
+    def kv_reserve_ratio(self) -> float:
+        return self.memory.kv_reserve_percent / 100
+
+    @property
+    def kv_saturation(self) -> float:
+        return self.memory.kv_saturation_percent / 100
+
+    @property
+    def scrape_interval_seconds(self) -> float:
+        return self.metrics.interval_milliseconds / 1000
+
+    @property
+    def stale_after_seconds(self) -> float:
+        return self.metrics.stale_after_milliseconds / 1000
+
+
+class ConfigError(ValueError):
+    """An invalid config: ``str()`` lists every problem, one ``<path>: <message>`` a line."""
+
+    def __init__(self, problems: Sequence[tuple[str, str]]) -> None:
+        self.problems: list[tuple[str, str]] = list(problems)
+        super().__init__("\n".join(f"{path}: {msg}" for path, msg in self.problems))
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> ConfigError:
+        problems = []
+        for err in exc.errors(include_url=False):
+            where = _dotted(err["loc"])
+            if err["type"] == _RULE:
+                problems += [(f"{where}.{rel}" if where else rel, msg) for rel, msg in err["ctx"]["problems"]]
+            else:
+                msg = err["msg"].removeprefix("Value error, ")
+                problems.append((where or "<root>", msg))
+        return cls(problems)
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def parse_config(data: Mapping[str, Any] | None) -> SidecarConfig:
+    """Validate a decoded document; ``None`` or ``{}`` gives the defaults."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError([("<root>", "expected a mapping")])
+    try:
+        return SidecarConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError.from_validation(exc) from None
+
+
+def _parse_bytes(raw: bytes, source: str) -> SidecarConfig:
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.MarkedYAMLError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
+        raise ConfigError([(source, f"invalid YAML at line {line}: {exc.problem or exc.context}")]) from None
+    except yaml.YAMLError as exc:  # e.g. bytes that are not UTF-8
+        raise ConfigError([(source, f"invalid YAML: {exc}")]) from None
+    return parse_config(data)
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A validated config and where it came from; ``generation`` counts applied reloads."""
+
+    config: SidecarConfig
+    sha256: str
+    source: str
+    loaded_at: float = field(default_factory=time.time)
+    generation: int = 1
+
+
+def load_config(path: str | os.PathLike[str], *, generation: int = 1) -> LoadedConfig:
+    """Read and validate ``path``; raises ``ConfigError`` or ``OSError``."""
+    raw = Path(path).read_bytes()
+    source = os.fspath(path)
+    return LoadedConfig(_parse_bytes(raw, source), hashlib.sha256(raw).hexdigest(), source, generation=generation)
+
+
+def dump_config(cfg: SidecarConfig) -> dict[str, Any]:
+    """The config as the file spells it: camelCase keys, JSON-safe values."""
+    return cfg.model_dump(mode="json", by_alias=True)
+
+
+def config_json(cfg: SidecarConfig) -> str:
+    return json.dumps(dump_config(cfg), sort_keys=True)
+
+
+class ConfigWatcher:
+    """Reloads the config file when its content changes; a bad file is refused.
+
+    It polls by content hash, not mtime or inotify, on purpose: Kubernetes updates
+    a ConfigMap volume by atomically swapping the ``..data`` symlink, which an
+    inotify watch on the file itself misses (and mtimes of the swapped-in files
+    are not reliable). Hashing a small file every poll is cheap and sees every
+    swap. A file that is missing for a moment during the swap is an error that
+    keeps the old config, like an invalid one.
+
+    ``on_change`` (sync or async) is called with the new ``LoadedConfig`` before
+    it becomes ``current``; if it raises, the new file is refused the same way.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        initial: LoadedConfig,
+        on_change: Callable[[LoadedConfig], Awaitable[None] | None],
+        poll_seconds: float,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.current = initial
+        self.on_change = on_change
+        self.poll_seconds = poll_seconds
+        self.last_error: str | None = None
+        self._refused: str | None = None  # sha256 (or error text) of the last refused file: logged once
+
+    async def check(self) -> bool:
+        """Apply the file if its content changed and is valid; True if applied."""
+        try:
+            raw = Path(self.path).read_bytes()
+        except OSError as exc:
+            return self._refuse(str(exc), key=str(exc))
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest == self.current.sha256:
+            self.last_error, self._refused = None, None  # back to the running config
+            return False
+        if digest == self._refused:
+            return False
+        try:
+            new = LoadedConfig(_parse_bytes(raw, self.path), digest, self.path, generation=self.current.generation + 1)
+        except ConfigError as exc:
+            return self._refuse(str(exc), key=digest)
+        try:
+            result = self.on_change(new)
+            if inspect.isawaitable(result):
+                await result
+        except Exception as exc:  # noqa: BLE001 - a config the server cannot apply is refused like an invalid one
+            return self._refuse(f"{self.path}: cannot apply: {exc}", key=digest)
+        self.current, self.last_error, self._refused = new, None, None
+        log.info("config %s: generation %d applied (sha256 %s)", self.path, new.generation, digest[:12])
+        return True
+
+    def _refuse(self, error: str, *, key: str) -> bool:
+        self.last_error = error
+        if key != self._refused:
+            self._refused = key
+            log.warning("config %s refused, keeping generation %d:\n%s", self.path, self.current.generation, error)
+        return False
+
+    async def run(self) -> None:
+        """Check every ``poll_seconds`` until cancelled."""
+        while True:
+            try:
+                await self.check()
+            except Exception:  # noqa: BLE001 - a reload must never stop the watcher
+                log.exception("config check failed")
+            await asyncio.sleep(self.poll_seconds)

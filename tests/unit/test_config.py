@@ -1,0 +1,353 @@
+"""The sidecar config file: schema, error messages, and reload (binbatch_sidecar.config)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from binbatch_sidecar.config import (
+    ConfigError,
+    ConfigWatcher,
+    LoadedConfig,
+    SidecarConfig,
+    config_json,
+    dump_config,
+    load_config,
+    parse_config,
+)
+
+FULL = """\
+engine:
+  url: https://vllm.example:8443
+  model: meta-llama/Llama-3.1-8B-Instruct
+  requestTimeoutSeconds: 120
+  healthPath: /healthz
+bins:
+  mode: Fixed
+  count: 4
+  boundaries: [64, 256, 1024]
+  maxOutputTokens: 4096
+  autoWindow: 1024
+  autoRefreshEvery: 64
+  splitThresholdPercent: 70
+  maxRequestsPerBin: 128
+batch:
+  mode: Gang
+  sizing: Sla
+  staticSize: 16
+  minBatchSize: 2
+  maxBatchSize: 64
+  maxWaitMilliseconds: 250
+  maxInflightBatches: 2
+  maxQueuedRequests: 500
+  dispatch: MaxWait
+memory:
+  overflowPerMille: 5
+  kvReservePercent: 10
+  kvSaturationPercent: 90
+latency:
+  tpotMilliseconds: 50
+  ttftMilliseconds: 2000
+  tolerancePercent: 20
+predictor:
+  kind: Hint
+  defaultOutputTokens: 128
+metrics:
+  source: PromQL
+  url: http://prometheus.monitoring:9090
+  intervalMilliseconds: 1000
+  staleAfterMilliseconds: 5000
+  promqlSelector: '{pod="vllm-0"}'
+server:
+  grpcPort: 7000
+  metricsPort: 7001
+  drainGraceSeconds: 10
+  configPollMilliseconds: 2000
+logging:
+  level: Debug
+  logPrompts: true
+"""
+
+
+def problems_of(doc: Any) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc)
+    assert str(err.value) == "\n".join(f"{p}: {m}" for p, m in err.value.problems)
+    return err.value.problems
+
+
+def test_no_document_gives_the_defaults():
+    cfg = parse_config(None)
+    assert cfg == parse_config({}) == SidecarConfig()
+    assert cfg.engine.url == "http://127.0.0.1:8000"
+    assert (cfg.bins.mode, cfg.bins.count, cfg.bins.boundaries) == ("Fixed", 4, [])
+    assert (cfg.batch.mode, cfg.batch.sizing, cfg.batch.dispatch) == ("Continuous", "Combined", "MaxWait")
+    assert (cfg.server.grpc_port, cfg.server.metrics_port) == (50051, 9090)
+    assert cfg.logging.level == "Info" and not cfg.logging.log_prompts
+
+
+def test_defaults_convert_to_si_units():
+    cfg = SidecarConfig()
+    assert cfg.max_wait_seconds == pytest.approx(0.05)
+    assert cfg.eps_m == pytest.approx(0.010)
+    assert cfg.tpot_seconds is None and cfg.ttft_seconds is None
+    assert cfg.eps_d == pytest.approx(0.10)
+    assert cfg.kv_reserve_ratio == 0 and cfg.kv_saturation == pytest.approx(0.95)
+    assert cfg.scrape_interval_seconds == pytest.approx(0.5)
+    assert cfg.stale_after_seconds == pytest.approx(3.0)
+
+
+def test_full_example_parses_every_key():
+    cfg = parse_config(yaml.safe_load(FULL))
+    assert cfg.engine.model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert cfg.bins.boundaries == [64, 256, 1024]
+    assert (cfg.batch.mode, cfg.batch.sizing, cfg.batch.static_size) == ("Gang", "Sla", 16)
+    assert cfg.metrics.promql_selector == '{pod="vllm-0"}'
+    assert cfg.logging.log_prompts is True
+    assert cfg.tpot_seconds == pytest.approx(0.05) and cfg.ttft_seconds == pytest.approx(2.0)
+    assert cfg.eps_m == pytest.approx(0.005) and cfg.kv_reserve_ratio == pytest.approx(0.10)
+    # the dump spells the file's keys back, and round-trips
+    assert dump_config(cfg) == yaml.safe_load(FULL)
+    assert parse_config(dump_config(cfg)) == cfg
+
+
+def test_config_json_is_sorted_camel_case_json():
+    text = config_json(SidecarConfig())
+    assert json.loads(text)["batch"]["maxWaitMilliseconds"] == 50
+    assert text == json.dumps(json.loads(text), sort_keys=True)
+    assert '"staticSize": 32' in text
+
+
+def test_sections_accept_snake_case_names_from_python():
+    assert SidecarConfig(batch={"static_size": 8, "min_batch_size": 8}).batch.static_size == 8
+
+
+def test_config_is_frozen():
+    cfg = SidecarConfig()
+    with pytest.raises(ValueError):
+        cfg.batch.static_size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("doc", "path", "words"),
+    [
+        ({"batch": {"minBatchSize": 64}}, "batch.minBatchSize", "<= staticSize (32)"),
+        ({"batch": {"staticSize": 300}}, "batch.staticSize", "<= maxBatchSize (256)"),
+        ({"bins": {"boundaries": [100, 200]}}, "bins.boundaries", "count-1 = 3 entries, got 2"),
+        ({"bins": {"boundaries": [100, 100, 200]}}, "bins.boundaries", "strictly increasing"),
+        ({"bins": {"boundaries": [100, 50, 200]}}, "bins.boundaries", "strictly increasing"),
+        ({"bins": {"boundaries": [0, 50, 200]}}, "bins.boundaries", "entry 0 must be between 1"),
+        ({"bins": {"boundaries": [100, 200, 2048]}}, "bins.boundaries", "below maxOutputTokens (2048)"),
+        ({"bins": {"mode": "Auto", "boundaries": [1, 2, 3]}}, "bins.boundaries", "empty unless mode is Fixed"),
+        ({"bins": {"mode": "Adaptive", "boundaries": [1, 2, 3]}}, "bins.boundaries", "empty unless mode is Fixed"),
+        ({"batch": {"sizing": "Sla"}}, "latency.tpotMilliseconds", "> 0 when batch.sizing is Sla"),
+        ({"metrics": {"intervalMilliseconds": 2000}}, "metrics.staleAfterMilliseconds", ">= 2 x intervalMilliseconds"),
+        ({"server": {"grpcPort": 8080, "metricsPort": 8080}}, "server.grpcPort", "must differ from metricsPort"),
+        ({"engine": {"url": "localhost:8000"}}, "engine.url", "http(s) URL with a host"),
+        ({"engine": {"url": "http:///health"}}, "engine.url", "http(s) URL with a host"),
+        ({"engine": {"url": "http://h:70000"}}, "engine.url", "not a valid URL"),
+        ({"metrics": {"url": "ftp://prom:9090"}}, "metrics.url", "http(s) URL with a host"),
+        ({"engine": {"healthPath": "health"}}, "engine.healthPath", "must start with '/'"),
+        ({"metrics": {"promqlSelector": 'pod="x"'}}, "metrics.promqlSelector", "label matcher in braces"),
+    ],
+)
+def test_cross_field_rule_names_the_field(doc, path, words):
+    [(where, msg)] = problems_of(doc)
+    assert where == path
+    assert words in msg
+
+
+def test_rules_allow_their_edge_cases():
+    parse_config({"server": {"grpcPort": 0, "metricsPort": 0}})
+    parse_config({"metrics": {"intervalMilliseconds": 1500, "staleAfterMilliseconds": 3000}})
+    parse_config({"batch": {"minBatchSize": 8, "staticSize": 8, "maxBatchSize": 8}})
+    parse_config({"bins": {"count": 1, "boundaries": []}})
+    parse_config({"batch": {"sizing": "Sla"}, "latency": {"tpotMilliseconds": 1}})
+
+
+def test_every_problem_is_listed_one_per_line():
+    problems = problems_of(
+        {"bins": {"mode": "Auto", "boundaries": [5]}, "server": {"grpcPort": 1, "metricsPort": 1}, "logging": {"level": "Loud"}}
+    )
+    assert [p for p, _ in problems] == ["bins.boundaries", "server.grpcPort", "logging.level"]
+
+
+def test_unknown_key_is_rejected_by_name():
+    assert problems_of({"batch": {"maxBatchSizee": 10}}) == [("batch.maxBatchSizee", "Extra inputs are not permitted")]
+    assert problems_of({"sidecar": {}}) == [("sidecar", "Extra inputs are not permitted")]
+
+
+@pytest.mark.parametrize(
+    ("doc", "path", "msg"),
+    [
+        ({"batch": {"maxBatchSize": 5000}}, "batch.maxBatchSize", "Input should be less than or equal to 4096"),
+        ({"batch": {"staticSize": "32"}}, "batch.staticSize", "Input should be a valid integer"),
+        ({"batch": {"staticSize": 32.0}}, "batch.staticSize", "Input should be a valid integer"),
+        ({"logging": {"logPrompts": "yes"}}, "logging.logPrompts", "Input should be a valid boolean"),
+        ({"bins": {"boundaries": [10, "20", 30]}}, "bins.boundaries[1]", "Input should be a valid integer"),
+        ({"bins": {"mode": "fixed"}}, "bins.mode", "Input should be 'Fixed', 'Auto' or 'Adaptive'"),
+        ({"batch": None}, "batch", "Input should be a valid dictionary or instance of BatchConfig"),
+    ],
+)
+def test_wrong_type_or_bound_names_the_field(doc, path, msg):
+    assert problems_of(doc) == [(path, msg)]
+
+
+@pytest.mark.parametrize("doc", [[1, 2], "batch", 3])
+def test_top_level_must_be_a_mapping(doc):
+    assert problems_of(doc) == [("<root>", "expected a mapping")]
+
+
+def test_load_config_records_source_and_hash(tmp_path):
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(FULL)
+    loaded = load_config(path)
+    assert loaded.config == parse_config(yaml.safe_load(FULL))
+    assert loaded.sha256 == hashlib.sha256(FULL.encode()).hexdigest()
+    assert (loaded.source, loaded.generation) == (str(path), 1)
+    assert loaded.loaded_at > 0
+
+
+def test_empty_file_gives_the_defaults(tmp_path):
+    path = tmp_path / "sidecar.yaml"
+    path.write_text("# rendered by the operator\n")
+    assert load_config(path).config == SidecarConfig()
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = tmp_path / "sidecar.yaml"
+    path.write_text("batch:\n  staticSize: 8\n  maxWaitMilliseconds: [1,\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    [(where, msg)] = err.value.problems
+    assert where == str(path)
+    assert msg.startswith("invalid YAML at line 4: ")
+
+
+def test_missing_file_is_an_os_error(tmp_path):
+    with pytest.raises(OSError):
+        load_config(tmp_path / "absent.yaml")
+
+
+# -- ConfigWatcher ---------------------------------------------------------------------------
+
+
+def write(path: Path, doc: dict[str, Any]) -> None:
+    path.write_text(yaml.safe_dump(doc))
+
+
+@pytest.fixture
+def cfg_path(tmp_path) -> Path:
+    path = tmp_path / "sidecar.yaml"
+    write(path, {"batch": {"staticSize": 16}})
+    return path
+
+
+def watcher_for(path: Path, applied: list[LoadedConfig]) -> ConfigWatcher:
+    return ConfigWatcher(path, initial=load_config(path), on_change=applied.append, poll_seconds=1.0)
+
+
+async def test_watcher_applies_a_changed_file_and_bumps_generation(cfg_path):
+    applied: list[LoadedConfig] = []
+    watcher = watcher_for(cfg_path, applied)
+    assert not await watcher.check()  # unchanged
+    write(cfg_path, {"batch": {"staticSize": 24}})
+    assert await watcher.check()
+    assert watcher.current.config.batch.static_size == 24
+    assert watcher.current.generation == 2
+    assert watcher.current.sha256 == hashlib.sha256(cfg_path.read_bytes()).hexdigest()
+    assert applied == [watcher.current]
+    assert watcher.last_error is None
+
+
+async def test_identical_rewrite_does_not_bump_generation(cfg_path):
+    applied: list[LoadedConfig] = []
+    watcher = watcher_for(cfg_path, applied)
+    write(cfg_path, {"batch": {"staticSize": 16}})
+    assert not await watcher.check()
+    assert watcher.current.generation == 1 and applied == []
+
+
+async def test_bad_file_keeps_the_old_config_and_names_the_field(cfg_path, caplog):
+    applied: list[LoadedConfig] = []
+    watcher = watcher_for(cfg_path, applied)
+    before = watcher.current
+    write(cfg_path, {"batch": {"staticSize": 16, "minBatchSize": 100}})
+    with caplog.at_level(logging.WARNING, logger="binbatch.config"):
+        assert not await watcher.check()
+        assert not await watcher.check()  # the same bad bytes: refused again, logged once
+    assert watcher.current is before and applied == []
+    assert watcher.last_error is not None and watcher.last_error.startswith("batch.minBatchSize: ")
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    # a fixed file applies and clears the error
+    write(cfg_path, {"batch": {"staticSize": 32}})
+    assert await watcher.check()
+    assert watcher.current.generation == 2 and watcher.last_error is None
+
+
+async def test_reverting_to_the_running_file_clears_the_error(cfg_path):
+    watcher = watcher_for(cfg_path, [])
+    good = cfg_path.read_bytes()
+    cfg_path.write_text("batch: [\n")
+    assert not await watcher.check()
+    assert watcher.last_error is not None and "invalid YAML at line" in watcher.last_error
+    cfg_path.write_bytes(good)
+    assert not await watcher.check()
+    assert watcher.last_error is None and watcher.current.generation == 1
+
+
+async def test_deleted_file_keeps_the_old_config(cfg_path):
+    watcher = watcher_for(cfg_path, [])
+    before = watcher.current
+    cfg_path.unlink()
+    assert not await watcher.check()
+    assert watcher.current is before
+    assert watcher.last_error is not None and "No such file" in watcher.last_error
+    write(cfg_path, {"batch": {"staticSize": 8}})  # the ConfigMap swap completes
+    assert await watcher.check()
+    assert watcher.current.config.batch.static_size == 8 and watcher.last_error is None
+
+
+async def test_on_change_may_be_async(cfg_path):
+    seen: list[int] = []
+
+    async def apply(loaded: LoadedConfig) -> None:
+        await asyncio.sleep(0)
+        seen.append(loaded.generation)
+
+    watcher = ConfigWatcher(cfg_path, initial=load_config(cfg_path), on_change=apply, poll_seconds=1.0)
+    write(cfg_path, {"batch": {"staticSize": 24}})
+    assert await watcher.check()
+    assert seen == [2]
+
+
+async def test_config_the_server_cannot_apply_is_refused(cfg_path):
+    def apply(loaded: LoadedConfig) -> None:
+        raise ValueError("batch.dispatch: Smdp is not available in this version; use MaxWait")
+
+    watcher = ConfigWatcher(cfg_path, initial=load_config(cfg_path), on_change=apply, poll_seconds=1.0)
+    write(cfg_path, {"batch": {"dispatch": "Smdp"}})
+    assert not await watcher.check()
+    assert watcher.current.generation == 1
+    assert watcher.last_error is not None and "Smdp is not available" in watcher.last_error
+
+
+async def test_run_polls_until_cancelled(cfg_path):
+    applied = asyncio.Event()
+    watcher = ConfigWatcher(
+        cfg_path, initial=load_config(cfg_path), on_change=lambda _: applied.set(), poll_seconds=0.01
+    )
+    task = asyncio.create_task(watcher.run())
+    write(cfg_path, {"batch": {"staticSize": 24}})
+    await asyncio.wait_for(applied.wait(), timeout=5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert watcher.current.generation == 2
