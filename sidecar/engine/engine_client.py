@@ -1,0 +1,629 @@
+"""An async client for vLLM's OpenAI-compatible HTTP API (aiohttp).
+
+The dispatcher hands the client whole batches (``complete_batch``) or single
+streaming requests (``stream``); the client turns them into as few engine calls as
+is safe and gives every caller exactly one answer -- an ``EngineResult`` or an
+``EngineError`` -- never an exception (except ``CancelledError``).
+
+Per-request token counts in a multi-prompt call.  vLLM's ``usage`` covers the whole
+``/v1/completions`` call.  vLLM (0.32: ``CompletionResponseChoice.token_ids`` and
+``prompt_token_ids``, filled when the request sets ``return_token_ids``) returns the
+ids of every choice, so a call with several prompts asks for them and counts
+``len(choice["token_ids"])``.  An engine that ignores the field (the emulator, older
+vLLM) gets exact counts where they follow from the reply -- a lone prompt takes
+``usage``; ``finish_reason == "length"`` means ``max_tokens`` tokens (vLLM refuses a
+prompt whose ``max_tokens`` does not fit the context); one unknown choice takes the
+rest of ``usage`` -- and otherwise ``usage`` is apportioned by text length (logged
+once per client).
+
+Retries.  Only when the TCP connection could not be established
+(``aiohttp.ClientConnectorError``): the request never reached the engine, so a
+retry cannot duplicate work.  Once a request is sent it is never repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+CONNECT_BACKOFF_SECONDS = (0.05, 0.2)  # before connect retry 1, 2 (and later ones)
+HEALTH_TIMEOUT_SECONDS = 5.0
+MODELS_TIMEOUT_SECONDS = 10.0
+# Below uvicorn's (vLLM's) 5 s keep-alive: a pooled connection the server already
+# closed would fail a POST after it was sent, and a sent POST is never retried.
+KEEPALIVE_SECONDS = 3.0
+ERROR_TEXT_LIMIT = 500
+
+EngineErrorKind = str  # "unavailable" | "invalid" | "timeout" | "internal"
+
+
+# ------------------------------------------------------------------------ data types
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling fields of one request.  Hashable: requests with equal parameters may
+    share one ``/v1/completions`` call."""
+
+    model: str
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI/vLLM JSON fields, without the unset ones (``ignore_eos`` and
+        ``min_tokens`` are vLLM extras accepted at the top level of the body)."""
+        out: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens}
+        if self.temperature is not None:
+            out["temperature"] = self.temperature
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.seed is not None:
+            out["seed"] = self.seed
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        if self.min_tokens is not None:
+            out["min_tokens"] = self.min_tokens
+        return out
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One caller's request: a text ``prompt`` or chat ``messages`` as (role, content)."""
+
+    params: SamplingParams
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("EngineRequest needs exactly one of prompt and messages")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    """One finished completion."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """A piece of generated text; the last item of a stream is an ``EngineResult``."""
+
+    text: str
+
+
+class EngineError(Exception):
+    """Why the engine gave no result.
+
+    ``kind``: "unavailable" (no connection, connection lost, 5xx, engine down),
+    "invalid" (4xx: the engine refused the request; ``message`` is its error text),
+    "timeout" (no answer in time) or "internal" (a reply the client cannot read).
+    ``status`` is the HTTP status when there was one.
+    """
+
+    def __init__(self, kind: EngineErrorKind, status: int | None, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.status = status
+        self.message = message
+
+    def copy(self) -> EngineError:
+        """A fresh instance: each caller gets its own exception object."""
+        return EngineError(self.kind, self.status, self.message)
+
+    def __repr__(self) -> str:
+        return f"EngineError({self.kind!r}, {self.status!r}, {self.message!r})"
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class EngineClient:
+    """Talks to one vLLM server (``base_url`` without the ``/v1`` suffix).
+
+    ``timeout_seconds`` bounds each ``complete_batch``/``stream`` call unless the call
+    passes its own ``timeout``.  A ``session`` passed in is used but not closed.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_seconds: float = 600,
+        connect_retries: int = 2,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        if timeout_seconds <= 0:
+            raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds}")
+        if connect_retries < 0:
+            raise ValueError(f"connect_retries must be >= 0, got {connect_retries}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_seconds = float(timeout_seconds)
+        self.connect_retries = connect_retries
+        self._session = session
+        self._owns_session = session is None
+        self._warned_estimated_counts = False
+        self._warned_stream_usage = False
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session if the client made it."""
+        if self._owns_session and self._session is not None and not self._session.closed:
+            await self._session.close()
+        if self._owns_session:
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or (self._owns_session and self._session.closed):
+            # limit=0: every in-flight request needs its own connection; the
+            # dispatcher, not the connection pool, decides how many there are.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    # -- batch -------------------------------------------------------------------------
+
+    async def complete_batch(
+        self, requests: Sequence[EngineRequest], *, timeout: float | None = None
+    ) -> list[EngineResult | EngineError]:
+        """Run ``requests`` on the engine; result ``i`` belongs to request ``i``.
+
+        The contract the dispatcher relies on:
+
+        * Prompt requests with equal ``params`` form a group sent as ONE
+          ``/v1/completions`` call with ``"prompt": [...]``; choices are mapped back
+          by ``choice["index"]``.  Chat requests go one ``/v1/chat/completions`` call
+          each.  All calls run concurrently.
+        * Every request gets its own ``EngineResult`` or ``EngineError``; nothing is
+          raised except ``CancelledError``.  Cancelling the call cancels its HTTP
+          requests; their connections close and vLLM aborts a request whose client
+          disconnected.
+        * A 400/422 answer to a multi-prompt call re-issues each of its prompts alone,
+          so one bad prompt (e.g. too long) fails only its own caller (a 4xx means
+          the engine did no work).  Any other 4xx fails the call's members with
+          "invalid".
+        * 5xx, a lost connection or an unreachable engine fail every member of that
+          call with "unavailable"; other calls of the batch are unaffected.
+        * No answer within ``timeout`` (default ``timeout_seconds``) from the start
+          of the batch: "timeout" for the members of the unfinished calls.
+        * Only a connection that could not be established is retried (up to
+          ``connect_retries`` times, 0.05 s then 0.2 s apart); a request that was
+          sent is never sent again.
+        """
+        limit = self.timeout_seconds if timeout is None else timeout
+        deadline = asyncio.get_running_loop().time() + limit
+        groups: dict[SamplingParams, list[int]] = {}
+        # (members, a factory of the call): coroutines are made only where awaited, so a
+        # batch cancelled before its calls start leaves none un-awaited
+        jobs: list[tuple[list[int], Callable[[], Awaitable[list[EngineResult | EngineError]]]]] = []
+        for i, request in enumerate(requests):
+            if request.messages is not None:
+                jobs.append(([i], functools.partial(self._chat_call, request)))
+            else:
+                groups.setdefault(request.params, []).append(i)
+        for params, members in groups.items():
+            prompts = [requests[i].prompt or "" for i in members]
+            jobs.append((members, functools.partial(self._completions_call, params, prompts)))
+        answers = await asyncio.gather(*(self._bounded(call, len(m), deadline, limit) for m, call in jobs))
+        results: list[EngineResult | EngineError | None] = [None] * len(requests)
+        for (members, _), outcome in zip(jobs, answers, strict=True):
+            for i, r in zip(members, outcome, strict=True):
+                results[i] = r
+        return [r if r is not None else EngineError("internal", None, "no result") for r in results]
+
+    async def _bounded(
+        self, call: Callable[[], Awaitable[list[EngineResult | EngineError]]], n: int, deadline: float, limit: float
+    ) -> list[EngineResult | EngineError]:
+        """Run one engine call under the batch deadline; errors become values."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await call()
+        except TimeoutError:
+            return _fan_out(EngineError("timeout", None, f"the engine did not answer within {limit:g} s"), n)
+        except EngineError as err:
+            return _fan_out(err, n)
+        except Exception as exc:  # noqa: BLE001 - a bug must not strand the other callers
+            log.exception("engine call failed unexpectedly")
+            return _fan_out(EngineError("internal", None, f"client error: {type(exc).__name__}: {exc}"), n)
+
+    async def _completions_call(self, params: SamplingParams, prompts: list[str]) -> list[EngineResult | EngineError]:
+        """One ``/v1/completions`` call for prompts sharing ``params``."""
+        body = params.body()
+        if len(prompts) == 1:
+            body["prompt"] = prompts[0]
+        else:
+            body |= {"prompt": prompts, "n": 1, "stream": False, "return_token_ids": True}
+        try:
+            data = await self._call_json("POST", "/v1/completions", body)
+        except EngineError as err:
+            if len(prompts) > 1 and err.status in (400, 422):
+                log.info("engine refused a %d-prompt call (HTTP %d); sending its prompts one by one",
+                         len(prompts), err.status)  # fmt: skip
+                singles = await asyncio.gather(*(self._completions_call(params, [p]) for p in prompts))
+                return [s[0] for s in singles]
+            return _fan_out(err, len(prompts))
+        try:
+            return list(self._completion_results(data, params, prompts))
+        except EngineError as err:
+            return _fan_out(err, len(prompts))
+
+    def _completion_results(
+        self, data: dict[str, Any], params: SamplingParams, prompts: list[str]
+    ) -> list[EngineResult]:
+        n = len(prompts)
+        choices = data.get("choices")
+        if not isinstance(choices, list) or len(choices) != n:
+            got = len(choices) if isinstance(choices, list) else "no"
+            raise EngineError("internal", 200, f"expected {n} choices from the engine, got {got}")
+        ordered: list[dict[str, Any] | None] = [None] * n
+        for pos, choice in enumerate(choices):
+            if not isinstance(choice, dict):
+                raise EngineError("internal", 200, "a choice is not an object")
+            index = choice.get("index", pos)
+            if not isinstance(index, int) or not 0 <= index < n or ordered[index] is not None:
+                raise EngineError("internal", 200, f"bad or repeated choice index {index!r}")
+            if not isinstance(choice.get("text"), str):
+                raise EngineError("internal", 200, "a choice has no text")
+            ordered[index] = choice
+        chosen: list[dict[str, Any]] = [c for c in ordered if c is not None]
+        usage_prompt, usage_completion = _usage(data)
+        completion, exact_c = _completion_counts(chosen, params, usage_completion)
+        prompt_counts, exact_p = _prompt_counts(chosen, prompts, usage_prompt)
+        if not (exact_c and exact_p) and not self._warned_estimated_counts:
+            self._warned_estimated_counts = True
+            log.warning("the engine returned no per-choice token_ids for a multi-prompt call; "
+                        "per-request token counts are apportioned from usage")  # fmt: skip
+        return [
+            EngineResult(c["text"], _finish_reason(c), p, t)
+            for c, p, t in zip(chosen, prompt_counts, completion, strict=True)
+        ]
+
+    async def _chat_call(self, request: EngineRequest) -> list[EngineResult | EngineError]:
+        """One ``/v1/chat/completions`` call."""
+        data = await self._call_json("POST", "/v1/chat/completions", _chat_body(request))
+        choices = data.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise EngineError("internal", 200, "expected exactly one choice from the engine")
+        message = choices[0].get("message")
+        content = message.get("content") if isinstance(message, dict) else None
+        if content is not None and not isinstance(content, str):
+            raise EngineError("internal", 200, "the chat message content is not text")
+        prompt_tokens, completion_tokens = _usage(data)
+        return [EngineResult(content or "", _finish_reason(choices[0]), prompt_tokens, completion_tokens)]
+
+    # -- stream ------------------------------------------------------------------------
+
+    async def stream(
+        self, request: EngineRequest, *, timeout: float | None = None
+    ) -> AsyncIterator[StreamDelta | EngineResult]:
+        """Stream one request: a ``StreamDelta`` per non-empty text piece, then the
+        ``EngineResult`` (the concatenated text, the last finish reason, the token
+        counts of the usage chunk).  Failures raise ``EngineError``; leaving the loop
+        early closes the connection, which makes vLLM abort the request."""
+        limit = self.timeout_seconds if timeout is None else timeout
+        deadline = asyncio.get_running_loop().time() + limit
+        timed_out = EngineError("timeout", None, f"the engine did not finish within {limit:g} s")
+        if request.messages is not None:
+            path, body = "/v1/chat/completions", _chat_body(request)
+        else:
+            path, body = "/v1/completions", request.params.body() | {"prompt": request.prompt}
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with asyncio.timeout_at(deadline):
+                resp = await self._send("POST", path, body)
+        except TimeoutError:
+            raise timed_out from None
+        try:
+            if resp.status != 200:
+                async with asyncio.timeout_at(deadline):
+                    raw = await resp.read()
+                raise _http_error(resp.status, raw)
+            reader = _SSEReader(resp)
+            pieces: list[str] = []
+            finish: str | None = None
+            usage: tuple[int, int] | None = None
+            while True:
+                async with asyncio.timeout_at(deadline):
+                    payload = await reader.next()
+                if payload is None or payload.strip() == "[DONE]":
+                    break
+                event = _json_object(payload.encode())
+                if "error" in event:
+                    raise _payload_error(event)
+                if event.get("usage"):
+                    usage = _usage(event)
+                for choice in event.get("choices") or ():
+                    if not isinstance(choice, dict):
+                        raise EngineError("internal", 200, "a stream choice is not an object")
+                    piece = choice.get("text")
+                    if piece is None and isinstance(choice.get("delta"), dict):
+                        piece = choice["delta"].get("content")
+                    if piece:
+                        if not isinstance(piece, str):
+                            raise EngineError("internal", 200, "a stream piece is not text")
+                        pieces.append(piece)
+                        yield StreamDelta(piece)
+                    if choice.get("finish_reason"):
+                        finish = str(choice["finish_reason"])
+            if finish is None:
+                raise EngineError("unavailable", 200, "the engine ended the stream before the completion finished")
+            if usage is None:
+                if not self._warned_stream_usage:
+                    self._warned_stream_usage = True
+                    log.warning("the engine sent no usage chunk in a stream; counting one token per piece")
+                usage = (0, len(pieces))
+        except TimeoutError:
+            resp.close()
+            raise timed_out from None
+        except aiohttp.ClientError as exc:
+            resp.close()
+            raise EngineError("unavailable", resp.status, f"the engine's stream broke off: {_describe(exc)}") from exc
+        except BaseException:  # EngineError, cancellation, the consumer leaving early
+            resp.close()
+            raise
+        resp.release()
+        yield EngineResult("".join(pieces), finish, usage[0], usage[1])
+
+    # -- small calls -------------------------------------------------------------------
+
+    async def health(self, path: str = "/health") -> bool:
+        """True if ``GET path`` answers 200 (no retries; any failure is False)."""
+        try:
+            async with asyncio.timeout(min(HEALTH_TIMEOUT_SECONDS, self.timeout_seconds)):
+                resp = await self._send("GET", path, retries=0)
+                try:
+                    await resp.read()
+                finally:
+                    resp.release()
+                return resp.status == 200
+        except (EngineError, TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def models(self) -> list[str]:
+        """The ids of the served models (``GET /v1/models``); raises ``EngineError``."""
+        try:
+            async with asyncio.timeout(min(MODELS_TIMEOUT_SECONDS, self.timeout_seconds)):
+                data = await self._call_json("GET", "/v1/models")
+        except TimeoutError:
+            raise EngineError("timeout", None, "GET /v1/models did not answer in time") from None
+        cards = data.get("data")
+        if not isinstance(cards, list):
+            raise EngineError("internal", 200, "GET /v1/models: no data list")
+        return [c["id"] for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
+
+    # -- HTTP --------------------------------------------------------------------------
+
+    async def _send(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, retries: int | None = None
+    ) -> aiohttp.ClientResponse:
+        """Send a request and return the response (headers read, body not).
+
+        Retries only ``ClientConnectorError`` -- the connection was never made."""
+        session = self._http()
+        url = self.base_url + path
+        attempts = self.connect_retries if retries is None else retries
+        for attempt in range(attempts + 1):
+            try:
+                return await session.request(method, url, json=body)
+            except aiohttp.ClientConnectorError as exc:
+                if attempt >= attempts:
+                    raise EngineError("unavailable", None, f"cannot connect to the engine: {_describe(exc)}") from exc
+                delay = CONNECT_BACKOFF_SECONDS[min(attempt, len(CONNECT_BACKOFF_SECONDS) - 1)]
+                log.debug("connect to %s failed (%s); retry %d in %g s", url, type(exc).__name__, attempt + 1, delay)
+                await asyncio.sleep(delay)
+            except aiohttp.ClientError as exc:
+                raise EngineError("unavailable", None, f"the engine connection failed: {_describe(exc)}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _call_json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Send, read the whole reply, and return its JSON object (or raise EngineError)."""
+        resp = await self._send(method, path, body)
+        try:
+            raw = await resp.read()
+        except aiohttp.ClientError as exc:
+            resp.close()
+            raise EngineError("unavailable", resp.status, f"the engine's reply broke off: {_describe(exc)}") from exc
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        if resp.status != 200:
+            raise _http_error(resp.status, raw)
+        return _json_object(raw)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+class _SSEReader:
+    """Server-sent events from a response: ``next()`` gives each event's data."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._content = resp.content
+
+    async def next(self) -> str | None:
+        """The next event's data (lines joined by newlines); None at the end."""
+        data: list[str] = []
+        while True:
+            try:
+                raw = await self._content.readline()
+            except ValueError as exc:  # a line beyond aiohttp's buffer limit
+                raise EngineError("internal", 200, f"unreadable stream line: {exc}") from exc
+            if not raw:
+                return "\n".join(data) if data else None
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if not line:
+                if data:
+                    return "\n".join(data)
+                continue
+            if line.startswith(":"):
+                continue  # a comment / keep-alive
+            name, _, value = line.partition(":")
+            if name == "data":
+                data.append(value[1:] if value.startswith(" ") else value)
+
+
+def _chat_body(request: EngineRequest) -> dict[str, Any]:
+    messages = [{"role": role, "content": content} for role, content in request.messages or ()]
+    return request.params.body() | {"messages": messages}
+
+
+def _fan_out(err: EngineError, n: int) -> list[EngineResult | EngineError]:
+    return [err.copy() for _ in range(n)]
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _kind_for_status(status: int) -> EngineErrorKind:
+    if status == 408:
+        return "timeout"
+    if status == 429 or status >= 500:
+        return "unavailable"
+    if 400 <= status < 500:
+        return "invalid"
+    return "internal"
+
+
+def _http_error(status: int, raw: bytes) -> EngineError:
+    return EngineError(_kind_for_status(status), status, _error_text(raw) or f"HTTP {status}")
+
+
+def _error_text(raw: bytes) -> str:
+    """The message of an OpenAI/vLLM/FastAPI error body, or the body itself."""
+    text = raw.decode("utf-8", errors="replace").strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text[:ERROR_TEXT_LIMIT]
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"][:ERROR_TEXT_LIMIT]
+        if isinstance(err, str):
+            return err[:ERROR_TEXT_LIMIT]
+        if isinstance(obj.get("message"), str):
+            return obj["message"][:ERROR_TEXT_LIMIT]
+        detail = obj.get("detail")
+        if isinstance(detail, str):
+            return detail[:ERROR_TEXT_LIMIT]
+        if isinstance(detail, list):  # FastAPI 422: [{"loc": [...], "msg": ...}]
+            parts = [
+                f"{'.'.join(map(str, d.get('loc', ())))}: {d.get('msg', '')}" for d in detail if isinstance(d, dict)
+            ]
+            return "; ".join(parts)[:ERROR_TEXT_LIMIT]
+    return text[:ERROR_TEXT_LIMIT]
+
+
+def _payload_error(event: dict[str, Any]) -> EngineError:
+    """An error sent inside a stream (``data: {"error": {...}}``)."""
+    err = event.get("error")
+    code = err.get("code") if isinstance(err, dict) else None
+    status = code if isinstance(code, int) and not isinstance(code, bool) else None
+    kind = _kind_for_status(status) if status is not None else "unavailable"
+    message = _error_text(json.dumps(event).encode())
+    return EngineError(kind, status, message)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        raise EngineError("internal", 200, "the engine's reply is not JSON") from None
+    if not isinstance(obj, dict):
+        raise EngineError("internal", 200, "the engine's reply is not a JSON object")
+    return obj
+
+
+def _usage(data: dict[str, Any]) -> tuple[int, int]:
+    """(prompt_tokens, completion_tokens) of a reply's ``usage``."""
+    usage = data.get("usage")
+    if not isinstance(usage, dict):
+        raise EngineError("internal", 200, "the engine's reply has no usage")
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        raise EngineError("internal", 200, "the engine's usage has no token counts")
+    return prompt, completion
+
+
+def _finish_reason(choice: dict[str, Any]) -> str:
+    reason = choice.get("finish_reason")
+    return str(reason) if reason else "unknown"
+
+
+def _completion_counts(
+    choices: list[dict[str, Any]], params: SamplingParams, usage_total: int
+) -> tuple[list[int], bool]:
+    """Per-choice completion tokens, and whether every count is exact (module docstring)."""
+    if len(choices) == 1:
+        return [usage_total], True
+    known: list[int | None] = []
+    for c in choices:
+        ids = c.get("token_ids")
+        if isinstance(ids, list):
+            known.append(len(ids))
+        elif c.get("finish_reason") == "length":
+            known.append(params.max_tokens)
+        else:
+            known.append(None)
+    return _fill_unknown(known, [len(c["text"]) for c in choices], usage_total)
+
+
+def _prompt_counts(choices: list[dict[str, Any]], prompts: list[str], usage_total: int) -> tuple[list[int], bool]:
+    """Per-choice prompt tokens, and whether every count is exact."""
+    if len(choices) == 1:
+        return [usage_total], True
+    known: list[int | None] = []
+    for c in choices:
+        ids = c.get("prompt_token_ids")
+        known.append(len(ids) if isinstance(ids, list) else None)
+    return _fill_unknown(known, [len(p) for p in prompts], usage_total)
+
+
+def _fill_unknown(known: list[int | None], weights: list[int], total: int) -> tuple[list[int], bool]:
+    """Fill the unknown counts from ``total`` minus the known ones; exact when at most
+    one is unknown, else apportioned by ``weights`` (largest remainders)."""
+    unknown = [i for i, k in enumerate(known) if k is None]
+    rest = max(0, total - sum(k for k in known if k is not None))
+    out = [k or 0 for k in known]
+    if not unknown:
+        return out, True
+    if len(unknown) == 1:
+        out[unknown[0]] = rest
+        return out, True
+    w = [max(weights[i], 1) for i in unknown]
+    shares = [rest * x / sum(w) for x in w]
+    floors = [int(s) for s in shares]
+    by_remainder = sorted(range(len(unknown)), key=lambda j: shares[j] - floors[j], reverse=True)
+    for j in by_remainder[: rest - sum(floors)]:
+        floors[j] += 1
+    for i, v in zip(unknown, floors, strict=True):
+        out[i] = v
+    return out, False

@@ -1,0 +1,305 @@
+"""Feeding the batch sizer from the engine's metrics (DESIGN §2 "Metrics feedback").
+
+A ``MetricsSource`` reads the engine's quantities into ``vllm_metrics.EngineMetrics``
+-- ``ScrapeSource`` from the engine's own ``/metrics``, ``PromQLSource`` from a
+Prometheus server.  ``MetricsFeed`` polls the source every ``interval`` and hands
+the sizer an ``EngineSnapshot``:
+
+* success: a fresh snapshot; the TPOT is the histogram delta since the previous
+  successful fetch (``vllm_metrics.snapshot``);
+* failure while the last success is at most ``stale_after`` old: the last snapshot
+  again, fresh but without a TPOT (the sizer holds);
+* failure after that, or before any success: a stale snapshot (``fresh=False``) --
+  the sizer treats it as saturated: it shrinks, never grows;
+* no source: ``None`` ("disabled": the sizer falls back to the static size).
+
+Sources open one short-lived HTTP session per fetch, so swapping ``feed.source``
+(a config reload) needs no cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import aiohttp
+
+from ..core.clock import Clock
+from ..core.sizer import EngineSnapshot
+from . import vllm_metrics
+from .vllm_metrics import EngineMetrics, HistogramTotals
+
+log = logging.getLogger(__name__)
+
+FETCH_TIMEOUT_SECONDS = 5.0
+ERROR_LOG_EVERY_SECONDS = 60.0  # a repeated failure is logged at most this often
+
+
+class MetricsUnavailable(Exception):
+    """The source could not deliver engine metrics; the message says why."""
+
+
+class MetricsSource(Protocol):
+    """Where engine metrics come from: ``kind`` is "scrape" or "promql"."""
+
+    kind: str
+    url: str
+
+    async def fetch(self) -> EngineMetrics: ...
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class ScrapeSource:
+    """``GET url`` (the engine's ``/metrics``) parsed by ``vllm_metrics.parse``."""
+
+    kind = "scrape"
+
+    def __init__(self, url: str, *, timeout_seconds: float = FETCH_TIMEOUT_SECONDS) -> None:
+        self.url = url
+        self.timeout_seconds = timeout_seconds
+
+    async def fetch(self) -> EngineMetrics:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_seconds)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(self.url) as resp:
+                status = resp.status
+                text = await resp.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise MetricsUnavailable(f"GET {self.url}: {_describe(exc)}") from exc
+        if status != 200:
+            raise MetricsUnavailable(f"GET {self.url} answered HTTP {status}")
+        try:
+            metrics = vllm_metrics.parse(text)
+        except ValueError as exc:
+            raise MetricsUnavailable(f"{self.url} is not a Prometheus text exposition: {exc}") from exc
+        if not any(name.startswith("vllm:") for name in metrics.names_seen):
+            raise MetricsUnavailable(f"{self.url} exposes no vllm:* metrics (is it the engine's /metrics?)")
+        return metrics
+
+
+class PromQLSource:
+    """Instant queries against a Prometheus server's ``/api/v1/query``.
+
+    ``selector`` is a label matcher put after every metric name, e.g. ``{pod="p"}``
+    (or "" for all series).  Each quantity tries vLLM's new name, then the old one
+    (``A or B``).  Several engines behind one selector: counts are summed, the KV
+    usage is the fullest cache (as ``vllm_metrics.parse`` does), the capacity is the
+    smallest engine's.
+    """
+
+    kind = "promql"
+
+    def __init__(self, url: str, selector: str = "", *, timeout_seconds: float = FETCH_TIMEOUT_SECONDS) -> None:
+        self.url = url.rstrip("/")
+        self.selector = selector
+        self.timeout_seconds = timeout_seconds
+
+    def queries(self) -> dict[str, str]:
+        """Quantity -> PromQL expression."""
+        s = self.selector
+
+        def either(fn: str, suffix: str, quantity: str) -> str:
+            return " or ".join(f"{fn}({name}{suffix}{s})" for name in vllm_metrics.ALIASES[quantity])
+
+        return {
+            "kv_usage": either("max", "", "kv_usage"),
+            "running": f"sum(vllm:num_requests_running{s})",
+            "waiting": f"sum(vllm:num_requests_waiting{s})",
+            # a counter's samples carry _total under both naming generations
+            "preemptions": f"sum(vllm:num_preemptions_total{s})",
+            "itl_sum": either("sum", "_sum", "itl"),
+            "itl_count": either("sum", "_count", "itl"),
+            "ttft_sum": either("sum", "_sum", "ttft"),
+            "ttft_count": either("sum", "_count", "ttft"),
+            "cache_config": f"max by (num_gpu_blocks, block_size) (vllm:cache_config_info{s})",
+        }
+
+    async def fetch(self) -> EngineMetrics:
+        queries = self.queries()
+        timeout = aiohttp.ClientTimeout(total=self.timeout_seconds)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            answers = await asyncio.gather(
+                *(self._query(session, q) for q in queries.values()), return_exceptions=True
+            )
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        series: dict[str, list[dict[str, Any]]] = dict(zip(queries, answers, strict=True))  # type: ignore[arg-type]
+        if not any(series.values()):
+            raise MetricsUnavailable(f"Prometheus at {self.url} has no vllm:* series matching {self.selector or '{}'}")
+
+        def value(quantity: str) -> float | None:
+            rows = series[quantity]
+            return _sample_value(rows[0]) if rows else None
+
+        def histogram(name: str) -> HistogramTotals | None:
+            total, count = value(f"{name}_sum"), value(f"{name}_count")
+            return None if total is None or count is None else HistogramTotals(total, count)
+
+        blocks = block = None
+        for row in series["cache_config"]:
+            labels = row.get("metric") or {}
+            b, s = vllm_metrics._int_label(labels, "num_gpu_blocks"), vllm_metrics._int_label(labels, "block_size")
+            if b is not None and s is not None and (blocks is None or block is None or b * s < blocks * block):
+                blocks, block = b, s
+        return EngineMetrics(
+            kv_usage=value("kv_usage"),
+            running=value("running"),
+            waiting=value("waiting"),
+            preemptions=value("preemptions"),
+            num_gpu_blocks=blocks,
+            block_size=block,
+            itl=histogram("itl"),
+            ttft=histogram("ttft"),
+            names_seen=frozenset(q for q, rows in series.items() if rows),
+        )
+
+    async def _query(self, session: aiohttp.ClientSession, query: str) -> list[dict[str, Any]]:
+        """One instant query; returns the result vector (maybe empty)."""
+        url = f"{self.url}/api/v1/query"
+        try:
+            async with session.get(url, params={"query": query}) as resp:
+                status = resp.status
+                try:
+                    body = await resp.json(content_type=None)
+                except ValueError:
+                    body = None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise MetricsUnavailable(f"GET {url}: {_describe(exc)}") from exc
+        if not isinstance(body, dict):
+            raise MetricsUnavailable(f"GET {url} answered HTTP {status} without a Prometheus API reply")
+        if body.get("status") != "success":
+            raise MetricsUnavailable(f"Prometheus at {self.url} refused a query (HTTP {status}): "
+                                     f"{body.get('errorType', '')} {body.get('error', '')}".rstrip())  # fmt: skip
+        data = body.get("data") or {}
+        if data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
+            raise MetricsUnavailable(f"Prometheus at {self.url} did not answer with an instant vector")
+        return [row for row in data["result"] if isinstance(row, dict)]
+
+
+def _sample_value(row: dict[str, Any]) -> float | None:
+    """The value of one instant-vector row: ``{"value": [ts, "1.5"]}``."""
+    pair = row.get("value")
+    try:
+        return float(pair[1])  # type: ignore[index]
+    except (TypeError, ValueError, IndexError):
+        raise MetricsUnavailable(f"Prometheus returned a malformed sample: {pair!r}") from None
+
+
+class MetricsFeed:
+    """Polls ``source`` every ``interval`` seconds and calls ``on_snapshot`` (module
+    docstring for what it delivers).  ``source``, ``interval`` and ``stale_after`` may
+    be replaced while it runs (a config reload)."""
+
+    def __init__(
+        self,
+        source: MetricsSource | None,
+        *,
+        interval: float,
+        stale_after: float,
+        clock: Clock,
+        on_snapshot: Callable[[EngineSnapshot | None], None],
+    ) -> None:
+        self._source = source
+        self.interval = interval
+        self.stale_after = stale_after
+        self.clock = clock
+        self.on_snapshot = on_snapshot
+        self.last_metrics: EngineMetrics | None = None
+        self.last_error = ""
+        self._last_success: float | None = None
+        self._last_fresh: EngineSnapshot | None = None
+        self._failures = 0
+        self._last_logged: tuple[str, float] | None = None
+
+    @property
+    def source(self) -> MetricsSource | None:
+        return self._source
+
+    @source.setter
+    def source(self, source: MetricsSource | None) -> None:
+        """A different source starts afresh: no deltas across two engines."""
+        old = self._source
+        self._source = source
+        if (old and (old.kind, old.url)) != (source and (source.kind, source.url)):
+            self.last_metrics = self._last_fresh = self._last_success = None
+            self.last_error = ""
+            self._failures = 0
+
+    @property
+    def state(self) -> str:
+        """"disabled" (no source), "fresh" (a success at most ``stale_after`` ago) or "stale"."""
+        if self._source is None:
+            return "disabled"
+        age = self.last_success_age()
+        return "fresh" if age is not None and age <= self.stale_after else "stale"
+
+    def last_success_age(self) -> float | None:
+        """Seconds since the last successful fetch; None if there was none."""
+        return None if self._last_success is None else self.clock.now() - self._last_success
+
+    async def poll_once(self) -> EngineSnapshot | None:
+        """Fetch once, deliver the snapshot to ``on_snapshot`` and return it."""
+        source = self._source
+        if source is None:
+            self.last_error = ""
+            return self._deliver(None)
+        try:
+            current = await source.fetch()
+        except Exception as exc:  # noqa: BLE001 - any source failure is "no metrics"
+            return self._deliver(self._failed(source, exc))
+        if self._failures:
+            log.info("metrics from %s %s are back after %d failed fetches", source.kind, source.url, self._failures)
+        snap = vllm_metrics.snapshot(current, self.last_metrics, fresh=True)
+        self.last_metrics, self._last_fresh = current, snap
+        self._last_success = self.clock.now()
+        self.last_error = ""
+        self._failures = 0
+        self._last_logged = None
+        return self._deliver(snap)
+
+    def _failed(self, source: MetricsSource, exc: Exception) -> EngineSnapshot:
+        self._failures += 1
+        self.last_error = str(exc) if isinstance(exc, MetricsUnavailable) else _describe(exc)
+        self._log_failure(f"metrics from {source.kind} {source.url} unavailable: {self.last_error}", exc)
+        age = self.last_success_age()
+        if age is not None and age <= self.stale_after and self._last_fresh is not None:
+            return dataclasses.replace(self._last_fresh, tpot_seconds=None)  # hold
+        if self.last_metrics is not None:  # same previous as current: no TPOT
+            return vllm_metrics.snapshot(self.last_metrics, self.last_metrics, fresh=False)
+        return EngineSnapshot(fresh=False)
+
+    def _deliver(self, snapshot: EngineSnapshot | None) -> EngineSnapshot | None:
+        self.on_snapshot(snapshot)
+        return snapshot
+
+    def _log_failure(self, message: str, exc: BaseException) -> None:
+        """Log a failure when it is new or at most every ERROR_LOG_EVERY_SECONDS."""
+        now = self.clock.now()
+        last = self._last_logged
+        if last is not None and last[0] == message and now - last[1] < ERROR_LOG_EVERY_SECONDS:
+            return
+        self._last_logged = (message, now)
+        if isinstance(exc, MetricsUnavailable):
+            log.warning("%s", message)
+        else:
+            log.warning("%s", message, exc_info=exc)
+
+    async def run(self) -> None:
+        """Poll every ``interval`` seconds until cancelled; survives any exception."""
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            try:
+                await self.poll_once()
+            except Exception as exc:  # noqa: BLE001 - the feed must outlive a bad consumer
+                self._log_failure(f"metrics poll failed: {_describe(exc)}", exc)
+            next_at = max(next_at + self.interval, loop.time())
+            await asyncio.sleep(next_at - loop.time())
