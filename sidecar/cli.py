@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -36,6 +37,26 @@ def _bench_theory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sidecar(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .config import ConfigError, LoadedConfig, load_config, parse_config
+    from .server import logs
+    from .server.app import serve
+
+    path = args.config or os.environ.get("BINBATCH_CONFIG") or None
+    try:
+        loaded = load_config(path) if path else LoadedConfig(parse_config(None), sha256="", source="<defaults>")
+    except ConfigError as exc:
+        print(f"binbatch sidecar: invalid config {path}:\n{exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"binbatch sidecar: cannot read config: {exc}", file=sys.stderr)
+        return 2
+    logs.setup(str(loaded.config.logging.level))
+    return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="binbatch", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -51,7 +72,42 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     th.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     th.set_defaults(func=_bench_theory)
+
+    sc = sub.add_parser("sidecar", help="run the gRPC batching sidecar in front of a vLLM server")
+    sc.add_argument("--config", metavar="FILE", help="config YAML (default: $BINBATCH_CONFIG, else built-in defaults); "
+                    "reloaded on change")
+    sc.add_argument("--host", default=os.environ.get("BINBATCH_HOST", "0.0.0.0"),
+                    help="address to bind (default $BINBATCH_HOST or 0.0.0.0)")
+    sc.add_argument("--grpc-port", type=_port, default=_env_port("BINBATCH_GRPC_PORT"),
+                    help="gRPC port (default $BINBATCH_GRPC_PORT, else server.grpcPort)")
+    sc.add_argument("--metrics-port", type=_port, default=_env_port("BINBATCH_METRICS_PORT"),
+                    help="Prometheus metrics port (default $BINBATCH_METRICS_PORT, else server.metricsPort)")
+    sc.set_defaults(func=_sidecar)
+
+    from .engine import emulator
+
+    emulator.add_cli(sub)
     return p
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {v}")
+    return v
+
+
+def _env_port(name: str) -> int | None:
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        return _port(text)
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit(f"binbatch: {name}: {exc}") from None
 
 
 def _positive_int(text: str) -> int:

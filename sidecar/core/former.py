@@ -272,6 +272,10 @@ class BatchFormer:
     def bin_depths(self) -> list[int]:
         return [b.count for b in self._bins]
 
+    def oldest_arrivals(self) -> list[float | None]:
+        """Arrival time of the oldest request in each bin (None: empty bin)."""
+        return [b.oldest_arrival() if b.count else None for b in self._bins]
+
     def ready_batches(self) -> int:
         return len(self._service)
 

@@ -1,0 +1,364 @@
+"""The sidecar process: wiring of config, core, dispatcher, engine client, metrics
+feed, gRPC server and the metrics HTTP endpoint; lifecycle (start, reload, drain).
+
+``Sidecar`` is usable in-process (tests start one on port 0 against the emulator
+or a real vLLM); ``serve`` runs it until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from binbatch_api.v1 import binbatch_pb2 as pb
+from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
+
+from ..config import ConfigWatcher, LoadedConfig, SidecarConfig, config_json
+from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
+from ..core.clock import Clock, MonotonicClock
+from ..core.former import BatchFormer
+from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
+from ..core.sizer import BatchSizer
+from ..engine.dispatcher import Core, Dispatcher
+from ..engine.engine_client import EngineClient
+from ..engine.metrics_feed import MetricsFeed, PromQLSource, ScrapeSource
+from ..engine.sidecar_metrics import SidecarMetrics
+from .servicer import AdminServicer, InferenceServicer
+
+log = logging.getLogger("binbatch.sidecar")
+
+SERVICE_NAMES = ("binbatch.v1.Inference", "binbatch.v1.Admin")
+HEALTH_INTERVAL = 1.0
+
+
+def sidecar_version() -> str:
+    try:
+        return version("binbatch")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def build_binner(cfg: SidecarConfig) -> Binner:
+    b = cfg.bins
+    if b.mode == "Fixed":
+        if b.boundaries:
+            return FixedBinner(b.boundaries)
+        return FixedBinner.uniform(b.count, 1, b.max_output_tokens)
+    if b.mode == "Auto":
+        return AutoBinner(
+            b.count, FixedBinner.uniform(b.count, 1, b.max_output_tokens).boundaries,
+            window=b.auto_window, min_samples=min(256, b.auto_window), refresh_every=b.auto_refresh_every,
+        )  # fmt: skip
+    n_max = b.max_requests_per_bin or cfg.batch.static_size  # 0: from KV memory once metrics arrive
+    return AdaptiveBinner(1, b.max_output_tokens, n_max, theta=b.split_threshold_percent / 100, max_buckets=b.count)
+
+
+def build_predictor(cfg: SidecarConfig) -> LengthPredictor:
+    hint = HintPredictor(cfg.predictor.default_output_tokens)
+    return hint if cfg.predictor.kind == "Hint" else OnlinePredictor(fallback=hint)
+
+
+def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -> Core:
+    """The scheduling core for ``cfg``; a learned predictor of the same kind is kept."""
+    if cfg.batch.dispatch != "MaxWait":
+        raise ValueError(f"batch.dispatch: {cfg.batch.dispatch} is not available in this version; use MaxWait")
+    bt = cfg.batch
+    sizer = BatchSizer(
+        mode=bt.sizing.lower(),  # type: ignore[arg-type]
+        static_size=bt.static_size,
+        min_size=bt.min_batch_size,
+        max_size=bt.max_batch_size,
+        eps_m=cfg.eps_m,
+        kv_reserve_ratio=cfg.kv_reserve_ratio,
+        kv_saturation=cfg.kv_saturation,
+        d_sla=cfg.tpot_seconds,
+        eps_d=None if cfg.tpot_seconds is None else cfg.tpot_seconds * cfg.eps_d,
+    )
+    binner = build_binner(cfg)
+    former = BatchFormer(
+        binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests
+    )
+    predictor = build_predictor(cfg)
+    if previous is not None and previous.predictor.name == predictor.name:
+        predictor = previous.predictor
+    return Core(predictor=predictor, binner=binner, former=former, sizer=sizer)
+
+
+def _mode(cfg: SidecarConfig):
+    return "gang" if cfg.batch.mode == "Gang" else "continuous"
+
+
+class Sidecar:
+    """One sidecar.  ``await start()``, then ``grpc_port``/``metrics_port``; ``await stop()``."""
+
+    def __init__(
+        self,
+        loaded: LoadedConfig,
+        *,
+        config_path: str | None = None,
+        clock: Clock | None = None,
+        host: str = "127.0.0.1",
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.config_path = config_path
+        self.clock = clock or MonotonicClock()
+        self.host = host
+        self._grpc_port_req = loaded.config.server.grpc_port if grpc_port is None else grpc_port
+        self._metrics_port_req = loaded.config.server.metrics_port if metrics_port is None else metrics_port
+        self.metrics = SidecarMetrics()
+        self.started_at = time.monotonic()
+        self.engine_serving = False
+        self._models: list[str] = []
+        self._tasks: list[asyncio.Task] = []
+        self.grpc_port = 0
+        self.metrics_port = 0
+
+    @property
+    def config(self) -> SidecarConfig:
+        return self.loaded.config
+
+    def default_model(self) -> str:
+        if self.config.engine.model:
+            return self.config.engine.model
+        return self._models[0] if len(self._models) == 1 else ""
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds)
+        self.dispatcher = Dispatcher(
+            build_core(cfg, self.clock), self.client, self.clock, self.metrics,
+            mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
+            engine_timeout=cfg.engine.request_timeout_seconds, wall_time=time.time,
+        )  # fmt: skip
+        self.feed = MetricsFeed(
+            self._metrics_source(cfg), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
+            clock=self.clock, on_snapshot=self._on_snapshot,
+        )  # fmt: skip
+        self.watcher = (
+            ConfigWatcher(self.config_path, initial=self.loaded, on_change=self._apply,
+                          poll_seconds=cfg.server.config_poll_milliseconds / 1000)  # fmt: skip
+            if self.config_path
+            else None
+        )
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server()
+        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self), self.server)
+        pb_grpc.add_AdminServicer_to_server(AdminServicer(self), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.grpc_port = self.server.add_insecure_port(f"{self.host}:{self._grpc_port_req}")
+        await self._set_health(False)
+        await self.server.start()
+        self._runner = web.AppRunner(self._metrics_app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self._metrics_port_req)
+        await site.start()
+        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.metrics.config_generation.set(self.loaded.generation)
+        await self._check_engine()
+        self._tasks = [asyncio.create_task(t) for t in (self.dispatcher.run(), self.feed.run(), self._health_loop())]
+        if self.watcher:
+            self._tasks.append(asyncio.create_task(self._watch()))
+        log.info("sidecar serving gRPC on %s:%d, metrics on :%d, engine %s, mode %s",
+                 self.host, self.grpc_port, self.metrics_port, cfg.engine.url, _mode(cfg))  # fmt: skip
+
+    async def stop(self, grace: float | None = None) -> int:
+        """Stop intake, drain within ``grace`` seconds, then shut everything down.
+        Returns the number of requests answered UNAVAILABLE because time ran out."""
+        grace = self.config.server.drain_grace_seconds if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        cut = await self.dispatcher.drain(grace)
+        await self.server.stop(1.0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._runner.cleanup()
+        await self.client.close()
+        log.info("sidecar stopped (%d requests cut off by the grace period)", cut)
+        return cut
+
+    # -- background work ------------------------------------------------------------------
+
+    def _metrics_source(self, cfg: SidecarConfig):
+        m = cfg.metrics
+        if m.source == "Scrape":
+            return ScrapeSource(m.url)
+        if m.source == "PromQL":
+            return PromQLSource(m.url, m.promql_selector)
+        return None
+
+    def _on_snapshot(self, snapshot) -> None:
+        self.metrics.metrics_fresh.set(1 if snapshot is not None and snapshot.fresh else 0)
+        self.dispatcher.on_snapshot(snapshot)
+
+    async def _check_engine(self) -> None:
+        ok = await self.client.health(self.config.engine.health_path)
+        if ok and not self._models:
+            with contextlib.suppress(Exception):
+                self._models = await self.client.models()
+        await self._set_health(ok)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL)
+            if self.dispatcher.accepting:
+                await self._check_engine()
+
+    async def _set_health(self, serving: bool) -> None:
+        """Readiness follows the engine's health (DESIGN §2 Lifecycle)."""
+        self.engine_serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, status)
+
+    async def _watch(self) -> None:
+        assert self.watcher is not None
+        while True:
+            await asyncio.sleep(self.watcher.poll_seconds)
+            try:
+                changed = await self.watcher.check()
+            except Exception:  # noqa: BLE001 - a reload must never take the sidecar down
+                log.exception("config check failed")
+                continue
+            if not changed and self.watcher.last_error:
+                self.metrics.config_reload_errors.inc()
+
+    async def _apply(self, loaded: LoadedConfig) -> None:
+        """A new valid config file: rebuild the core and feed, keep the queue."""
+        cfg = loaded.config
+        core = build_core(cfg, self.clock, previous=self.dispatcher.core)
+        self.dispatcher.replace_core(
+            core, mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
+            engine_timeout=cfg.engine.request_timeout_seconds,
+        )  # fmt: skip
+        self.feed.source = self._metrics_source(cfg)
+        self.feed.interval = cfg.scrape_interval_seconds
+        self.feed.stale_after = cfg.stale_after_seconds
+        self.loaded = loaded
+        self.metrics.config_generation.set(loaded.generation)
+        log.info("config generation %d applied (sha256 %s)", loaded.generation, loaded.sha256[:12])
+
+    # -- views ------------------------------------------------------------------------------
+
+    def _metrics_app(self) -> web.Application:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.Response(text="ok" if self.engine_serving else "engine not serving",
+                                status=200 if self.engine_serving else 503)  # fmt: skip
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/healthz", healthz)
+        return app
+
+    def stats(self) -> pb.Stats:
+        d = self.dispatcher
+        core = d.core
+        former = core.former
+        decision = d.last_decision
+        counts = d.totals
+        bounds = list(core.binner.boundaries)
+        edges = [0.0, *bounds, float(self.config.bins.max_output_tokens)]
+        oldest = former.oldest_arrivals()
+        now = self.clock.now()
+        bins = [
+            pb.BinStats(
+                index=i, lower_tokens=edges[i], upper_tokens=edges[i + 1] if i + 1 < len(edges) else edges[-1],
+                target_batch_size=former.target_sizes[i], queue_depth=depth,
+                oldest_wait_seconds=0.0 if oldest[i] is None else max(0.0, now - oldest[i]),
+            )  # fmt: skip
+            for i, depth in enumerate(former.bin_depths())
+        ]
+        stats = pb.Stats(
+            sidecar_version=sidecar_version(),
+            engine_health=pb.ENGINE_HEALTH_SERVING if self.engine_serving else pb.ENGINE_HEALTH_NOT_SERVING,
+            draining=not d.accepting,
+            target_batch_size=max(former.target_sizes),
+            sizer_reason=decision.reason if decision else "initial",
+            bin_boundaries=bounds,
+            bins=bins,
+            inflight_batches=d.inflight_batches,
+            inflight_requests=d.inflight_requests,
+            totals=pb.RequestTotals(
+                accepted=counts["accepted"],
+                completed=counts["completed"],
+                rejected=counts["rejected"],
+                expired=counts["expired"],
+                cancelled=counts["cancelled"],
+                failed=counts["failed"] + counts["unavailable"],
+            ),
+            predictor=pb.PredictorStats(
+                name=core.predictor.name, samples=len(core.accuracy),
+                bin_accuracy=core.accuracy.bin_accuracy(bounds) or 0.0,
+                within_one_bin_accuracy=core.accuracy.within_one_bin_accuracy(bounds) or 0.0,
+            ),  # fmt: skip
+            metrics_source=self._source_status(),
+            recent_adjustments=[
+                pb.Adjustment(time_unix_seconds=a.time, field=a.field, from_value=a.old, to_value=a.new, reason=a.reason)
+                for a in d.adjustments
+            ],
+            config_generation=self.loaded.generation,
+            uptime_seconds=time.monotonic() - self.started_at,
+        )
+        if decision is not None:
+            mems = [m for m in decision.b_mem if m is not None]
+            if mems:
+                stats.b_mem = min(mems)
+            if decision.b_sla is not None:
+                stats.b_sla = decision.b_sla
+        return stats
+
+    def _source_status(self) -> pb.MetricsSourceStatus:
+        feed = self.feed
+        state = {"fresh": pb.METRICS_STATE_FRESH, "stale": pb.METRICS_STATE_STALE}.get(
+            feed.state, pb.METRICS_STATE_DISABLED
+        )
+        src = feed.source
+        out = pb.MetricsSourceStatus(
+            kind=src.kind if src else "none", url=src.url if src else "", state=state, last_error=feed.last_error or ""
+        )
+        age = feed.last_success_age()
+        if age is not None:
+            out.last_scrape_age_seconds = age
+        return out
+
+    def config_view(self) -> pb.ConfigView:
+        lc = self.loaded
+        return pb.ConfigView(
+            config_json=config_json(lc.config), generation=lc.generation, sha256=lc.sha256,
+            loaded_at_unix_seconds=lc.loaded_at, source=lc.source,
+            last_reload_error=(self.watcher.last_error or "") if self.watcher else "",
+        )  # fmt: skip
+
+
+async def serve(loaded: LoadedConfig, config_path: str | None, host: str,
+                grpc_port: int | None, metrics_port: int | None) -> int:  # fmt: skip
+    """Run a sidecar until SIGTERM or SIGINT, then drain and exit."""
+    sidecar = Sidecar(loaded, config_path=config_path, host=host, grpc_port=grpc_port, metrics_port=metrics_port)
+    await sidecar.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: draining")
+    cut = await sidecar.stop()
+    return 0 if cut == 0 else 1

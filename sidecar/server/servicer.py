@@ -1,0 +1,225 @@
+"""gRPC servicers: ``binbatch.v1.Inference`` and ``binbatch.v1.Admin``.
+
+Thin by design: translate a ``GenerateRequest`` into a core ``Request`` plus an
+engine request, hand it to the dispatcher, await the outcome, translate back.
+Every error becomes a gRPC status in one place, ``_status_of``.  The gRPC deadline
+becomes the request's deadline (it leaves its bin when it passes); a cancelled
+call is withdrawn from its bin or its engine call is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from binbatch_api.v1 import binbatch_pb2 as pb
+from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
+
+from ..core.request import Request
+from ..engine.dispatcher import Call, Completion, Rejected
+from ..engine.engine_client import EngineError, EngineRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from .app import Sidecar
+
+log = logging.getLogger("binbatch.api")
+
+SLO_KEYS = ("x-slo-ttft-ms", "x-slo-tpot-ms")
+REQUEST_ID_LIMIT = 128
+
+_REJECTED_CODES = {
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "cancelled": grpc.StatusCode.CANCELLED,
+}
+_ENGINE_CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+
+
+class InvalidRequest(Exception):
+    """A request field is wrong; the message starts with the field's name."""
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one place where errors become gRPC statuses."""
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, Rejected):
+        return _REJECTED_CODES.get(exc.kind, grpc.StatusCode.INTERNAL), exc.message
+    if isinstance(exc, EngineError):
+        return _ENGINE_CODES.get(exc.kind, grpc.StatusCode.INTERNAL), f"engine: {exc.message}"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+def estimate_prompt_tokens(text: str) -> int:
+    """A tokenizer-free estimate (~4 bytes per token) used only to bucket prompts
+    for the online predictor before the engine reports the true count."""
+    return max(1, len(text.encode()) // 4)
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+        self._ids = itertools.count(1)
+
+    def _build(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream: bool) -> tuple[Request, Call]:
+        """Validate ``msg`` and make the core request and the caller's handle."""
+        side = self.sidecar
+        cfg = side.config
+        which = msg.WhichOneof("input")
+        if which is None:
+            raise InvalidRequest("input: set either prompt or chat")
+        if which == "prompt" and not msg.prompt:
+            raise InvalidRequest("prompt: must not be empty")
+        messages = None
+        if which == "chat":
+            if not msg.chat.messages:
+                raise InvalidRequest("chat.messages: at least one message is required")
+            for i, m in enumerate(msg.chat.messages):
+                if not m.role:
+                    raise InvalidRequest(f"chat.messages[{i}].role: must not be empty")
+            messages = tuple((m.role, m.content) for m in msg.chat.messages)
+        model = msg.model or side.default_model()
+        if not model:
+            raise InvalidRequest("model: required (the sidecar has no default model: set engine.model)")
+        cap = cfg.bins.max_output_tokens
+        max_tokens = msg.max_tokens or cap
+        if max_tokens > cap:
+            raise InvalidRequest(f"max_tokens: {max_tokens} exceeds the limit of {cap} (bins.maxOutputTokens)")
+        if msg.HasField("temperature") and not 0 <= msg.temperature <= 100:
+            raise InvalidRequest(f"temperature: must be in [0, 100], got {msg.temperature:g}")
+        if msg.HasField("top_p") and not 0 < msg.top_p <= 1:
+            raise InvalidRequest(f"top_p: must be in (0, 1], got {msg.top_p:g}")
+        if msg.HasField("min_tokens") and msg.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens: {msg.min_tokens} exceeds max_tokens {max_tokens}")
+        if len(msg.request_id) > REQUEST_ID_LIMIT:
+            raise InvalidRequest(f"request_id: at most {REQUEST_ID_LIMIT} characters")
+        slo = _read_slo(context)
+        params = SamplingParams(
+            model=model,
+            max_tokens=max_tokens,
+            temperature=msg.temperature if msg.HasField("temperature") else None,
+            top_p=msg.top_p if msg.HasField("top_p") else None,
+            stop=tuple(msg.stop),
+            seed=msg.seed if msg.HasField("seed") else None,
+            ignore_eos=msg.ignore_eos,
+            min_tokens=msg.min_tokens if msg.HasField("min_tokens") else None,
+        )
+        engine_request = EngineRequest(params=params, prompt=msg.prompt if which == "prompt" else None, messages=messages)
+        now = side.clock.now()
+        remaining = context.time_remaining()
+        text = msg.prompt if which == "prompt" else "".join(c for _, c in messages or ())
+        req = Request(
+            id=msg.request_id or uuid.uuid4().hex,
+            arrival=now,
+            prompt_tokens=estimate_prompt_tokens(text),
+            max_tokens=max_tokens,
+            hint_tokens=float(msg.expected_output_tokens) if msg.HasField("expected_output_tokens") else None,
+            priority=msg.priority,
+            deadline=None if remaining is None else now + remaining,
+            request_class=msg.request_class[:64],
+        )
+        loop = asyncio.get_running_loop()
+        call = Call(engine_request, loop.create_future(), asyncio.Queue() if stream else None)
+        if slo:
+            log.debug("request %s carries SLOs %s", req.id, slo)
+        return req, call
+
+    async def _accept(self, msg, context, stream: bool) -> tuple[Request, Call]:
+        try:
+            req, call = self._build(msg, context, stream)
+            self.sidecar.dispatcher.submit(req, call)
+        except (InvalidRequest, Rejected) as exc:
+            code, text = _status_of(exc)
+            await context.abort(code, text)
+        return req, call
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        req, call = await self._accept(request, context, stream=False)
+        try:
+            completion = await asyncio.shield(call.future)
+        except asyncio.CancelledError:
+            self.sidecar.dispatcher.cancel(req)
+            raise
+        except Exception as exc:  # noqa: BLE001 - every outcome becomes a status
+            code, text = _status_of(exc)
+            await context.abort(code, text)
+        return _response(req, completion)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        req, call = await self._accept(request, context, stream=True)
+        assert call.deltas is not None
+        index = 0
+        try:
+            while not call.future.done() or not call.deltas.empty():
+                piece = await call.deltas.get()
+                if piece:
+                    yield pb.GenerateChunk(text=piece, index=index)
+                    index += 1
+            completion = call.future.result()
+        except asyncio.CancelledError:
+            self.sidecar.dispatcher.cancel(req)
+            raise
+        except Exception as exc:  # noqa: BLE001
+            code, text = _status_of(exc)
+            await context.abort(code, text)
+        if index == 0 and completion.result.text:
+            yield pb.GenerateChunk(text=completion.result.text, index=0)  # gang mode: one chunk
+        yield pb.GenerateChunk(final=_response(req, completion))
+
+
+def _response(req: Request, c: Completion) -> pb.GenerateResponse:
+    r = c.result
+    return pb.GenerateResponse(
+        text=r.text,
+        finish_reason=r.finish_reason,
+        prompt_tokens=r.prompt_tokens,
+        completion_tokens=r.completion_tokens,
+        queue_seconds=c.queue_seconds,
+        engine_seconds=c.engine_seconds,
+        bin=c.bin,
+        batch_size=c.batch_size,
+        predicted_output_tokens=c.predicted_tokens,
+        request_id=req.id,
+    )
+
+
+def _read_slo(context: grpc.aio.ServicerContext) -> dict[str, int]:
+    """The Gateway API Inference Extension's SLO headers, validated."""
+    out: dict[str, int] = {}
+    for key, value in context.invocation_metadata() or ():
+        if key in SLO_KEYS:
+            try:
+                ms = int(value)
+            except ValueError:
+                raise InvalidRequest(f"{key}: must be a whole number of milliseconds, got {value!r}") from None
+            if ms <= 0:
+                raise InvalidRequest(f"{key}: must be > 0, got {ms}")
+            out[key] = ms
+    return out
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.Stats:
+        return self.sidecar.stats()
+
+    async def GetConfig(self, request: pb.GetConfigRequest, context: Any) -> pb.ConfigView:
+        return self.sidecar.config_view()
+
+
+def wall_time() -> float:
+    return time.time()

@@ -1,0 +1,219 @@
+"""The dispatcher with a fake engine client and a manual clock.
+
+Tests drive the dispatcher one step at a time (``_step``) instead of running its
+loop, so time moves only when the test advances the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from binbatch_sidecar.core.binner import FixedBinner
+from binbatch_sidecar.core.clock import ManualClock
+from binbatch_sidecar.core.former import BatchFormer
+from binbatch_sidecar.core.predictor import HintPredictor
+from binbatch_sidecar.core.request import Request
+from binbatch_sidecar.core.sizer import BatchSizer, EngineSnapshot
+from binbatch_sidecar.engine.dispatcher import Call, Core, Dispatcher, Rejected
+from binbatch_sidecar.engine.engine_client import EngineError, EngineRequest, EngineResult, SamplingParams
+from binbatch_sidecar.engine.sidecar_metrics import SidecarMetrics
+
+
+class FakeClient:
+    """Each complete_batch call waits until the test answers it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[EngineRequest], asyncio.Future]] = []
+        self.called = asyncio.Event()
+
+    async def complete_batch(self, requests, *, timeout=None):
+        fut = asyncio.get_running_loop().create_future()
+        self.calls.append((list(requests), fut))
+        self.called.set()
+        return await fut
+
+    def answer(self, i: int, tokens: int | None = None, error: EngineError | None = None) -> None:
+        reqs, fut = self.calls[i]
+        fut.set_result(
+            [error or EngineResult("x" * 3, "length", 5, tokens or r.params.max_tokens) for r in reqs]
+        )
+
+
+def make(mode="gang", static=2, k=1, max_wait=1.0, max_inflight=2, max_queue=100, sizing="static", clock=None):
+    clock = clock or ManualClock()
+    binner = FixedBinner.uniform(k, 1, 100) if k > 1 else FixedBinner(())
+    former = BatchFormer(binner, clock, target_size=static, max_wait=max_wait, max_queue=max_queue)
+    sizer = BatchSizer(mode=sizing, static_size=static, max_size=256, min_samples=4)
+    core = Core(HintPredictor(), binner, former, sizer)
+    client = FakeClient()
+    d = Dispatcher(core, client, clock, SidecarMetrics(), mode=mode, max_inflight_batches=max_inflight)
+    return d, client, clock
+
+
+def submit(d: Dispatcher, i: int, max_tokens: int = 10, deadline: float | None = None) -> tuple[Request, Call]:
+    params = SamplingParams(model="m", max_tokens=max_tokens)
+    req = Request(id=str(i), arrival=d.clock.now(), max_tokens=max_tokens, deadline=deadline)
+    call = Call(EngineRequest(params=params, prompt=f"p{i}"), asyncio.get_running_loop().create_future())
+    d.submit(req, call)
+    return req, call
+
+
+async def settle() -> None:
+    """Let spawned engine tasks run up to their next await."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_full_gang_batch_dispatches_once_and_resolves_every_member():
+    d, client, _ = make(static=2)
+    (_, c1), (_, c2) = submit(d, 1, 7), submit(d, 2, 9)
+    d._step()
+    await settle()
+    assert len(client.calls) == 1 and [r.prompt for r in client.calls[0][0]] == ["p1", "p2"]
+    client.answer(0)
+    r1, r2 = await c1.future, await c2.future
+    assert (r1.result.completion_tokens, r2.result.completion_tokens) == (7, 9)
+    assert r1.batch_size == r2.batch_size == 2
+    assert d.totals["completed"] == 2
+
+
+async def test_gang_holds_at_most_max_inflight_batches():
+    d, client, _ = make(static=1, max_inflight=2)
+    calls = [submit(d, i)[1] for i in range(3)]
+    d._step()
+    await settle()
+    assert len(client.calls) == 2
+    client.answer(0)
+    await calls[0].future
+    await settle()
+    d._step()
+    await settle()
+    assert len(client.calls) == 3
+
+
+async def test_partial_batch_waits_for_max_wait_then_goes():
+    d, client, clock = make(static=4, max_wait=1.0)
+    _, call = submit(d, 1)
+    d._step()
+    await settle()
+    assert client.calls == []
+    clock.advance(1.0)
+    d._step()
+    await settle()
+    assert len(client.calls) == 1
+    client.answer(0)
+    assert (await call.future).batch_size == 1
+
+
+async def test_continuous_admits_up_to_the_target_size_and_releases_per_request():
+    d, client, _ = make(mode="continuous", static=2, max_wait=0.0)
+    calls = [submit(d, i)[1] for i in range(3)]
+    d._step()
+    await settle()
+    assert len(client.calls) == 2  # one engine call per request, two in flight
+    assert d.inflight_requests == 2
+    client.answer(0)
+    await calls[0].future
+    await settle()
+    d._step()
+    await settle()
+    assert len(client.calls) == 3
+
+
+async def test_cancelled_request_never_reaches_the_engine():
+    d, client, clock = make(static=2)
+    req, call = submit(d, 1)
+    d.cancel(req)
+    with pytest.raises(Rejected) as err:
+        await call.future
+    assert err.value.kind == "cancelled"
+    clock.advance(5)
+    d._step()
+    await settle()
+    assert client.calls == []
+    assert d.totals["cancelled"] == 1
+
+
+async def test_deadline_expires_a_queued_request():
+    d, client, clock = make(static=4, max_wait=10.0)
+    _, call = submit(d, 1, deadline=0.5)
+    clock.advance(0.5)
+    d._step()
+    with pytest.raises(Rejected) as err:
+        await call.future
+    assert err.value.kind == "deadline"
+    assert d.core.former.queued() == 0 and client.calls == []
+
+
+async def test_engine_error_fails_only_its_callers():
+    d, client, clock = make(static=1, max_inflight=2)
+    _, bad = submit(d, 1)
+    _, good = submit(d, 2)
+    d._step()
+    await settle()
+    client.answer(0, error=EngineError("invalid", 400, "prompt too long"))
+    client.answer(1)
+    with pytest.raises(EngineError):
+        await bad.future
+    assert (await good.future).result.completion_tokens == 10
+    assert d.totals["failed"] == 1 and d.totals["completed"] == 1
+
+
+async def test_full_queue_is_rejected_at_once():
+    d, _, _ = make(static=8, max_queue=2)
+    submit(d, 1), submit(d, 2)
+    with pytest.raises(Rejected) as err:
+        submit(d, 3)
+    assert err.value.kind == "resource_exhausted"
+
+
+async def test_fresh_metrics_set_memory_sizes_and_record_the_adjustment():
+    d, client, _ = make(static=2, sizing="memory", max_inflight=8)
+    for i in range(4):  # min_samples completions to warm the length statistics
+        submit(d, i, 10)
+    d._step()
+    await settle()
+    for i in range(len(client.calls)):
+        client.answer(i)
+    await settle()
+    decision = d.on_snapshot(EngineSnapshot(kv_capacity_tokens=1000, kv_usage_ratio=0.1, running=0, fresh=True))
+    assert decision.reason == "memory"
+    assert d.core.former.target_sizes[0] == decision.sizes[0] > 2
+    assert d.adjustments[-1].field == "batchSize"
+
+
+async def test_stale_metrics_never_grow_the_batch():
+    d, _, _ = make(static=8, sizing="memory")
+    before = d.core.former.target_sizes[0]
+    d.on_snapshot(EngineSnapshot(fresh=False))
+    assert d.core.former.target_sizes[0] < before
+
+
+async def test_drain_past_the_grace_period_ends_leftovers_unavailable():
+    d, client, _ = make(static=1, max_inflight=1)
+    runner = asyncio.ensure_future(d.run())
+    calls = [submit(d, i)[1] for i in range(2)]
+    await client.called.wait()
+    cut = await d.drain(grace=0.05)
+    assert cut == 2
+    for call in calls:
+        with pytest.raises(Rejected) as err:
+            await call.future
+        assert err.value.kind == "unavailable"
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+
+
+async def test_replace_core_keeps_queued_requests():
+    d, client, clock = make(static=4, max_wait=10.0)
+    calls = [submit(d, i)[1] for i in range(3)]
+    new_d, _, _ = make(static=3, max_wait=10.0, clock=clock)
+    d.replace_core(new_d.core, mode="gang", max_inflight_batches=2, engine_timeout=None)
+    d._step()
+    await settle()
+    assert len(client.calls) == 1 and len(client.calls[0][0]) == 3  # full under the new size
+    client.answer(0)
+    assert [(await c.future).batch_size for c in calls] == [3, 3, 3]
