@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine (see README):
-#   make demo   -- the main job (for now: the theory benchmark on the scheduling core)
+#   make demo   -- the main job: the sidecar on the embedded engine, multi-bin vs one bin
 #   make test   -- the whole test suite
 # Both build their own virtual environment in .venv first.
 
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/binbatch bench theory
+	$(BIN)/binbatch demo
 
 bench-theory: $(STAMP)
 	$(BIN)/binbatch bench theory --plot theory.png

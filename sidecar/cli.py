@@ -37,6 +37,20 @@ def _bench_theory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .bench import demo
+
+    cfg = demo.DemoConfig(requests=args.requests, seed=args.seed)
+    say = (lambda m: None) if args.quiet else (lambda m: print(f"[demo] {m}", file=sys.stderr, flush=True))
+    doc = demo.run(cfg, say)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        demo.print_table(doc)
+    return 0
+
+
 def _sidecar(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -72,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     th.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     th.set_defaults(func=_bench_theory)
+
+    dm = sub.add_parser("demo", help="the data plane on the embedded engine: multi-bin vs one bin, side by side")
+    dm.add_argument("--requests", type=_positive_int, default=384, help="requests per scenario (default 384)")
+    dm.add_argument("--seed", type=int, default=1, help="random seed for the lengths (default 1)")
+    dm.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    dm.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    dm.set_defaults(func=_demo)
 
     sc = sub.add_parser("sidecar", help="run the gRPC batching sidecar in front of a vLLM server")
     sc.add_argument("--config", metavar="FILE", help="config YAML (default: $BINBATCH_CONFIG, else built-in defaults); "

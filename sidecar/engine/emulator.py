@@ -910,9 +910,10 @@ def usage(seqs: list[Sequence]) -> dict[str, int]:
 class ResponseShape:
     """The JSON of one request kind (completion or chat), whole or as stream chunks."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, token_ids: bool = False) -> None:
         self.chat = chat
         self.model = model
+        self.token_ids = token_ids  # vLLM's ``return_token_ids``: per-choice ids (placeholders here)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -932,6 +933,9 @@ class ResponseShape:
         else:
             choice["text"] = seq.text
         choice |= {"logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
+        if self.token_ids and not self.chat:
+            choice["prompt_token_ids"] = list(range(seq.prompt_tokens))
+            choice["token_ids"] = list(range(seq.output_tokens))
         return choice
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1002,11 +1006,12 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     config, engine = request.app[CONFIG_KEY], request.app[ENGINE_KEY]
-    parsed = parse_request(await _read_json(request), config, chat)
+    body = await _read_json(request)
+    parsed = parse_request(body, config, chat)
     events: asyncio.Queue[SeqEvent] = asyncio.Queue()
     seqs = build_sequences(parsed, config, asyncio.get_running_loop().time(), events)
     engine.submit(seqs)
-    shape = ResponseShape(chat, config.model)
+    shape = ResponseShape(chat, config.model, token_ids=body.get("return_token_ids") is True)
     try:
         if parsed.sampling.stream:
             return await _stream(request, shape, seqs, events, parsed.sampling.include_usage)
