@@ -358,7 +358,7 @@ class Dispatcher:
         now = self.clock.now()
         self._account(now)
         span = now - self._area_since
-        observed = self._area / span if span > 0 and self.inflight_requests + self._area > 0 else None
+        observed = self._area / span if span > 0 and self._area > 0 else None  # mean requests in flight
         self._area, self._area_since = 0.0, now
         if isinstance(core.binner, AdaptiveBinner) and snapshot is not None and snapshot.kv_capacity_tokens:
             mu = core.sizer.overall.mu

@@ -146,7 +146,7 @@ class PromQLSource:
         blocks = block = None
         for row in series["cache_config"]:
             labels = row.get("metric") or {}
-            b, s = vllm_metrics._int_label(labels, "num_gpu_blocks"), vllm_metrics._int_label(labels, "block_size")
+            b, s = vllm_metrics.int_label(labels, "num_gpu_blocks"), vllm_metrics.int_label(labels, "block_size")
             if b is not None and s is not None and (blocks is None or block is None or b * s < blocks * block):
                 blocks, block = b, s
         return EngineMetrics(

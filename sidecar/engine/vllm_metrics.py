@@ -99,8 +99,8 @@ def parse(text: str) -> EngineMetrics:
     cfg = family("cache_config")
     if cfg is not None:
         for s in cfg.samples:
-            blocks = _int_label(s.labels, "num_gpu_blocks") or blocks
-            block = _int_label(s.labels, "block_size") or block
+            blocks = int_label(s.labels, "num_gpu_blocks") or blocks
+            block = int_label(s.labels, "block_size") or block
     return EngineMetrics(
         # several engines behind one endpoint: the fullest cache speaks for all
         kv_usage=gauge_sum("kv_usage", max),
@@ -115,7 +115,7 @@ def parse(text: str) -> EngineMetrics:
     )
 
 
-def _int_label(labels: dict[str, str], key: str) -> int | None:
+def int_label(labels: dict[str, str], key: str) -> int | None:
     raw = labels.get(key)
     if raw in (None, "", "None"):
         return None

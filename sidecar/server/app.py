@@ -229,6 +229,7 @@ class Sidecar:
 
     async def _watch(self) -> None:
         assert self.watcher is not None
+        refused: str | None = None
         while True:
             await asyncio.sleep(self.watcher.poll_seconds)
             try:
@@ -236,8 +237,10 @@ class Sidecar:
             except Exception:  # noqa: BLE001 - a reload must never take the sidecar down
                 log.exception("config check failed")
                 continue
-            if not changed and self.watcher.last_error:
-                self.metrics.config_reload_errors.inc()
+            error = self.watcher.last_error
+            if not changed and error and error != refused:
+                self.metrics.config_reload_errors.inc()  # once per refused file, not per poll
+            refused = error
 
     async def _apply(self, loaded: LoadedConfig) -> None:
         """A new valid config file: rebuild the core and feed, keep the queue."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -220,6 +219,3 @@ class AdminServicer(pb_grpc.AdminServicer):
     async def GetConfig(self, request: pb.GetConfigRequest, context: Any) -> pb.ConfigView:
         return self.sidecar.config_view()
 
-
-def wall_time() -> float:
-    return time.time()
