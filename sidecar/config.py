@@ -19,7 +19,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 autoWindow, autoRefreshEvery, splitThresholdPercent, maxRequestsPerBin}
     batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
-                maxQueuedRequests, dispatch: MaxWait|Smdp}
+                maxQueuedRequests, dispatch: MaxWait}
     memory:    {overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
     predictor: {kind: Hint|Online, defaultOutputTokens}
@@ -54,7 +54,9 @@ log = logging.getLogger("binbatch.config")
 BinMode = Literal["Fixed", "Auto", "Adaptive"]
 BatchMode = Literal["Gang", "Continuous"]
 Sizing = Literal["Static", "Memory", "Sla", "Combined"]
-Dispatch = Literal["MaxWait", "Smdp"]
+# The SMDP control limit (core/smdp.py) needs a cost model the sidecar cannot
+# measure yet (energy per batch); until it can, MaxWait is the only dispatch rule.
+Dispatch = Literal["MaxWait"]
 PredictorKind = Literal["Hint", "Online"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
@@ -147,7 +149,7 @@ class BatchConfig(_Section):
     max_wait_milliseconds: int = Field(50, ge=0, le=600_000, description="A partial batch leaves its bin once its oldest request waited this long.")  # fmt: skip
     max_inflight_batches: int = Field(4, ge=1, le=1024, description="Batches in the engine at once (the seed's servers).")  # fmt: skip
     max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED).")  # fmt: skip
-    dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (timeout) or Smdp (control limit).")  # fmt: skip
+    dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds).")  # fmt: skip
 
     @model_validator(mode="after")
     def _sizes_ordered(self) -> BatchConfig:

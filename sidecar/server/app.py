@@ -69,8 +69,6 @@ def build_predictor(cfg: SidecarConfig) -> LengthPredictor:
 
 def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -> Core:
     """The scheduling core for ``cfg``; a learned predictor of the same kind is kept."""
-    if cfg.batch.dispatch != "MaxWait":
-        raise ValueError(f"batch.dispatch: {cfg.batch.dispatch} is not available in this version; use MaxWait")
     bt = cfg.batch
     sizer = BatchSizer(
         mode=bt.sizing.lower(),  # type: ignore[arg-type]

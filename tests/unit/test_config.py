@@ -89,6 +89,8 @@ def test_no_document_gives_the_defaults():
     assert cfg.engine.url == "http://127.0.0.1:8000"
     assert (cfg.bins.mode, cfg.bins.count, cfg.bins.boundaries) == ("Fixed", 4, [])
     assert (cfg.batch.mode, cfg.batch.sizing, cfg.batch.dispatch) == ("Continuous", "Combined", "MaxWait")
+    with pytest.raises(ConfigError, match=r"batch\.dispatch"):
+        parse_config({"batch": {"dispatch": "Smdp"}})  # the SMDP policy is in the core, not yet in the sidecar
     assert (cfg.server.grpc_port, cfg.server.metrics_port) == (50051, 9090)
     assert cfg.logging.level == "Info" and not cfg.logging.log_prompts
 
@@ -330,13 +332,13 @@ async def test_on_change_may_be_async(cfg_path):
 
 async def test_config_the_server_cannot_apply_is_refused(cfg_path):
     def apply(loaded: LoadedConfig) -> None:
-        raise ValueError("batch.dispatch: Smdp is not available in this version; use MaxWait")
+        raise ValueError("engine.url: the new engine cannot be reached")
 
     watcher = ConfigWatcher(cfg_path, initial=load_config(cfg_path), on_change=apply, poll_seconds=1.0)
-    write(cfg_path, {"batch": {"dispatch": "Smdp"}})
+    write(cfg_path, {"batch": {"staticSize": 24}})
     assert not await watcher.check()
     assert watcher.current.generation == 1
-    assert watcher.last_error is not None and "Smdp is not available" in watcher.last_error
+    assert watcher.last_error is not None and "cannot be reached" in watcher.last_error
 
 
 async def test_run_polls_until_cancelled(cfg_path):
