@@ -321,7 +321,7 @@ async def test_on_change_may_be_async(cfg_path):
     seen: list[int] = []
 
     async def apply(loaded: LoadedConfig) -> None:
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # ok-sleep: a bare yield to the event loop; no time passes
         seen.append(loaded.generation)
 
     watcher = ConfigWatcher(cfg_path, initial=load_config(cfg_path), on_change=apply, poll_seconds=1.0)
