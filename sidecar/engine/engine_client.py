@@ -55,7 +55,7 @@ class SamplingParams:
     share one ``/v1/completions`` call."""
 
     model: str
-    max_tokens: int
+    max_tokens: int | None  # None: the engine's default (the rest of the context)
     temperature: float | None = None
     top_p: float | None = None
     stop: tuple[str, ...] = ()
@@ -66,7 +66,9 @@ class SamplingParams:
     def body(self) -> dict[str, Any]:
         """The OpenAI/vLLM JSON fields, without the unset ones (``ignore_eos`` and
         ``min_tokens`` are vLLM extras accepted at the top level of the body)."""
-        out: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens}
+        out: dict[str, Any] = {"model": self.model}
+        if self.max_tokens is not None:
+            out["max_tokens"] = self.max_tokens
         if self.temperature is not None:
             out["temperature"] = self.temperature
         if self.top_p is not None:
@@ -589,7 +591,7 @@ def _completion_counts(
         ids = c.get("token_ids")
         if isinstance(ids, list):
             known.append(len(ids))
-        elif c.get("finish_reason") == "length":
+        elif c.get("finish_reason") == "length" and params.max_tokens is not None:
             known.append(params.max_tokens)
         else:
             known.append(None)

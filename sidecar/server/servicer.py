@@ -93,21 +93,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if not model:
             raise InvalidRequest("model: required (the sidecar has no default model: set engine.model)")
         cap = cfg.bins.max_output_tokens
-        max_tokens = msg.max_tokens or cap
+        max_tokens = msg.max_tokens  # 0: unset; the engine fills the rest of the context
         if max_tokens > cap:
             raise InvalidRequest(f"max_tokens: {max_tokens} exceeds the limit of {cap} (bins.maxOutputTokens)")
         if msg.HasField("temperature") and not 0 <= msg.temperature <= 100:
             raise InvalidRequest(f"temperature: must be in [0, 100], got {msg.temperature:g}")
         if msg.HasField("top_p") and not 0 < msg.top_p <= 1:
             raise InvalidRequest(f"top_p: must be in (0, 1], got {msg.top_p:g}")
-        if msg.HasField("min_tokens") and msg.min_tokens > max_tokens:
+        if msg.HasField("min_tokens") and msg.min_tokens > (max_tokens or cap):
             raise InvalidRequest(f"min_tokens: {msg.min_tokens} exceeds max_tokens {max_tokens}")
         if len(msg.request_id) > REQUEST_ID_LIMIT:
             raise InvalidRequest(f"request_id: at most {REQUEST_ID_LIMIT} characters")
         slo = _read_slo(context)
         params = SamplingParams(
             model=model,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens or None,
             temperature=msg.temperature if msg.HasField("temperature") else None,
             top_p=msg.top_p if msg.HasField("top_p") else None,
             stop=tuple(msg.stop),

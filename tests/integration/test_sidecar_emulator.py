@@ -225,3 +225,10 @@ async def test_memory_aware_size_follows_the_engines_kv_capacity(tmp_path):
                 assert fams["binbatch_target_batch_size"].samples[0].value == stats.target_batch_size
     assert sizes[64] < sizes[1024]
     assert sizes[64] <= 64 * 16 // 40  # no more requests than the cache can hold at ~50 tokens each
+
+
+async def test_unset_max_tokens_leaves_the_length_to_the_engine(tmp_path):
+    async with running_emulator(FAST) as url, running_sidecar(sidecar_config(url), tmp_path) as sc:
+        resp = await sc.inference.Generate(pb.GenerateRequest(prompt="no limit given"), timeout=30)
+        assert resp.completion_tokens > 0
+        assert resp.finish_reason in ("stop", "length")
