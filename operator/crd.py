@@ -1,0 +1,246 @@
+"""The ``BatchingPolicy`` CRD, generated from the sidecar's config models.
+
+The spec's batching sections (engine, bins, batch, memory, latency, predictor,
+metrics, logging) ARE the sidecar's config file (``binbatch_sidecar.config``), so
+their schema is derived from those pydantic models: one definition of every
+field, description and bound, and no drift between what the API server accepts
+and what the sidecar loads.  The policy's own parts (pod selector, sidecar
+container) and the status are written here.  Cross-field rules that pydantic
+checks in Python are repeated as CEL ``x-kubernetes-validations`` so the API
+server refuses a bad policy before the operator sees it.
+
+``python -m binbatch_operator.crd`` rewrites the one source file,
+``manifests/crd/batchingpolicies.binbatch.io.yaml``; a test fails if it drifts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from binbatch_sidecar.config import SidecarConfig
+
+GROUP = "binbatch.io"
+VERSION = "v1alpha1"
+KIND = "BatchingPolicy"
+PLURAL = "batchingpolicies"
+CRD_PATH = Path("manifests/crd/batchingpolicies.binbatch.io.yaml")
+
+# Sections of the sidecar config a policy sets; ``server`` is the operator's to
+# render (ports come from spec.sidecar).
+CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging")
+
+SECTION_RULES: dict[str, list[dict[str, str]]] = {
+    "batch": [
+        {"rule": "self.minBatchSize <= self.staticSize", "message": "minBatchSize must be <= staticSize",
+         "fieldPath": ".minBatchSize"},
+        {"rule": "self.staticSize <= self.maxBatchSize", "message": "staticSize must be <= maxBatchSize",
+         "fieldPath": ".staticSize"},
+    ],
+    "bins": [
+        {"rule": "size(self.boundaries) == 0 || self.mode == 'Fixed'",
+         "message": "boundaries must be empty unless mode is Fixed", "fieldPath": ".boundaries"},
+        {"rule": "size(self.boundaries) == 0 || size(self.boundaries) == self.count - 1",
+         "message": "boundaries needs count-1 entries", "fieldPath": ".boundaries"},
+        {"rule": "self.boundaries.isSorted()", "message": "boundaries must be strictly increasing",
+         "fieldPath": ".boundaries"},
+        {"rule": "self.boundaries.all(b, b < self.maxOutputTokens)",
+         "message": "every boundary must be below maxOutputTokens", "fieldPath": ".boundaries"},
+    ],
+    "metrics": [
+        {"rule": "self.staleAfterMilliseconds >= 2 * self.intervalMilliseconds",
+         "message": "staleAfterMilliseconds must be >= 2 x intervalMilliseconds",
+         "fieldPath": ".staleAfterMilliseconds"},
+    ],
+}  # fmt: skip
+
+SPEC_RULES = [
+    {"rule": "self.batch.sizing != 'Sla' || self.latency.tpotMilliseconds > 0",
+     "message": "latency.tpotMilliseconds must be > 0 when batch.sizing is Sla", "fieldPath": ".latency.tpotMilliseconds"},
+]  # fmt: skip
+
+SECTION_DESCRIPTIONS = {
+    "engine": "The vLLM server next to the sidecar.",
+    "bins": "How requests are binned by predicted output length.",
+    "batch": "Batch formation, sizing and dispatch.",
+    "memory": "The memory-aware batch size (KV-cache overflow bound).",
+    "latency": "Latency SLOs for the SLA-aware batch size.",
+    "predictor": "How output lengths are predicted.",
+    "metrics": "Where the sidecar reads the engine's metrics.",
+    "logging": "The sidecar's logs.",
+}
+
+_DROP = {"title", "additionalProperties"}
+
+
+def _openapi(node: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON-schema property as a structural OpenAPI v3 property."""
+    out = {k: v for k, v in node.items() if k not in _DROP}
+    if "const" in out:  # a one-value Literal
+        out["enum"] = [out.pop("const")]
+        out.setdefault("type", "string")
+    if "items" in out:
+        out["items"] = _openapi(out["items"])
+    return out
+
+
+def section_schema(name: str, model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(by_alias=True)
+    props = {key: _openapi(prop) for key, prop in schema["properties"].items()}
+    if name == "bins":  # pydantic checks entries in a validator; the API server needs the bounds here
+        props["boundaries"]["items"] |= {"minimum": 1, "maximum": 1_000_000}
+        props["boundaries"]["x-kubernetes-list-type"] = "set"  # with isSorted(): strictly increasing
+    out: dict[str, Any] = {"type": "object", "description": SECTION_DESCRIPTIONS[name], "default": {}, "properties": props}
+    if name in SECTION_RULES:
+        out["x-kubernetes-validations"] = SECTION_RULES[name]
+    return out
+
+
+def _str(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": description, **extra}
+
+
+def spec_schema() -> dict[str, Any]:
+    fields = SidecarConfig.model_fields
+    sections = {name: section_schema(name, fields[name].annotation) for name in CONFIG_SECTIONS}  # type: ignore[arg-type]
+    selector = {
+        "type": "object",
+        "description": "Pods of this namespace that get the sidecar: every label here must match.",
+        "properties": {
+            "matchLabels": {
+                "type": "object", "description": "Label key/value pairs a pod must carry.", "minProperties": 1,
+                "additionalProperties": _str("Label value.", maxLength=63),
+            },
+        },
+        "required": ["matchLabels"],
+    }  # fmt: skip
+    port = {"type": "integer", "minimum": 1, "maximum": 65535}
+    sidecar = {
+        "type": "object",
+        "description": "The injected sidecar container.",
+        "default": {},
+        "properties": {
+            "image": _str("Sidecar image; empty uses the operator's own image.", maxLength=512, default=""),
+            "grpcPort": {**port, "default": 50051, "description": "Port of the gRPC API (binbatch.v1.Inference)."},
+            "metricsPort": {**port, "default": 9090, "description": "Port of the sidecar's Prometheus /metrics."},
+            "drainGraceSeconds": {"type": "integer", "minimum": 0, "maximum": 3600, "default": 30,
+                                  "description": "On termination, time to drain queued and in-flight requests."},
+            "resources": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                          "description": "Container resources (requests/limits), as in a Pod spec."},
+        },
+        "x-kubernetes-validations": [
+            {"rule": "self.grpcPort != self.metricsPort", "message": "grpcPort and metricsPort must differ",
+             "fieldPath": ".metricsPort"},
+        ],
+    }  # fmt: skip
+    return {
+        "type": "object",
+        "description": "How to batch for the selected vLLM pods; the batching sections are the sidecar's config.",
+        "required": ["selector"],
+        "properties": {"selector": selector, "sidecar": sidecar, **sections},
+        "x-kubernetes-validations": SPEC_RULES,
+    }
+
+
+def status_schema() -> dict[str, Any]:
+    integer = {"type": "integer", "minimum": 0, "maximum": 1_000_000_000}
+    condition = {
+        "type": "object",
+        "description": "One condition: Ready, Valid, SidecarsInjected or MetricsAvailable.",
+        "required": ["type", "status"],
+        "properties": {
+            "type": _str("Condition type.", maxLength=64),
+            "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+            "reason": _str("CamelCase reason.", maxLength=128),
+            "message": _str("Human-readable detail.", maxLength=4096),
+            "observedGeneration": {**integer, "description": "Generation the condition was computed for."},
+            "lastTransitionTime": _str("When the status last changed.", format="date-time"),
+        },
+    }
+    adjustment = {
+        "type": "object",
+        "description": "A change the sidecars made, with its reason.",
+        "properties": {
+            "time": _str("When.", format="date-time"),
+            "pod": _str("Pod whose sidecar changed.", maxLength=253),
+            "field": _str("What changed (batchSize, binBoundaries).", maxLength=64),
+            "from": _str("Old value.", maxLength=256),
+            "to": _str("New value.", maxLength=256),
+            "reason": _str("Why.", maxLength=1024),
+        },
+    }
+    return {
+        "type": "object",
+        "description": "What the operator observed.",
+        "properties": {
+            "observedGeneration": {**integer, "description": "Last spec generation the operator acted on."},
+            "conditions": {"type": "array", "description": "Current conditions.", "items": condition,
+                           "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"], "maxItems": 16},
+            "pods": {**integer, "description": "Pods governed by this policy."},
+            "batchSize": {**integer, "description": "Current target batch size (largest across pods)."},
+            "bins": _str("Current bin boundaries, in output tokens.", maxLength=1024),
+            "throughputRequestsPerSecond": _str("Aggregated recent throughput.", maxLength=32),
+            "adjustments": {"type": "array", "description": "The last adjustments (at most 20).",
+                            "items": adjustment, "maxItems": 20},
+        },
+    }  # fmt: skip
+
+
+def build_crd() -> dict[str, Any]:
+    condition = '.status.conditions[?(@.type=="Ready")].status'
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "plural": PLURAL, "singular": "batchingpolicy", "shortNames": ["bp"],
+                      "listKind": f"{KIND}List"},  # fmt: skip
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Ready", "type": "string", "jsonPath": condition},
+                    {"name": "Pods", "type": "integer", "jsonPath": ".status.pods"},
+                    {"name": "Batch size", "type": "integer", "jsonPath": ".status.batchSize"},
+                    {"name": "Bins", "type": "string", "jsonPath": ".status.bins"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "BatchingPolicy: multi-bin batching for the vLLM pods it selects.",
+                    "required": ["spec"],
+                    "properties": {
+                        "apiVersion": _str("API version."), "kind": _str("Kind."),
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema(), "status": status_schema(),
+                    },
+                }},
+            }],  # fmt: skip
+        },
+    }
+
+
+def render() -> str:
+    header = "# Generated by `python -m binbatch_operator.crd` from binbatch_sidecar.config; do not edit.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write the BatchingPolicy CRD.")
+    parser.add_argument("--out", type=Path, default=CRD_PATH, help=f"file to write (default {CRD_PATH})")
+    args = parser.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render())
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
