@@ -1,22 +1,42 @@
-"""Pure builders: BatchingPolicy spec → the objects the operator creates, as dicts.
+"""Pure builders: BatchingPolicy → the objects the operator creates, as dicts.
 
-So far: the sidecar's config file (the ConfigMap's one key).  The batching
-sections of the spec are copied as they are (they share the sidecar config's
-schema, see ``crd.py``); ``server`` is rendered from ``spec.sidecar``.  The
-result is validated with the sidecar's own loader, so the operator refuses
-exactly what the sidecar would, and names the field as ``spec.<path>``.
+Nothing here talks to Kubernetes: every function takes plain dicts and returns
+plain dicts, so the handlers in ``main.py`` stay thin and these are tested alone.
+
+- ``sidecar_config(spec)``: the sidecar's config file.  The batching sections of
+  the spec are copied as they are (they share the sidecar config's schema, see
+  ``crd.py``); ``server`` is rendered from ``spec.sidecar``.  The result is
+  validated with the sidecar's own loader, so the operator refuses exactly what
+  the sidecar would, and names the field as ``spec.<path>``.
+- ``build_configmap`` / ``build_service``: the policy's two children.
+- ``build_pod_patch``: what the admission webhook adds to a selected pod.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+import yaml
 
 from binbatch_sidecar.config import ConfigError, parse_config
 
-from .crd import CONFIG_SECTIONS
+from .crd import CONFIG_SECTIONS, GROUP
 
 CONFIG_KEY = "sidecar.yaml"
+CONFIG_DIR = "/etc/binbatch"
+SIDECAR_CONTAINER = "binbatch-sidecar"
+CONFIG_VOLUME = "binbatch-config"
+POLICY_LABEL = f"{GROUP}/policy"  # on injected pods; the Service selects it
+INJECTED_ANNOTATION = f"{GROUP}/injected"  # "<policy>@<generation>" of the config at injection
+CONFLICT_ANNOTATION = f"{GROUP}/conflict"  # on pods two policies select: who they were
+SIDECAR_UID = 10001
+MANAGED_LABELS = {"app.kubernetes.io/name": "binbatch-sidecar", "app.kubernetes.io/managed-by": "binbatch-operator"}
+
+
+def child_name(policy: str) -> str:
+    """The ConfigMap's and the Service's name for a policy (deterministic)."""
+    return f"{policy}-binbatch"
 
 
 def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -41,3 +61,116 @@ def _spec_path(path: str) -> str:
     if path.startswith("server."):
         return "spec.sidecar." + path.removeprefix("server.")
     return "spec." + path
+
+
+def _labels(policy: str) -> dict[str, str]:
+    return {**MANAGED_LABELS, POLICY_LABEL: policy}
+
+
+def build_configmap(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The owned ConfigMap the sidecars mount; its one key is the config file."""
+    text = yaml.safe_dump(sidecar_config(spec), sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": child_name(name), "namespace": namespace, "labels": _labels(name)},
+        "data": {CONFIG_KEY: text},
+    }
+
+
+def build_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The Service clients call: the sidecars' gRPC port (and metrics for scraping).
+
+    It selects the pods the webhook injected for this policy, not the policy's
+    selector, so a pod without the sidecar never receives gRPC traffic.
+    """
+    side = spec.get("sidecar") or {}
+    grpc_port, metrics_port = side.get("grpcPort", 50051), side.get("metricsPort", 9090)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": child_name(name), "namespace": namespace, "labels": _labels(name)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {POLICY_LABEL: name},
+            "ports": [
+                {"name": "grpc", "port": grpc_port, "targetPort": "bb-grpc", "protocol": "TCP", "appProtocol": "grpc"},
+                {"name": "metrics", "port": metrics_port, "targetPort": "bb-metrics", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def selector_matches(match_labels: Mapping[str, str], labels: Mapping[str, str] | None) -> bool:
+    """``matchLabels`` semantics: every pair present (an empty selector matches nothing here)."""
+    labels = labels or {}
+    return bool(match_labels) and all(labels.get(key) == value for key, value in match_labels.items())
+
+
+def matching_policies(policies: Iterable[Mapping[str, Any]], pod_labels: Mapping[str, str] | None) -> list[str]:
+    """Names of the policies (``{"name", "spec"}`` dicts) whose selector matches the labels, sorted."""
+    names = [
+        p["name"] for p in policies if selector_matches(((p.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}, pod_labels)
+    ]
+    return sorted(names)
+
+
+def sidecar_container(policy: str, spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
+    """The injected container: non-root, read-only root filesystem, gRPC health probes."""
+    side = spec.get("sidecar") or {}
+    grpc_port, metrics_port = side.get("grpcPort", 50051), side.get("metricsPort", 9090)
+    container: dict[str, Any] = {
+        "name": SIDECAR_CONTAINER,
+        "image": side.get("image") or default_image,
+        "command": ["binbatch", "sidecar", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "ports": [
+            {"name": "bb-grpc", "containerPort": grpc_port, "protocol": "TCP"},
+            {"name": "bb-metrics", "containerPort": metrics_port, "protocol": "TCP"},
+        ],
+        # The sidecar's grpc.health.v1 follows the engine's /health: not ready
+        # until vLLM answers, so the Service only routes to pods that can serve.
+        "readinessProbe": {"grpc": {"port": grpc_port}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "bb-metrics"}, "periodSeconds": 20, "failureThreshold": 3},
+        "volumeMounts": [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}],
+        "securityContext": {
+            "runAsNonRoot": True, "runAsUser": SIDECAR_UID, "runAsGroup": SIDECAR_UID,
+            "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "env": [{"name": "BINBATCH_POLICY", "value": policy}],
+    }  # fmt: skip
+    if side.get("resources"):
+        container["resources"] = dict(side["resources"])
+    return container
+
+
+def build_pod_patch(
+    pod: Mapping[str, Any], policy: str, generation: int, spec: Mapping[str, Any], default_image: str
+) -> dict[str, Any]:
+    """A merge patch that adds the sidecar to ``pod``; ``{}`` if it already has one.
+
+    Lists are replaced whole by a merge patch, so the patch carries the pod's own
+    containers and volumes followed by ours.  The ConfigMap volume is mounted as a
+    directory (not ``subPath``) so kubelet updates it in place and the sidecar
+    reloads the new config without a restart; it is ``optional`` so a pod
+    restarted after its policy was deleted still starts.
+    """
+    pod_spec = pod.get("spec") or {}
+    containers = list(pod_spec.get("containers") or [])
+    if any(c.get("name") == SIDECAR_CONTAINER for c in containers):
+        return {}
+    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != CONFIG_VOLUME]
+    volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": child_name(policy), "optional": True}})
+    drain = (spec.get("sidecar") or {}).get("drainGraceSeconds", 30)
+    grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
+    return {
+        "metadata": {
+            "labels": {POLICY_LABEL: policy},
+            "annotations": {INJECTED_ANNOTATION: f"{policy}@{generation}"},
+        },
+        "spec": {
+            "containers": [*containers, sidecar_container(policy, spec, default_image)],
+            "volumes": volumes,
+            "terminationGracePeriodSeconds": grace,
+        },
+    }

@@ -1,0 +1,101 @@
+"""The binbatch operator: ``kopf run -m binbatch_operator.main --all-namespaces``.
+
+Wiring only; the logic is in ``reconcile.py`` (policies), ``webhook.py`` (the
+admission server) and ``builders.py`` (the objects).  Settings come from the
+environment the Helm chart sets:
+
+  BINBATCH_SIDECAR_IMAGE           image of injected sidecars (a policy may override it)
+  BINBATCH_WEBHOOK_SERVICE         the webhook's Service; unset = no admission webhook
+  BINBATCH_WEBHOOK_CONFIG          the MutatingWebhookConfiguration to put our CA into
+  BINBATCH_WEBHOOK_PORT            port the webhook listens on (default 9443)
+  POD_NAMESPACE                    the operator's namespace (the Service's)
+  BINBATCH_STATS_INTERVAL_SECONDS  how often status is refreshed from the sidecars (default 15)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import kopf
+
+from .crd import GROUP, PLURAL, VERSION
+from .kube import KubeApi
+from .reconcile import Context, admit, cleanup, reconcile
+from .webhook import WEBHOOK_PATH_ID, WebhookServer, service_hostnames
+
+DEFAULT_IMAGE = "ghcr.io/binbatch/binbatch:0.1.0"
+STATS_INTERVAL = float(os.environ.get("BINBATCH_STATS_INTERVAL_SECONDS", "15"))
+POLICY = (GROUP, VERSION, PLURAL)
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    # The status schema is typed (no room for kopf's bookkeeping), so kopf keeps
+    # its progress and last-handled spec in annotations under our domain.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.persistence.finalizer = f"{GROUP}/cleanup"
+    settings.posting.level = 30  # events for warnings and errors only (logging.WARNING)
+
+    kube = KubeApi.from_environment()
+    memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE)
+
+    service = os.environ.get("BINBATCH_WEBHOOK_SERVICE")
+    if not service:
+        logger.warning("BINBATCH_WEBHOOK_SERVICE is unset: no admission webhook, pods get no sidecar")
+        return
+    namespace = os.environ.get("POD_NAMESPACE", "default")
+    config_name = os.environ.get("BINBATCH_WEBHOOK_CONFIG", "")
+
+    async def publish_ca(ca_pem: bytes) -> None:
+        if config_name:
+            await kube.set_webhook_ca_bundle(config_name, ca_pem)
+            logger.info("CA bundle set on MutatingWebhookConfiguration %s", config_name)
+
+    hosts = service_hostnames(service, namespace)
+    settings.admission.server = WebhookServer(
+        addr="0.0.0.0", port=int(os.environ.get("BINBATCH_WEBHOOK_PORT", "9443")),
+        host=hosts[0], extra_sans=hosts[1:], on_ca=publish_ca,
+    )  # fmt: skip
+    settings.admission.managed = None  # the install owns the configuration (service-based)
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    if "ctx" in memo:
+        memo.ctx.kube.close()
+
+
+@kopf.index(*POLICY)
+def policies(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> dict[str, Any]:
+    """Policies by namespace, for the webhook (which must answer from memory)."""
+    return {namespace: {"name": name, "spec": dict(spec), "generation": meta.get("generation", 0)}}
+
+
+@kopf.on.resume(*POLICY)
+@kopf.on.create(*POLICY)
+@kopf.on.update(*POLICY, field="spec")
+@kopf.timer(*POLICY, interval=STATS_INTERVAL, initial_delay=STATS_INTERVAL)
+async def reconcile_policy(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    status = await reconcile(memo.ctx, body, logger)
+    for key, value in status.items():
+        patch.status[key] = value
+
+
+@kopf.on.delete(*POLICY)
+async def delete_policy(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    restarted = await cleanup(memo.ctx, body, logger)
+    if restarted:
+        logger.info("restarted %s so their pods come back without the sidecar", ", ".join(restarted))
+
+
+@kopf.on.mutate("v1", "pods", id=WEBHOOK_PATH_ID, operations=["CREATE"], ignore_failures=True, side_effects=False)
+def inject_sidecar(
+    body: kopf.Body, patch: kopf.Patch, warnings: list[str], policies: kopf.Index, memo: kopf.Memo, **_: Any
+) -> None:
+    namespace = body.get("metadata", {}).get("namespace")
+    candidates = list(policies.get(namespace, []))
+    merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image)
+    patch.update(merge)
+    warnings.extend(notes)

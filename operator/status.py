@@ -1,0 +1,139 @@
+"""A policy's status: conditions and the aggregate of its sidecars' stats (pure).
+
+Conditions follow the Kubernetes convention: ``type``, ``status`` (True, False,
+Unknown), a CamelCase ``reason``, a ``message``, ``observedGeneration`` and a
+``lastTransitionTime`` that changes only when ``status`` really changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from binbatch_api.v1 import binbatch_pb2 as pb
+
+MAX_ADJUSTMENTS = 20  # the CRD's maxItems for status.adjustments
+CONDITION_TYPES = ("Ready", "Valid", "SidecarsInjected", "MetricsAvailable")
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: str  # "True" | "False" | "Unknown"
+    reason: str
+    message: str
+
+
+def merge_conditions(
+    old: Sequence[Mapping[str, Any]] | None, new: Sequence[Condition], generation: int, now: str
+) -> list[dict[str, Any]]:
+    """The new condition list; ``lastTransitionTime`` kept unless the status flipped."""
+    previous = {c.get("type"): c for c in old or []}
+    out = []
+    for cond in new:
+        before = previous.get(cond.type)
+        changed = before is None or before.get("status") != cond.status
+        out.append({
+            "type": cond.type, "status": cond.status, "reason": cond.reason, "message": cond.message[:4096],
+            "observedGeneration": generation,
+            "lastTransitionTime": now if changed else before.get("lastTransitionTime", now),
+        })  # fmt: skip
+    return out
+
+
+@dataclass
+class PodReport:
+    """What the operator saw of one selected pod."""
+
+    name: str
+    injected: bool  # carries the sidecar (label set by the webhook)
+    conflict: list[str] = field(default_factory=list)  # other policies that select it too
+    stats: pb.Stats | None = None  # None: not asked (not running) or no answer
+    error: str = ""  # why there are no stats
+
+
+def valid_condition(problems: Sequence[tuple[str, str]]) -> Condition:
+    if not problems:
+        return Condition("Valid", "True", "SpecValid", "The spec renders a valid sidecar config.")
+    text = "; ".join(f"{path}: {message}" for path, message in problems)
+    return Condition("Valid", "False", "InvalidSpec", text)
+
+
+def aggregate(
+    policy: str, pods: Sequence[PodReport], problems: Sequence[tuple[str, str]], children_ready: bool
+) -> tuple[list[Condition], dict[str, Any]]:
+    """Conditions and the status fields for a policy from what its pods report."""
+    valid = valid_condition(problems)
+    injected = [p for p in pods if p.injected]
+    missing = sorted(p.name for p in pods if not p.injected and not p.conflict)
+    conflicts = sorted(f"{p.name} (also {', '.join(p.conflict)})" for p in pods if p.conflict)
+
+    if conflicts:
+        sidecars = Condition("SidecarsInjected", "False", "SelectorConflict",
+                             "Pods selected by more than one policy get no sidecar: " + "; ".join(conflicts[:10]))  # fmt: skip
+    elif missing:
+        sidecars = Condition("SidecarsInjected", "False", "PodsNeedRestart",
+                             f"{len(missing)} selected pod(s) were created before the policy and have no sidecar "
+                             f"(recreate them, e.g. kubectl rollout restart): {', '.join(missing[:10])}")  # fmt: skip
+    elif not pods:
+        sidecars = Condition("SidecarsInjected", "True", "NoPods", "No pod matches the selector yet.")
+    else:
+        sidecars = Condition("SidecarsInjected", "True", "AllInjected", f"{len(injected)} pod(s) carry the sidecar.")
+
+    reporting = [p for p in injected if p.stats is not None]
+    silent = sorted(f"{p.name}: {p.error or 'no answer'}" for p in injected if p.stats is None)
+    stale = sorted(p.name for p in reporting if p.stats.metrics_source.state == pb.METRICS_STATE_STALE)  # type: ignore[union-attr]
+    if not injected:
+        metrics = Condition("MetricsAvailable", "Unknown", "NoSidecars", "No sidecar to ask yet.")
+    elif silent:
+        metrics = Condition("MetricsAvailable", "False", "SidecarUnreachable", "; ".join(silent[:10]))
+    elif stale:
+        metrics = Condition("MetricsAvailable", "False", "EngineMetricsStale",
+                            f"Engine metrics are stale on {', '.join(stale[:10])}; their batches shrink.")  # fmt: skip
+    else:
+        metrics = Condition("MetricsAvailable", "True", "MetricsFresh", f"{len(reporting)} sidecar(s) report.")
+
+    blockers = [c for c in (valid, sidecars, metrics) if c.status == "False"]
+    if not children_ready and not blockers:
+        blockers.append(Condition("Ready", "False", "Reconciling", "ConfigMap and Service not in place yet."))
+    if blockers:
+        ready = Condition("Ready", "False", blockers[0].reason, blockers[0].message)
+    else:
+        ready = Condition("Ready", "True", "Ready", f"ConfigMap and Service in place; {len(injected)} sidecar(s).")
+
+    fields: dict[str, Any] = {"pods": len(injected)}
+    if reporting:
+        stats = [p.stats for p in reporting]
+        fields["batchSize"] = max(s.target_batch_size for s in stats)  # type: ignore[union-attr]
+        bounds = next(s.bin_boundaries for s in stats if s is not None)
+        fields["bins"] = ", ".join(f"{b:g}" for b in bounds) if bounds else "one bin"
+        fields["throughputRequestsPerSecond"] = f"{sum(s.throughput.requests_per_second for s in stats):.3g}"  # type: ignore[union-attr]
+    return [ready, valid, sidecars, metrics], fields
+
+
+def adjustments(pods: Sequence[PodReport], previous: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """The last ``MAX_ADJUSTMENTS`` changes the sidecars made, oldest first, without repeats.
+
+    The sidecars report their recent changes on every ask; merging them with
+    what status already holds and keeping the newest makes asking again a no-op.
+    """
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for entry in previous or []:
+        merged[(entry.get("time"), entry.get("pod"), entry.get("field"), entry.get("to"))] = dict(entry)
+    for pod in pods:
+        for adj in pod.stats.recent_adjustments if pod.stats is not None else ():
+            when = datetime.datetime.fromtimestamp(adj.time_unix_seconds, datetime.UTC)
+            entry = {
+                "time": when.replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+                "pod": pod.name, "field": adj.field[:64], "from": adj.from_value[:256], "to": adj.to_value[:256],
+                "reason": adj.reason[:1024],
+            }  # fmt: skip
+            merged.setdefault((entry["time"], entry["pod"], entry["field"], entry["to"]), entry)
+    ordered = sorted(merged.values(), key=lambda a: (a.get("time") or "", a.get("pod") or ""))
+    return ordered[-MAX_ADJUSTMENTS:]

@@ -1,0 +1,302 @@
+"""The whole operator, run by kopf, against a fake Kubernetes API server (kmock).
+
+kopf itself logs in (kubeconfig), discovers the resources, watches the
+BatchingPolicies, runs our handlers and serves the admission webhook over HTTPS
+on 127.0.0.1; the API seam talks to kmock over real HTTP.  Sidecar stats come
+from a real sidecar in front of the engine emulator, over gRPC on 127.0.0.1.
+
+What only a real API server proves (and these cannot): CRD schema and CEL
+enforcement, strategic-merge semantics, owner-reference garbage collection,
+the API server calling the webhook through the Service, kubelet mounting the
+ConfigMap.  Those are the kind e2e suite's (tests/e2e).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import ssl
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jsonpatch
+import kmock
+import kubernetes
+import pytest
+import yaml
+from sidecar_harness import running_sidecar, sidecar_config
+
+from binbatch_operator.builders import CONFLICT_ANNOTATION, POLICY_LABEL, SIDECAR_CONTAINER
+from binbatch_operator.crd import GROUP, KIND, PLURAL, VERSION
+from binbatch_operator.kube import RESTART_ANNOTATION
+from binbatch_sidecar.engine.emulator import running_emulator
+
+os.environ.setdefault("BINBATCH_STATS_INTERVAL_SECONDS", "0.5")  # read when main is imported
+import binbatch_operator.main  # noqa: E402,F401 - registers the handlers with kopf
+import kopf  # noqa: E402
+
+NS = "llm"
+WEBHOOK_CONFIG = "binbatch-test"
+POLICIES = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
+DEADLINE = 20.0
+
+
+async def until(check: Callable[[], Any], what: str) -> Any:
+    """Poll ``check`` until it returns something truthy (the operator works asynchronously)."""
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)  # ok-sleep: polling an eventually-consistent fake cluster, bounded
+
+
+def obj(api: kmock.KubernetesEmulator, resource: str, name: str, namespace: str | None = NS) -> dict | None:
+    for (res, ns, nm), found in api.objects.items():
+        if str(res.plural) == resource and ns == namespace and nm == name and not found.deleted:
+            return found.raw
+    return None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any]:
+    async with kmock.KubernetesEmulator() as api, kmock.Server(api):
+        verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
+        for key, kind, namespaced, sub in [
+            (f"{GROUP}/{VERSION}/{PLURAL}", KIND, True, {"status"}),
+            ("v1/pods", "Pod", True, set()), ("v1/configmaps", "ConfigMap", True, set()),
+            ("v1/services", "Service", True, set()), ("v1/events", "Event", True, set()),
+            ("v1/namespaces", "Namespace", False, set()),
+            ("apps/v1/deployments", "Deployment", True, set()), ("apps/v1/replicasets", "ReplicaSet", True, set()),
+            ("admissionregistration.k8s.io/v1/mutatingwebhookconfigurations", "MutatingWebhookConfiguration", False, set()),
+            ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),
+        ]:
+            api.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, subresources=sub, verbs=verbs)
+        kubeconfig = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": str(api.url).rstrip("/")}}],
+            "users": [{"name": "kmock", "user": {"token": "test"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": NS}}],
+        }  # fmt: skip
+        path = tmp_path / "kubeconfig"
+        path.write_text(yaml.safe_dump(kubeconfig))
+        monkeypatch.setenv("KUBECONFIG", str(path))
+        # The client library reads KUBECONFIG when imported; kopf's login uses it.
+        monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(path))
+        await api.post(
+            "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations",
+            json={"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+                  "metadata": {"name": WEBHOOK_CONFIG},
+                  "webhooks": [{"name": "inject-sidecar.binbatch.io", "sideEffects": "None",
+                                "admissionReviewVersions": ["v1"], "clientConfig": {
+                      "service": {"name": "binbatch-webhook", "namespace": "binbatch-system", "path": "/inject-sidecar"}}}]},
+        )  # fmt: skip
+        yield api
+
+
+@pytest.fixture
+async def operator(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[int]:
+    """The operator running in this event loop; yields the webhook's port."""
+    port = free_port()
+    monkeypatch.setenv("BINBATCH_WEBHOOK_SERVICE", "binbatch-webhook")
+    monkeypatch.setenv("POD_NAMESPACE", "binbatch-system")
+    monkeypatch.setenv("BINBATCH_WEBHOOK_CONFIG", WEBHOOK_CONFIG)
+    monkeypatch.setenv("BINBATCH_WEBHOOK_PORT", str(port))
+    monkeypatch.setenv("BINBATCH_SIDECAR_IMAGE", "registry.test/binbatch:1")
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready))
+    await asyncio.wait_for(ready.wait(), DEADLINE)
+    try:
+        yield port
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, DEADLINE)
+
+
+def policy_doc(name: str, grpc_port: int = 50051, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+        "metadata": {"name": name, "namespace": NS, "generation": 1, "uid": f"uid-{name}", "resourceVersion": "1"},
+        "spec": {"selector": {"matchLabels": {"app": "vllm"}},
+                 "sidecar": {"grpcPort": grpc_port, "metricsPort": 9090}, **spec},
+    }  # fmt: skip
+
+
+def condition(api: Any, name: str, kind: str) -> dict | None:
+    found = obj(api, PLURAL, name) or {}
+    return next((c for c in (found.get("status") or {}).get("conditions") or [] if c["type"] == kind), None)
+
+
+async def admission(port: int, ca_pem: bytes, pod: dict[str, Any]) -> dict[str, Any]:
+    """POST an AdmissionReview for a pod CREATE to the operator's webhook, as the API server would."""
+    review = {
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {"uid": "req-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                    "resource": {"group": "", "version": "v1", "resource": "pods"},
+                    "namespace": NS, "operation": "CREATE", "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
+                    "object": pod, "dryRun": False},
+    }  # fmt: skip
+    tls = ssl.create_default_context(cadata=ca_pem.decode())
+    url = f"https://127.0.0.1:{port}/inject-sidecar"
+    async with aiohttp.ClientSession() as http, http.post(url, json=review, ssl=tls) as resp:
+        assert resp.status == 200, await resp.text()
+        return (await resp.json())["response"]
+
+
+def ca_bundle(api: Any) -> bytes | None:
+    hook = obj(api, "mutatingwebhookconfigurations", WEBHOOK_CONFIG, None) or {}
+    bundle = ((hook.get("webhooks") or [{}])[0].get("clientConfig") or {}).get("caBundle")
+    return base64.b64decode(bundle) if bundle else None
+
+
+def controller_pod(name: str = "vllm-7d4f-abcde") -> dict[str, Any]:
+    """A pod as a ReplicaSet creates it: no namespace in the object (it is in the request)."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"generateName": "vllm-7d4f-", "labels": {"app": "vllm"},
+                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "vllm-7d4f",
+                                          "uid": "rs-uid", "controller": True}]},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
+    }  # fmt: skip
+
+
+async def test_policy_gets_configmap_service_status_and_pods_get_the_sidecar(cluster: Any, operator: int) -> None:
+    api = cluster
+    await api.post(POLICIES, json=policy_doc("fast", bins={"mode": "Fixed", "count": 2, "boundaries": [128]}))
+
+    cm = await until(lambda: obj(api, "configmaps", "fast-binbatch"), "the ConfigMap")
+    config = yaml.safe_load(cm["data"]["sidecar.yaml"])
+    assert config["bins"]["boundaries"] == [128]
+    owner = cm["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (KIND, "fast", "uid-fast", True)
+    svc = await until(lambda: obj(api, "services", "fast-binbatch"), "the Service")
+    assert svc["spec"]["selector"] == {POLICY_LABEL: "fast"}
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == "uid-fast"
+    ready = await until(lambda: condition(api, "fast", "Ready"), "a Ready condition")
+    assert ready["status"] == "True", ready
+    assert condition(api, "fast", "Valid")["status"] == "True"
+
+    # The webhook: our CA was published into the configuration; a pod created
+    # by a ReplicaSet (namespace only in the request) gets the sidecar.
+    ca_pem = await until(lambda: ca_bundle(api), "the CA bundle in the webhook configuration")
+    pod = controller_pod()
+    response = await admission(operator, ca_pem, pod)
+    assert response["allowed"] is True and response["patchType"] == "JSONPatch"
+    ops = json.loads(base64.b64decode(response["patch"]))
+    patched = jsonpatch.apply_patch(pod, ops)
+    names = [c["name"] for c in patched["spec"]["containers"]]
+    assert names == ["vllm", SIDECAR_CONTAINER]
+    assert patched["spec"]["containers"][1]["image"] == "registry.test/binbatch:1"
+    assert patched["metadata"]["labels"][POLICY_LABEL] == "fast"
+
+    # A pod of another app is left alone.
+    other = controller_pod() | {"metadata": {"labels": {"app": "web"}}}
+    assert "patch" not in await admission(operator, ca_pem, other)
+
+
+async def test_status_aggregates_a_real_sidecars_stats(cluster: Any, operator: int, tmp_path: Path) -> None:
+    api = cluster
+    async with running_emulator() as engine, running_sidecar(sidecar_config(engine), tmp_path) as sc:
+        port = sc.sidecar.grpc_port
+        await api.post(POLICIES, json=policy_doc("fast", grpc_port=port))
+        await until(lambda: obj(api, "services", "fast-binbatch"), "the Service")
+        pod = controller_pod("vllm-7d4f-abcde") | {}
+        pod["metadata"] = {**pod["metadata"], "name": "vllm-7d4f-abcde", "namespace": NS,
+                           "labels": {"app": "vllm", POLICY_LABEL: "fast"}}  # fmt: skip
+        pod["status"] = {"phase": "Running", "podIP": "127.0.0.1"}
+        await api.post(f"/api/v1/namespaces/{NS}/pods", json=pod)
+
+        def reported() -> dict | None:
+            status = (obj(api, PLURAL, "fast") or {}).get("status") or {}
+            return status if status.get("pods") == 1 and "batchSize" in status else None
+
+        status = await until(reported, "the sidecar's stats in status")
+        stats = await sc.stats()
+        assert status["batchSize"] == stats.target_batch_size
+        metrics = next(c for c in status["conditions"] if c["type"] == "MetricsAvailable")
+        assert metrics["status"] == "True", metrics
+
+
+async def test_invalid_spec_is_reported_by_field_and_the_old_config_kept(cluster: Any, operator: int) -> None:
+    api = cluster
+    await api.post(POLICIES, json=policy_doc("fast"))
+    good = await until(lambda: obj(api, "configmaps", "fast-binbatch"), "the ConfigMap")
+    # kmock has no schema: this stands for what gets past the CRD (pydantic-only rules).
+    bad = {"spec": {"batch": {"minBatchSize": 64, "staticSize": 8}}, "metadata": {"generation": 2}}
+    await api.patch(f"{POLICIES}/fast", json=bad)
+
+    def invalid() -> dict | None:
+        valid = condition(api, "fast", "Valid")
+        return valid if valid and valid["status"] == "False" else None
+
+    valid = await until(invalid, "Valid=False")
+    assert valid["reason"] == "InvalidSpec" and "spec.batch" in valid["message"], valid
+    assert valid["observedGeneration"] == 2
+    assert condition(api, "fast", "Ready")["status"] == "False"
+    assert obj(api, "configmaps", "fast-binbatch")["data"] == good["data"]
+
+
+async def test_two_policies_on_one_pod_are_reported_and_deletion_rolls_the_workload(
+    cluster: Any, operator: int
+) -> None:
+    api = cluster
+    await api.post(POLICIES, json=policy_doc("fast"))
+    await api.post(POLICIES, json=policy_doc("slow"))
+    ca_pem = await until(lambda: ca_bundle(api), "the CA bundle")
+
+    def indexed() -> bool:
+        return bool(obj(api, "services", "slow-binbatch") and obj(api, "services", "fast-binbatch"))
+
+    await until(indexed, "both policies reconciled")
+    response = await admission(operator, ca_pem, controller_pod())
+    ops = json.loads(base64.b64decode(response["patch"]))
+    patched = jsonpatch.apply_patch(controller_pod(), ops)
+    assert patched["metadata"]["annotations"][CONFLICT_ANNOTATION] == "fast,slow"
+    assert len(patched["spec"]["containers"]) == 1
+    assert "fast, slow" in response["warnings"][0]
+
+    # A pod 'fast' injected earlier, owned by ReplicaSet → Deployment.
+    await api.post("/apis/apps/v1/namespaces/llm/deployments",
+                   json={"metadata": {"name": "vllm", "namespace": NS, "uid": "dep-uid"},
+                         "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "template": {"metadata": {}}}})
+    await api.post("/apis/apps/v1/namespaces/llm/replicasets",
+                   json={"metadata": {"name": "vllm-7d4f", "namespace": NS, "ownerReferences": [
+                       {"apiVersion": "apps/v1", "kind": "Deployment", "name": "vllm", "uid": "dep-uid", "controller": True}]},
+                         "spec": {"selector": {"matchLabels": {"app": "vllm"}}}})
+    pod = controller_pod()
+    pod["metadata"] = {**pod["metadata"], "name": "vllm-7d4f-abcde", "namespace": NS,
+                       "labels": {"app": "vllm", POLICY_LABEL: "fast"}}  # fmt: skip
+    await api.post(f"/api/v1/namespaces/{NS}/pods", json=pod)
+
+    def conflict_seen() -> dict | None:
+        injected = condition(api, "slow", "SidecarsInjected")
+        return injected if injected and injected["reason"] == "SelectorConflict" else None
+
+    injected = await until(conflict_seen, "the conflict in slow's status")
+    assert "vllm-7d4f-abcde (also fast)" in injected["message"]
+
+    await api.delete(f"{POLICIES}/fast")
+
+    def restarted() -> str | None:
+        deployment = obj(api, "deployments", "vllm") or {}
+        annotations = deployment.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations") or {}
+        return annotations.get(RESTART_ANNOTATION)
+
+    await until(restarted, "the Deployment's rollout restart")
+    await until(lambda: obj(api, PLURAL, "fast") is None, "the policy to go (finalizer released)")

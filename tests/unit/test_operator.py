@@ -1,0 +1,228 @@
+"""The operator's pure parts: builders, the admission decision, status, certificates."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+import pytest
+import yaml
+from cryptography import x509
+
+from binbatch_api.v1 import binbatch_pb2 as pb
+from binbatch_operator import builders
+from binbatch_operator.reconcile import admit
+from binbatch_operator.status import PodReport, adjustments, aggregate, merge_conditions, Condition
+from binbatch_operator.webhook import fill_namespace, self_signed_certificate, service_hostnames
+from binbatch_sidecar.config import parse_config
+
+IMAGE = "registry.example/binbatch:test"
+SPEC = {
+    "selector": {"matchLabels": {"app": "vllm"}},
+    "sidecar": {"grpcPort": 50061, "metricsPort": 9191, "drainGraceSeconds": 40,
+                "resources": {"requests": {"cpu": "100m"}}},
+    "bins": {"mode": "Fixed", "count": 3, "boundaries": [64, 256]},
+    "batch": {"maxBatchSize": 64},
+}  # fmt: skip
+
+
+def vllm_pod(labels=None, **spec):
+    return {
+        "metadata": {"generateName": "vllm-", "namespace": "llm", "labels": labels or {"app": "vllm"}},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}], "volumes": [{"name": "cache"}], **spec},
+    }
+
+
+def policy(name, spec=SPEC, generation=3):
+    return {"name": name, "spec": spec, "generation": generation}
+
+
+# -- builders -------------------------------------------------------------------
+
+
+def test_configmap_carries_the_sidecar_config_the_sidecar_loads():
+    cm = builders.build_configmap("fast", "llm", SPEC)
+    assert cm["metadata"]["name"] == "fast-binbatch" and cm["metadata"]["namespace"] == "llm"
+    cfg = parse_config(yaml.safe_load(cm["data"][builders.CONFIG_KEY]))
+    assert cfg.server.grpc_port == 50061 and cfg.server.metrics_port == 9191
+    assert list(cfg.bins.boundaries) == [64, 256] and cfg.batch.max_batch_size == 64
+
+
+def test_service_selects_injected_pods_on_the_sidecar_ports():
+    svc = builders.build_service("fast", "llm", SPEC)
+    assert svc["spec"]["selector"] == {builders.POLICY_LABEL: "fast"}
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert ports["grpc"]["port"] == 50061 and ports["grpc"]["targetPort"] == "bb-grpc"
+    assert ports["metrics"]["port"] == 9191 and ports["metrics"]["targetPort"] == "bb-metrics"
+    assert svc["metadata"]["labels"]["app.kubernetes.io/name"] == "binbatch-sidecar"
+
+
+def test_pod_patch_appends_a_locked_down_sidecar_and_keeps_the_pods_own_parts():
+    patch = builders.build_pod_patch(vllm_pod(), "fast", 3, SPEC, IMAGE)
+    containers = patch["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["vllm", builders.SIDECAR_CONTAINER]
+    side = containers[1]
+    assert side["image"] == IMAGE
+    assert side["command"][-1] == "/etc/binbatch/sidecar.yaml"
+    assert {p["containerPort"] for p in side["ports"]} == {50061, 9191}
+    assert side["readinessProbe"]["grpc"]["port"] == 50061
+    sec = side["securityContext"]
+    assert sec["runAsNonRoot"] and sec["readOnlyRootFilesystem"] and not sec["allowPrivilegeEscalation"]
+    assert side["resources"] == {"requests": {"cpu": "100m"}}
+    volumes = {v["name"]: v for v in patch["spec"]["volumes"]}
+    assert set(volumes) == {"cache", builders.CONFIG_VOLUME}
+    assert volumes[builders.CONFIG_VOLUME]["configMap"] == {"name": "fast-binbatch", "optional": True}
+    assert patch["spec"]["terminationGracePeriodSeconds"] == 45  # drain 40 s + 5
+    assert patch["metadata"]["labels"] == {builders.POLICY_LABEL: "fast"}
+    assert patch["metadata"]["annotations"] == {builders.INJECTED_ANNOTATION: "fast@3"}
+
+
+def test_pod_patch_uses_the_policy_image_and_keeps_a_longer_grace_period():
+    spec = {**SPEC, "sidecar": {"image": "mine:1"}}
+    patch = builders.build_pod_patch(vllm_pod(terminationGracePeriodSeconds=120), "fast", 1, spec, IMAGE)
+    assert patch["spec"]["containers"][-1]["image"] == "mine:1"
+    assert patch["spec"]["terminationGracePeriodSeconds"] == 120
+
+
+def test_pod_that_already_has_the_sidecar_is_left_alone():
+    pod = vllm_pod()
+    pod["spec"]["containers"].append({"name": builders.SIDECAR_CONTAINER, "image": IMAGE})
+    assert builders.build_pod_patch(pod, "fast", 1, SPEC, IMAGE) == {}
+
+
+@pytest.mark.parametrize(
+    ("selector", "labels", "matches"),
+    [
+        ({"app": "vllm"}, {"app": "vllm", "tier": "gpu"}, True),
+        ({"app": "vllm", "tier": "cpu"}, {"app": "vllm", "tier": "gpu"}, False),
+        ({"app": "vllm"}, None, False),
+        ({}, {"app": "vllm"}, False),
+    ],
+)
+def test_selector_matches_every_label(selector, labels, matches):
+    assert builders.selector_matches(selector, labels) is matches
+
+
+# -- the admission decision -------------------------------------------------------
+
+
+def test_admit_injects_the_one_policy_that_selects_the_pod():
+    other = policy("other", {**SPEC, "selector": {"matchLabels": {"app": "tgi"}}})
+    patch, warnings = admit(vllm_pod(), [other, policy("fast")], IMAGE)
+    assert warnings == []
+    assert patch["metadata"]["annotations"][builders.INJECTED_ANNOTATION] == "fast@3"
+
+
+def test_admit_leaves_unselected_pods_untouched():
+    assert admit(vllm_pod({"app": "web"}), [policy("fast")], IMAGE) == ({}, [])
+
+
+def test_two_policies_on_one_pod_are_reported_not_merged():
+    patch, warnings = admit(vllm_pod(), [policy("b"), policy("a")], IMAGE)
+    assert patch == {"metadata": {"annotations": {builders.CONFLICT_ANNOTATION: "a,b"}}}
+    assert len(warnings) == 1 and "a, b" in warnings[0]
+
+
+def test_invalid_policy_injects_nothing_and_says_which_field():
+    bad = {**SPEC, "batch": {"maxBatchSize": 0}}
+    patch, warnings = admit(vllm_pod(), [policy("fast", bad)], IMAGE)
+    assert patch == {}
+    assert "spec.batch.maxBatchSize" in warnings[0]
+
+
+# -- status ---------------------------------------------------------------------------
+
+
+def stats(batch=32, state=pb.METRICS_STATE_FRESH, rps=2.5, bounds=(64.0, 256.0), adjustments=()):
+    s = pb.Stats(target_batch_size=batch, bin_boundaries=list(bounds))
+    s.metrics_source.state = state
+    s.throughput.requests_per_second = rps
+    for t, field, a, b, why in adjustments:
+        s.recent_adjustments.add(time_unix_seconds=t, field=field, from_value=a, to_value=b, reason=why)
+    return s
+
+
+def by_type(conditions):
+    return {c.type: c for c in conditions}
+
+
+def test_all_sidecars_fresh_makes_the_policy_ready_with_aggregates():
+    pods = [PodReport("p1", True, stats=stats(16, rps=1.0)), PodReport("p2", True, stats=stats(48, rps=2.0))]
+    conditions, fields = aggregate("fast", pods, [], children_ready=True)
+    c = by_type(conditions)
+    assert [x.type for x in conditions] == ["Ready", "Valid", "SidecarsInjected", "MetricsAvailable"]
+    assert c["Ready"].status == "True" and c["MetricsAvailable"].status == "True"
+    assert fields == {"pods": 2, "batchSize": 48, "bins": "64, 256", "throughputRequestsPerSecond": "3"}
+
+
+def test_no_pods_yet_is_ready_once_children_exist():
+    c = by_type(aggregate("fast", [], [], children_ready=True)[0])
+    assert c["Ready"].status == "True"
+    assert (c["SidecarsInjected"].reason, c["MetricsAvailable"].status) == ("NoPods", "Unknown")
+    assert by_type(aggregate("fast", [], [], children_ready=False)[0])["Ready"].status == "False"
+
+
+def test_invalid_spec_names_the_field_and_blocks_ready():
+    problems = [("spec.batch.maxBatchSize", "must be >= 1")]
+    c = by_type(aggregate("fast", [], problems, children_ready=True)[0])
+    assert c["Valid"].status == "False" and c["Valid"].reason == "InvalidSpec"
+    assert "spec.batch.maxBatchSize: must be >= 1" in c["Valid"].message
+    assert c["Ready"].status == "False" and c["Ready"].reason == "InvalidSpec"
+
+
+def test_pods_without_sidecar_and_conflicts_are_reported():
+    old = PodReport("old-pod", injected=False)
+    c = by_type(aggregate("fast", [old], [], True)[0])
+    assert c["SidecarsInjected"].reason == "PodsNeedRestart" and "old-pod" in c["SidecarsInjected"].message
+    both = PodReport("shared", injected=False, conflict=["slow"])
+    c = by_type(aggregate("fast", [both], [], True)[0])
+    assert c["SidecarsInjected"].reason == "SelectorConflict" and "shared (also slow)" in c["SidecarsInjected"].message
+    assert c["Ready"].status == "False"
+
+
+def test_stale_or_silent_sidecars_make_metrics_unavailable():
+    c = by_type(aggregate("fast", [PodReport("p", True, stats=stats(state=pb.METRICS_STATE_STALE))], [], True)[0])
+    assert c["MetricsAvailable"].reason == "EngineMetricsStale"
+    c = by_type(aggregate("fast", [PodReport("p", True, error="UNAVAILABLE: refused")], [], True)[0])
+    assert c["MetricsAvailable"].reason == "SidecarUnreachable" and "UNAVAILABLE" in c["MetricsAvailable"].message
+
+
+def test_transition_time_changes_only_when_status_flips():
+    first = merge_conditions(None, [Condition("Ready", "False", "Reconciling", "")], 1, "2026-01-01T00:00:00Z")
+    same = merge_conditions(first, [Condition("Ready", "False", "Other", "x")], 2, "2026-01-01T00:01:00Z")
+    flip = merge_conditions(same, [Condition("Ready", "True", "Ready", "")], 2, "2026-01-01T00:02:00Z")
+    assert same[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z" and same[0]["observedGeneration"] == 2
+    assert flip[0]["lastTransitionTime"] == "2026-01-01T00:02:00Z"
+
+
+def test_adjustments_are_deduplicated_and_bounded():
+    changes = [(1_800_000_000 + i, "target_batch_size", str(i), str(i + 1), "kv_memory") for i in range(30)]
+    pods = [PodReport("p", True, stats=stats(adjustments=changes))]
+    first = adjustments(pods, None)
+    assert len(first) == 20 and first[-1]["to"] == "30" and first[-1]["reason"] == "kv_memory"
+    assert adjustments(pods, first) == first  # asking again adds nothing
+
+
+# -- the webhook's certificate and request fix ------------------------------------------
+
+
+def test_self_signed_certificate_serves_tls_for_service_names_and_ips(tmp_path: Path):
+    names = [*service_hostnames("binbatch-webhook", "binbatch-system"), "127.0.0.1"]
+    cert_pem, key_pem = self_signed_certificate(names)
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "binbatch-webhook.binbatch-system.svc" in sans.get_values_for_type(x509.DNSName)
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    (tmp_path / "c.pem").write_bytes(cert_pem)
+    (tmp_path / "k.pem").write_bytes(key_pem)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")  # the key matches the cert
+    client = ssl.create_default_context(cadata=cert_pem.decode())  # and it is its own CA
+    assert client.cert_store_stats()["x509_ca"] == 1
+
+
+def test_fill_namespace_copies_the_request_namespace_only_when_missing():
+    review = {"request": {"namespace": "llm", "object": {"metadata": {"generateName": "vllm-"}}}}
+    assert fill_namespace(review)["request"]["object"]["metadata"]["namespace"] == "llm"
+    review = {"request": {"namespace": "llm", "object": {"metadata": {"namespace": "other"}}}}
+    assert fill_namespace(review)["request"]["object"]["metadata"]["namespace"] == "other"
