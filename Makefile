@@ -29,3 +29,9 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# End to end on a kind cluster (needs docker with a daemon, kind and kubectl; skipped otherwise):
+# builds the image, installs the chart, applies manifests/samples/cpu-emulator.yaml.
+.PHONY: e2e
+e2e: $(STAMP)
+	$(BIN)/python -m pytest -q -m e2e tests/e2e

@@ -27,6 +27,7 @@ CONFIG_KEY = "sidecar.yaml"
 CONFIG_DIR = "/etc/binbatch"
 SIDECAR_CONTAINER = "binbatch-sidecar"
 CONFIG_VOLUME = "binbatch-config"
+TMP_VOLUME = "binbatch-tmp"  # the one writable place of a read-only root filesystem
 POLICY_LABEL = f"{GROUP}/policy"  # on injected pods; the Service selects it
 INJECTED_ANNOTATION = f"{GROUP}/injected"  # "<policy>@<generation>" of the config at injection
 CONFLICT_ANNOTATION = f"{GROUP}/conflict"  # on pods two policies select: who they were
@@ -131,7 +132,10 @@ def sidecar_container(policy: str, spec: Mapping[str, Any], default_image: str) 
         # until vLLM answers, so the Service only routes to pods that can serve.
         "readinessProbe": {"grpc": {"port": grpc_port}, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {"httpGet": {"path": "/metrics", "port": "bb-metrics"}, "periodSeconds": 20, "failureThreshold": 3},
-        "volumeMounts": [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}],
+        "volumeMounts": [
+            {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": TMP_VOLUME, "mountPath": "/tmp"},
+        ],
         "securityContext": {
             "runAsNonRoot": True, "runAsUser": SIDECAR_UID, "runAsGroup": SIDECAR_UID,
             "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
@@ -159,8 +163,9 @@ def build_pod_patch(
     containers = list(pod_spec.get("containers") or [])
     if any(c.get("name") == SIDECAR_CONTAINER for c in containers):
         return {}
-    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != CONFIG_VOLUME]
+    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in (CONFIG_VOLUME, TMP_VOLUME)]
     volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": child_name(policy), "optional": True}})
+    volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
     drain = (spec.get("sidecar") or {}).get("drainGraceSeconds", 30)
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
     return {

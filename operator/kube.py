@@ -24,6 +24,7 @@ from .builders import selector_matches
 from .crd import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 RESTART_ANNOTATION = f"{GROUP}/restartedAt"
 
 
@@ -115,7 +116,7 @@ class KubeApi:
             for i in range(len(current.get("webhooks") or []))
         ]
         if ops:
-            await self._call(self.admission.patch_mutating_webhook_configuration, name, ops)
+            await self._call(self.admission.patch_mutating_webhook_configuration, name, ops, _content_type=JSON_PATCH)
 
     async def restart_owner(self, pod: Mapping[str, Any]) -> str | None:
         """Roll the Deployment or StatefulSet that owns ``pod`` (``kubectl rollout restart``).

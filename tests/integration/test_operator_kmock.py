@@ -40,6 +40,7 @@ from binbatch_sidecar.engine.emulator import running_emulator
 os.environ.setdefault("BINBATCH_STATS_INTERVAL_SECONDS", "0.5")  # read when main is imported
 import binbatch_operator.main  # noqa: E402,F401 - registers the handlers with kopf
 import kopf  # noqa: E402
+from kopf._cogs.structs.credentials import Vault  # noqa: E402
 
 NS = "llm"
 WEBHOOK_CONFIG = "binbatch-test"
@@ -119,7 +120,10 @@ async def operator(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
     monkeypatch.setenv("BINBATCH_WEBHOOK_PORT", str(port))
     monkeypatch.setenv("BINBATCH_SIDECAR_IMAGE", "registry.test/binbatch:1")
     stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready))
+    vault = Vault()
+    task = asyncio.create_task(
+        kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready, vault=vault)
+    )
     await asyncio.wait_for(ready.wait(), DEADLINE)
     try:
         yield port
@@ -127,6 +131,10 @@ async def operator(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, DEADLINE)
+        # A timer that fires while kopf stops can open an API session after kopf
+        # closed its credentials vault; in a process that exits it would not
+        # matter, in a test session it would leak into the next test.
+        await vault.close()
 
 
 def policy_doc(name: str, grpc_port: int = 50051, **spec: Any) -> dict[str, Any]:
@@ -208,6 +216,17 @@ async def test_policy_gets_configmap_service_status_and_pods_get_the_sidecar(clu
     # A pod of another app is left alone.
     other = controller_pod() | {"metadata": {"labels": {"app": "web"}}}
     assert "patch" not in await admission(operator, ca_pem, other)
+
+    # A spec change rewrites the ConfigMap (the sidecars reload the mounted file).
+    change = {"spec": {"bins": {"boundaries": [64]}}, "metadata": {"generation": 2}}
+    await api.patch(f"{POLICIES}/fast", json=change)
+
+    def rewritten() -> dict | None:
+        data = (obj(api, "configmaps", "fast-binbatch") or {}).get("data") or {}
+        doc = yaml.safe_load(data.get("sidecar.yaml", "{}"))
+        return doc if doc["bins"]["boundaries"] == [64] else None
+
+    await until(rewritten, "the ConfigMap to follow the spec")
 
 
 async def test_status_aggregates_a_real_sidecars_stats(cluster: Any, operator: int, tmp_path: Path) -> None:

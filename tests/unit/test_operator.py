@@ -70,7 +70,7 @@ def test_pod_patch_appends_a_locked_down_sidecar_and_keeps_the_pods_own_parts():
     assert sec["runAsNonRoot"] and sec["readOnlyRootFilesystem"] and not sec["allowPrivilegeEscalation"]
     assert side["resources"] == {"requests": {"cpu": "100m"}}
     volumes = {v["name"]: v for v in patch["spec"]["volumes"]}
-    assert set(volumes) == {"cache", builders.CONFIG_VOLUME}
+    assert set(volumes) == {"cache", builders.CONFIG_VOLUME, builders.TMP_VOLUME}
     assert volumes[builders.CONFIG_VOLUME]["configMap"] == {"name": "fast-binbatch", "optional": True}
     assert patch["spec"]["terminationGracePeriodSeconds"] == 45  # drain 40 s + 5
     assert patch["metadata"]["labels"] == {builders.POLICY_LABEL: "fast"}
@@ -226,3 +226,15 @@ def test_fill_namespace_copies_the_request_namespace_only_when_missing():
     assert fill_namespace(review)["request"]["object"]["metadata"]["namespace"] == "llm"
     review = {"request": {"namespace": "llm", "object": {"metadata": {"namespace": "other"}}}}
     assert fill_namespace(review)["request"]["object"]["metadata"]["namespace"] == "other"
+
+
+def test_built_objects_pass_the_kubernetes_schemas():
+    import kubernetes_validate
+
+    pod = vllm_pod()
+    pod |= {"apiVersion": "v1", "kind": "Pod"}
+    patch = builders.build_pod_patch(pod, "fast", 3, SPEC, IMAGE)
+    injected = {**pod, "metadata": {**pod["metadata"], **patch["metadata"]}, "spec": {**pod["spec"], **patch["spec"]}}
+    injected["spec"]["volumes"] = [v if v["name"] != "cache" else {"name": "cache", "emptyDir": {}} for v in injected["spec"]["volumes"]]
+    for obj in (injected, builders.build_configmap("fast", "llm", SPEC), builders.build_service("fast", "llm", SPEC)):
+        kubernetes_validate.validate(obj, "1.30", strict=True)

@@ -1,0 +1,601 @@
+"""The Helm chart, the plain-YAML install and the samples.
+
+The chart is linted and rendered by the real Helm library (``helm-python-sdk``,
+Helm's Go SDK as ``libhelm_c.so``; no cluster, no ``helm`` binary), and every
+object it renders is checked against the Kubernetes OpenAPI schemas
+(``kubernetes-validate``, strict: an unknown field is an error).  Sample
+policies are checked by the operator's own config builder and by the CRD's
+schema, as ``kubectl apply`` (strict field validation) would.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from binbatch_operator.builders import MANAGED_LABELS, build_service, sidecar_config
+from binbatch_sidecar.cli import build_parser
+from binbatch_sidecar.config import ConfigError
+from binbatch_sidecar.engine.emulator import config_from_args
+from binbatch_sidecar.engine.sidecar_metrics import SidecarMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "binbatch"
+CRD_SOURCE = ROOT / "manifests" / "crd" / "batchingpolicies.binbatch.io.yaml"
+CRD_COPY = CHART / "crds" / "batchingpolicies.binbatch.io.yaml"
+INSTALL = ROOT / "manifests" / "install" / "binbatch.yaml"
+SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
+RELEASE, NAMESPACE = "binbatch", "binbatch-system"
+KUBE_VERSION = "1.30"  # the oldest Kubernetes the chart targets; kubernetes-validate ships its schemas
+
+MONITORING = {
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "grafanaDashboard": {"enabled": True},
+}
+CUSTOM_TAG = {"image": {"tag": "1.2.3-rc1"}}
+VALUE_SETS = {"defaults": None, "monitoring": MONITORING, "custom-tag": CUSTOM_TAG}
+
+NAMESPACED = {"ServiceAccount", "Service", "Deployment", "ConfigMap", "ServiceMonitor"}
+
+# A Prometheus duration, as prometheus-operator checks it.
+DURATION = "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+
+# The part of prometheus-operator's ServiceMonitor (monitoring.coreos.com/v1) the chart
+# uses, closed like the strict Kubernetes schemas; kubernetes-validate has no CRD schemas.
+SERVICE_MONITOR = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "endpoints"],
+            "properties": {
+                "selector": {"type": "object", "additionalProperties": False, "properties": {
+                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+                "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
+                    "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
+                "endpoints": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "additionalProperties": False, "properties": {
+                        "port": {"type": "string"}, "path": {"type": "string"},
+                        "interval": {"type": "string", "pattern": DURATION}}}},
+            },
+        },
+    },
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@functools.cache
+def _chart() -> helm.Chart:
+    return helm.Chart.load(CHART)
+
+
+@functools.cache
+def _render(values_json: str) -> dict[str, str]:
+    return _chart().render(json.loads(values_json), name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def rendered(values: dict[str, Any] | None = None) -> dict[str, str]:
+    """Template path → rendered text, from Helm."""
+    return _render(json.dumps(values))
+
+
+def objects(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    out = []
+    for path, text in sorted(rendered(values).items()):
+        if path.endswith(".yaml"):
+            out += [doc for doc in yaml.safe_load_all(text) if doc]
+    return out
+
+
+def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def operator_container(values: dict[str, Any] | None = None) -> dict[str, Any]:
+    (container,) = one(objects(values), "Deployment")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def validate_kubernetes(obj: dict[str, Any]) -> None:
+    if obj["kind"] == "ServiceMonitor":
+        jsonschema.Draft7Validator(SERVICE_MONITOR).validate(obj)
+    else:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def strict_schema(node: Any) -> Any:
+    """A CRD schema as ``kubectl apply``'s strict field validation applies it: unknown fields are errors."""
+    if isinstance(node, list):
+        return [strict_schema(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: strict_schema(value) for key, value in node.items()}
+    if (
+        out.get("type") == "object"
+        and isinstance(out.get("properties"), dict)
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.cache
+def policy_validator() -> jsonschema.Draft7Validator:
+    crd = yaml.safe_load(CRD_SOURCE.read_text())
+    return jsonschema.Draft7Validator(strict_schema(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]))
+
+
+def sample_docs(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def render_manifests_module():
+    spec = importlib.util.spec_from_file_location("render_manifests", ROOT / "charts" / "render_manifests.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------ the chart as Helm sees it
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_chart_passes_strict_helm_lint(values):
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []  # 2 warning, 3 error
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_every_rendered_object_is_valid_against_the_kubernetes_schemas(values):
+    objs = objects(values)
+    assert objs
+    for obj in objs:
+        validate_kubernetes(obj)
+        if obj["kind"] in NAMESPACED:
+            assert obj["metadata"]["namespace"] == NAMESPACE, f"{obj['kind']} must name its namespace for kubectl apply"
+
+
+def test_crd_in_the_chart_is_a_byte_copy_of_the_manifests_source():
+    assert CRD_COPY.read_bytes() == CRD_SOURCE.read_bytes(), "cp manifests/crd/*.yaml charts/binbatch/crds/"
+    (crd,) = _chart().crds
+    assert crd["data"].encode() == CRD_SOURCE.read_bytes()
+
+
+def test_crd_is_a_valid_kubernetes_object():
+    validate_kubernetes(yaml.safe_load(CRD_COPY.read_text()))
+
+
+def test_defaults_render_the_operator_and_nothing_optional():
+    kinds = sorted(o["kind"] for o in objects())
+    assert kinds == sorted([
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "MutatingWebhookConfiguration",
+    ])  # fmt: skip
+
+
+def test_notes_tell_the_next_commands():
+    notes = rendered()["binbatch/templates/NOTES.txt"]
+    assert f"kubectl --namespace {NAMESPACE} rollout status deployment/{RELEASE}" in notes
+    assert "apply -f manifests/samples/cpu-emulator.yaml" in notes
+    assert "get bp" in notes
+
+
+# ------------------------------------------------------------------ values and their schema
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"image": {"tagg": "v1"}}, "tagg"),
+        ({"serviceMonitor": {"enable": True}}, "enable"),
+        ({"resources": {"limit": {"memory": "1Gi"}}}, "limit"),
+    ],
+)
+def test_an_unknown_value_is_refused_naming_it(values, named):
+    with pytest.raises(helm.HelmValuesError) as err:
+        _chart().render(values, name=RELEASE, namespace=NAMESPACE)
+    assert f"'{named}' not allowed" in str(err.value)
+
+
+def test_a_bad_webhook_failure_policy_is_refused():
+    with pytest.raises(helm.HelmValuesError, match="failurePolicy"):
+        _chart().render({"webhook": {"failurePolicy": "Retry"}}, name=RELEASE, namespace=NAMESPACE)
+
+
+def _schema_nodes(node: dict[str, Any], path: str = "values"):
+    yield path, node
+    for key, prop in node.get("properties", {}).items():
+        yield from _schema_nodes(prop, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        yield from _schema_nodes(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _schema_nodes(node["additionalProperties"], f"{path}.*")
+
+
+def test_values_schema_closes_every_object_it_defines():
+    schema = _chart().schema
+    for path, node in _schema_nodes(schema):
+        if node.get("type") != "object":
+            continue
+        if "properties" in node:
+            assert node.get("additionalProperties") is False, f"{path} accepts unknown keys"
+        else:  # a map (labels, requests) or a Kubernetes type passed through to the API server
+            extra = node.get("additionalProperties")
+            assert isinstance(extra, dict) or (extra is True and "API server" in node["description"]), path
+        assert node.get("description"), f"{path} has no description"
+
+
+def _key_lines(node: yaml.Node, schema: dict[str, Any], path: str = ""):
+    """(dotted key, line) of every values.yaml key the schema defines (not map entries or pass-through data)."""
+    if not isinstance(node, yaml.MappingNode):
+        return
+    for key, value in node.value:
+        prop = schema.get("properties", {}).get(key.value)
+        if prop is None:
+            continue
+        yield f"{path}{key.value}", key.start_mark.line
+        yield from _key_lines(value, prop, f"{path}{key.value}.")
+
+
+def test_every_value_is_commented():
+    text = (CHART / "values.yaml").read_text()
+    lines = text.splitlines()
+    keys = list(_key_lines(yaml.compose(text), _chart().schema))
+    assert len(keys) > 40
+    for key, line in keys:
+        above = lines[line - 1].strip() if line else ""
+        assert above.startswith("#") or "#" in lines[line], f"values.yaml: {key} has no comment"
+    assert {k for k, _ in keys if "." not in k} == set(_chart().schema["properties"]), "values.yaml misses a key"
+
+
+# ------------------------------------------------------------------ RBAC
+
+EXPECTED_RULES = {
+    ("binbatch.io", "batchingpolicies", ("get", "list", "patch", "watch"), ()),
+    ("binbatch.io", "batchingpolicies/status", ("get", "patch"), ()),
+    ("binbatch.io", "batchingpolicies/finalizers", ("update",), ()),
+    ("", "configmaps", ("create", "get", "list", "patch", "watch"), ()),
+    ("", "services", ("create", "get", "list", "patch", "watch"), ()),
+    ("", "pods", ("get", "list", "watch"), ()),
+    ("", "events", ("create",), ()),
+    ("events.k8s.io", "events", ("create",), ()),
+    ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch"), ()),
+    ("", "namespaces", ("get", "list", "watch"), ()),
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get", "patch"), (RELEASE,)),
+    ("apps", "deployments", ("get", "patch"), ()),
+    ("apps", "statefulsets", ("get", "patch"), ()),
+    ("apps", "replicasets", ("get",), ()),
+}
+
+
+def _grants(role: dict[str, Any]) -> set[tuple[str, str, tuple[str, ...], tuple[str, ...]]]:
+    return {
+        (group, resource, tuple(sorted(rule["verbs"])), tuple(rule.get("resourceNames", ())))
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+
+
+def test_rbac_rules_have_no_wildcard():
+    role = one(objects(), "ClusterRole")
+    assert "*" not in json.dumps(role["rules"])
+
+
+def test_rbac_grants_exactly_what_the_operator_needs():
+    assert _grants(one(objects(), "ClusterRole")) == EXPECTED_RULES
+
+
+def test_webhook_configuration_access_is_restricted_to_the_releases_own():
+    objs = objects({"fullnameOverride": "bb"})
+    rules = [r for r in one(objs, "ClusterRole")["rules"] if "mutatingwebhookconfigurations" in r["resources"]]
+    assert [r["resourceNames"] for r in rules] == [["bb"]]
+    assert one(objs, "MutatingWebhookConfiguration")["metadata"]["name"] == "bb"
+    assert env(operator_container({"fullnameOverride": "bb"}))["BINBATCH_WEBHOOK_CONFIG"] == "bb"
+
+
+def test_role_is_bound_to_the_operators_service_account():
+    objs = objects()
+    binding, account = one(objs, "ClusterRoleBinding"), one(objs, "ServiceAccount")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": one(objs, "ClusterRole")["metadata"]["name"]}  # fmt: skip
+    subject = {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    assert binding["subjects"] == [subject]
+    pod = one(objs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+
+
+# ------------------------------------------------------------------ the operator Deployment
+
+
+def test_operator_is_one_replica_recreated_never_two_at_once():
+    spec = one(objects(), "Deployment")["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+
+
+def test_operator_runs_non_root_on_a_read_only_root_filesystem():
+    deployment = one(objects(), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = operator_container()
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 10001 and sc["runAsGroup"] == 10001
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    # The one writable place: the webhook certificate goes to /tmp.
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert [v for v in pod["volumes"] if v["name"] == "tmp"][0]["emptyDir"] is not None
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+
+
+def test_operator_probes_kopfs_liveness_endpoint():
+    container = operator_container()
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"webhook": 9443, "health": 8080}
+    assert "--liveness=http://0.0.0.0:8080/healthz" in container["command"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+def test_operator_command_and_environment():
+    objs = objects()
+    container = operator_container()
+    assert container["name"] == "operator"
+    assert container["command"] == [
+        "kopf", "run", "-m", "binbatch_operator.main", "--all-namespaces", "--standalone",
+        "--liveness=http://0.0.0.0:8080/healthz",
+    ]  # fmt: skip
+    assert env(container) == {
+        "POD_NAMESPACE": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        "BINBATCH_SIDECAR_IMAGE": "ghcr.io/binbatch/binbatch:0.1.0",
+        "BINBATCH_WEBHOOK_SERVICE": one(objs, "Service")["metadata"]["name"],
+        "BINBATCH_WEBHOOK_CONFIG": one(objs, "MutatingWebhookConfiguration")["metadata"]["name"],
+        "BINBATCH_WEBHOOK_PORT": "9443",
+        "BINBATCH_STATS_INTERVAL_SECONDS": "15",
+    }
+    slower = operator_container({"operator": {"statsIntervalSeconds": 30}})
+    assert env(slower)["BINBATCH_STATS_INTERVAL_SECONDS"] == "30"
+
+
+def test_image_tag_defaults_to_the_app_version_and_the_sidecar_uses_the_same_image():
+    app_version = _chart().metadata["appVersion"]
+    assert operator_container()["image"] == f"ghcr.io/binbatch/binbatch:{app_version}"
+    custom = operator_container(CUSTOM_TAG)
+    assert custom["image"] == "ghcr.io/binbatch/binbatch:1.2.3-rc1"
+    assert env(custom)["BINBATCH_SIDECAR_IMAGE"] == "ghcr.io/binbatch/binbatch:1.2.3-rc1"
+
+
+def test_sidecar_image_can_differ_from_the_operators():
+    container = operator_container({"sidecar": {"image": "registry.example/sidecar:2"}})
+    assert container["image"] == "ghcr.io/binbatch/binbatch:0.1.0"
+    assert env(container)["BINBATCH_SIDECAR_IMAGE"] == "registry.example/sidecar:2"
+
+
+# ------------------------------------------------------------------ the admission webhook
+
+
+def test_webhook_calls_inject_sidecar_on_the_operators_service_and_ignores_failures_by_default():
+    objs = objects()
+    (hook,) = one(objs, "MutatingWebhookConfiguration")["webhooks"]
+    service = one(objs, "Service")
+    assert hook["name"] == "inject-sidecar.binbatch.io"
+    assert hook["clientConfig"] == {
+        "service": {"namespace": NAMESPACE, "name": service["metadata"]["name"], "path": "/inject-sidecar", "port": 443}
+    }  # no caBundle: the operator patches in the CA it generates
+    assert hook["failurePolicy"] == "Ignore" and hook["timeoutSeconds"] == 5
+    assert hook["sideEffects"] == "None" and hook["admissionReviewVersions"] == ["v1"]
+    assert hook["reinvocationPolicy"] == "Never"
+    assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"],
+                              "operations": ["CREATE"], "scope": "Namespaced"}]  # fmt: skip
+    (expr,) = hook["namespaceSelector"]["matchExpressions"]
+    assert expr["key"] == "kubernetes.io/metadata.name" and expr["operator"] == "NotIn"
+    assert set(expr["values"]) == {"kube-system", "kube-node-lease", "kube-public", NAMESPACE}
+
+
+def test_webhook_service_reaches_the_operators_webhook_port():
+    objs = objects()
+    service = one(objs, "Service")
+    assert service["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
+    pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_webhook_failure_policy_and_timeout_come_from_values():
+    objs = objects({"webhook": {"failurePolicy": "Fail", "timeoutSeconds": 10}})
+    (hook,) = one(objs, "MutatingWebhookConfiguration")["webhooks"]
+    assert (hook["failurePolicy"], hook["timeoutSeconds"]) == ("Fail", 10)
+
+
+# ------------------------------------------------------------------ monitoring
+
+
+def test_service_monitor_scrapes_the_services_the_operator_creates():
+    monitor = one(objects(MONITORING), "ServiceMonitor")
+    service = build_service("p", "ns", {"selector": {"matchLabels": {"app": "x"}}})
+    sidecar_name = MANAGED_LABELS["app.kubernetes.io/name"]
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": sidecar_name}
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def _exported_series() -> set[str]:
+    """Every series name the sidecar's registry can expose."""
+    names = set()
+    for family in SidecarMetrics().registry.collect():
+        if family.type == "counter":
+            names |= {family.name + "_total"}
+        elif family.type == "histogram":
+            names |= {family.name + suffix for suffix in ("_bucket", "_sum", "_count")}
+        else:
+            names.add(family.name)
+    return names
+
+
+def _dashboard() -> dict[str, Any]:
+    config_map = one(objects(MONITORING), "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (text,) = config_map["data"].values()
+    return json.loads(text)
+
+
+def test_dashboard_queries_only_metrics_the_sidecar_exports():
+    dashboard = _dashboard()
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    used = {name for expr in exprs for name in re.findall(r"\bbinbatch_[a-z0-9_]+", expr)}
+    assert used, "no binbatch_* metric in the dashboard"
+    assert used <= _exported_series(), f"not exported by the sidecar: {sorted(used - _exported_series())}"
+    for expr in exprs:
+        for group in re.findall(r"\bby \(([^)]*)\)", expr):
+            labels = {label.strip() for label in group.split(",")}
+            assert labels <= {"bin", "outcome", "reason", "le", "pod", "namespace", "service"}, expr
+    # the headline panels the dashboard promises
+    titles = {p["title"] for p in dashboard["panels"]}
+    for title in ("Requests by outcome", "Queue depth per bin", "B_mem per bin", "Predictor accuracy"):
+        assert title in titles
+
+
+def test_dashboard_panels_fit_the_grid_with_unique_ids():
+    panels = _dashboard()["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for p in panels:
+        assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24, p["title"]
+
+
+# ------------------------------------------------------------------ manifests/install
+
+
+def test_install_manifest_is_the_rendered_chart():
+    assert INSTALL.read_text() == render_manifests_module().render(), "run: python charts/render_manifests.py"
+
+
+def test_install_manifest_creates_the_namespace_then_the_crd_then_the_operator():
+    docs = [doc for doc in yaml.safe_load_all(INSTALL.read_text()) if doc]
+    kinds = [d["kind"] for d in docs]
+    assert kinds[:2] == ["Namespace", "CustomResourceDefinition"]
+    assert docs[0]["metadata"]["name"] == NAMESPACE
+    assert docs[1] == yaml.safe_load(CRD_SOURCE.read_text())
+    assert sorted(kinds[2:]) == sorted(o["kind"] for o in objects())
+    assert kinds.index("MutatingWebhookConfiguration") > kinds.index("Deployment")
+    for doc in docs:
+        validate_kubernetes(doc)
+        if doc["kind"] in NAMESPACED:
+            assert doc["metadata"]["namespace"] == NAMESPACE
+
+
+# ------------------------------------------------------------------ manifests/samples
+
+
+def _policies(path: Path) -> list[dict[str, Any]]:
+    return [d for d in sample_docs(path) if d["kind"] == "BatchingPolicy"]
+
+
+def _workload_pods(path: Path) -> list[dict[str, Any]]:
+    return [d["spec"]["template"] for d in sample_docs(path) if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _container(template: dict[str, Any]) -> dict[str, Any]:
+    (container,) = template["spec"]["containers"]
+    return container
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=[p.name for p in SAMPLES])
+def test_sample_policy_is_valid_for_the_operator_and_the_crd(path):
+    policies = _policies(path)
+    assert len(policies) == 1
+    for policy in policies:
+        assert policy["apiVersion"] == "binbatch.io/v1alpha1"
+        errors = sorted(policy_validator().iter_errors(policy), key=str)
+        assert not errors, "\n".join(f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors)
+        sidecar_config(policy["spec"])  # raises ConfigError naming spec.<field>
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=[p.name for p in SAMPLES])
+def test_sample_workloads_are_valid_kubernetes_objects(path):
+    for doc in sample_docs(path):
+        if doc["kind"] != "BatchingPolicy":
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=[p.name for p in SAMPLES])
+def test_sample_policy_selects_the_samples_engine_and_calls_its_port(path):
+    (policy,) = _policies(path)
+    selector = policy["spec"]["selector"]["matchLabels"]
+    (pod,) = [t for t in _workload_pods(path) if selector.items() <= t["metadata"]["labels"].items()]
+    engine = _container(pod)
+    url = policy["spec"]["engine"]["url"]
+    assert url.startswith("http://127.0.0.1:")
+    assert int(url.rsplit(":", 1)[1]) in {p["containerPort"] for p in engine["ports"]}
+    assert engine["readinessProbe"]["httpGet"]["path"] == policy["spec"]["engine"].get("healthPath", "/health")
+    assert policy["spec"]["metrics"]["url"] == url + "/metrics"
+    assert sample_docs(path)[0]["kind"] == "BatchingPolicy", "the policy comes first so new pods get the sidecar"
+
+
+def test_cpu_sample_runs_the_real_emulator_cli_on_all_interfaces():
+    path = ROOT / "manifests" / "samples" / "cpu-emulator.yaml"
+    (policy,) = _policies(path)
+    (pod,) = _workload_pods(path)
+    engine = _container(pod)
+    command = engine["command"]
+    assert command[:2] == ["binbatch", "emulate-engine"]
+    args = build_parser().parse_args(command[1:])
+    emulator = config_from_args(args)  # raises ValueError on a bad flag combination
+    assert (args.host, args.port) == ("0.0.0.0", 8000)
+    assert emulator.model == policy["spec"]["engine"]["model"]
+    assert policy["spec"]["bins"]["maxOutputTokens"] <= emulator.max_model_len
+    sc = engine["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert engine["image"].startswith("ghcr.io/binbatch/binbatch:")
+
+
+def test_gpu_sample_serves_the_policys_model_on_one_gpu():
+    path = ROOT / "manifests" / "samples" / "gpu-vllm.yaml"
+    (policy,) = _policies(path)
+    (pod,) = _workload_pods(path)
+    engine = _container(pod)
+    assert engine["image"].startswith("vllm/vllm-openai:")
+    args = engine["args"]
+    assert args[args.index("--model") + 1] == policy["spec"]["engine"]["model"]
+    assert args[args.index("--host") + 1] == "0.0.0.0" and args[args.index("--port") + 1] == "8000"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "vllm"
+
+
+def test_crd_check_refuses_a_misspelt_policy_field():
+    (policy,) = _policies(ROOT / "manifests" / "samples" / "cpu-emulator.yaml")
+    policy["spec"]["batch"]["maxBatchSizee"] = 64
+    assert any("maxBatchSizee" in e.message for e in policy_validator().iter_errors(policy))
+    with pytest.raises(ConfigError, match="spec.batch.maxBatchSizee"):
+        sidecar_config(policy["spec"])
