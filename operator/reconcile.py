@@ -111,7 +111,7 @@ async def observe(
             report.error = f"pod is {state.get('phase', 'Pending')}"
     await asyncio.gather(*asks)
 
-    conditions, fields = aggregate(name, reports, problems, children_ready)
+    conditions, fields = aggregate(reports, problems, children_ready)
     return {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions"), conditions, generation, now_iso()),

@@ -15,7 +15,6 @@ from typing import Any
 from binbatch_api.v1 import binbatch_pb2 as pb
 
 MAX_ADJUSTMENTS = 20  # the CRD's maxItems for status.adjustments
-CONDITION_TYPES = ("Ready", "Valid", "SidecarsInjected", "MetricsAvailable")
 
 
 def now_iso() -> str:
@@ -66,7 +65,7 @@ def valid_condition(problems: Sequence[tuple[str, str]]) -> Condition:
 
 
 def aggregate(
-    policy: str, pods: Sequence[PodReport], problems: Sequence[tuple[str, str]], children_ready: bool
+    pods: Sequence[PodReport], problems: Sequence[tuple[str, str]], children_ready: bool
 ) -> tuple[list[Condition], dict[str, Any]]:
     """Conditions and the status fields for a policy from what its pods report."""
     valid = valid_condition(problems)
@@ -107,7 +106,8 @@ def aggregate(
     else:
         ready = Condition("Ready", "True", "Ready", f"ConfigMap and Service in place; {len(injected)} sidecar(s).")
 
-    fields: dict[str, Any] = {"pods": len(injected)}
+    # None deletes a field in the merge patch: no reporting sidecar, no stale aggregate.
+    fields: dict[str, Any] = {"pods": len(injected), "batchSize": None, "bins": None, "throughputRequestsPerSecond": None}
     if reporting:
         stats = [p.stats for p in reporting]
         fields["batchSize"] = max(s.target_batch_size for s in stats)  # type: ignore[union-attr]

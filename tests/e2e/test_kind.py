@@ -96,7 +96,7 @@ def wait_for(what: str, check: Callable[[], T | None], *, timeout: float, diagno
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last API error: {last_error or 'none'})\n"
                         f"{diagnose()}")  # fmt: skip
-        time.sleep(1.0)  # the poll interval; the deadline bounds the wait
+        time.sleep(1.0)  # ok-sleep: the poll interval; the deadline bounds the wait
 
 
 class Cluster:

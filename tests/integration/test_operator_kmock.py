@@ -243,7 +243,7 @@ async def test_status_aggregates_a_real_sidecars_stats(cluster: Any, operator: i
 
         def reported() -> dict | None:
             status = (obj(api, PLURAL, "fast") or {}).get("status") or {}
-            return status if status.get("pods") == 1 and "batchSize" in status else None
+            return status if status.get("pods") == 1 and status.get("batchSize") is not None else None
 
         status = await until(reported, "the sidecar's stats in status")
         stats = await sc.stats()

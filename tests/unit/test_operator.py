@@ -148,7 +148,7 @@ def by_type(conditions):
 
 def test_all_sidecars_fresh_makes_the_policy_ready_with_aggregates():
     pods = [PodReport("p1", True, stats=stats(16, rps=1.0)), PodReport("p2", True, stats=stats(48, rps=2.0))]
-    conditions, fields = aggregate("fast", pods, [], children_ready=True)
+    conditions, fields = aggregate(pods, [], children_ready=True)
     c = by_type(conditions)
     assert [x.type for x in conditions] == ["Ready", "Valid", "SidecarsInjected", "MetricsAvailable"]
     assert c["Ready"].status == "True" and c["MetricsAvailable"].status == "True"
@@ -156,15 +156,17 @@ def test_all_sidecars_fresh_makes_the_policy_ready_with_aggregates():
 
 
 def test_no_pods_yet_is_ready_once_children_exist():
-    c = by_type(aggregate("fast", [], [], children_ready=True)[0])
+    conditions, fields = aggregate([], [], children_ready=True)
+    c = by_type(conditions)
+    assert fields == {"pods": 0, "batchSize": None, "bins": None, "throughputRequestsPerSecond": None}
     assert c["Ready"].status == "True"
     assert (c["SidecarsInjected"].reason, c["MetricsAvailable"].status) == ("NoPods", "Unknown")
-    assert by_type(aggregate("fast", [], [], children_ready=False)[0])["Ready"].status == "False"
+    assert by_type(aggregate([], [], children_ready=False)[0])["Ready"].status == "False"
 
 
 def test_invalid_spec_names_the_field_and_blocks_ready():
     problems = [("spec.batch.maxBatchSize", "must be >= 1")]
-    c = by_type(aggregate("fast", [], problems, children_ready=True)[0])
+    c = by_type(aggregate([], problems, children_ready=True)[0])
     assert c["Valid"].status == "False" and c["Valid"].reason == "InvalidSpec"
     assert "spec.batch.maxBatchSize: must be >= 1" in c["Valid"].message
     assert c["Ready"].status == "False" and c["Ready"].reason == "InvalidSpec"
@@ -172,18 +174,18 @@ def test_invalid_spec_names_the_field_and_blocks_ready():
 
 def test_pods_without_sidecar_and_conflicts_are_reported():
     old = PodReport("old-pod", injected=False)
-    c = by_type(aggregate("fast", [old], [], True)[0])
+    c = by_type(aggregate([old], [], True)[0])
     assert c["SidecarsInjected"].reason == "PodsNeedRestart" and "old-pod" in c["SidecarsInjected"].message
     both = PodReport("shared", injected=False, conflict=["slow"])
-    c = by_type(aggregate("fast", [both], [], True)[0])
+    c = by_type(aggregate([both], [], True)[0])
     assert c["SidecarsInjected"].reason == "SelectorConflict" and "shared (also slow)" in c["SidecarsInjected"].message
     assert c["Ready"].status == "False"
 
 
 def test_stale_or_silent_sidecars_make_metrics_unavailable():
-    c = by_type(aggregate("fast", [PodReport("p", True, stats=stats(state=pb.METRICS_STATE_STALE))], [], True)[0])
+    c = by_type(aggregate([PodReport("p", True, stats=stats(state=pb.METRICS_STATE_STALE))], [], True)[0])
     assert c["MetricsAvailable"].reason == "EngineMetricsStale"
-    c = by_type(aggregate("fast", [PodReport("p", True, error="UNAVAILABLE: refused")], [], True)[0])
+    c = by_type(aggregate([PodReport("p", True, error="UNAVAILABLE: refused")], [], True)[0])
     assert c["MetricsAvailable"].reason == "SidecarUnreachable" and "UNAVAILABLE" in c["MetricsAvailable"].message
 
 
