@@ -599,3 +599,12 @@ def test_crd_check_refuses_a_misspelt_policy_field():
     assert any("maxBatchSizee" in e.message for e in policy_validator().iter_errors(policy))
     with pytest.raises(ConfigError, match="spec.batch.maxBatchSizee"):
         sidecar_config(policy["spec"])
+
+
+def test_every_env_var_the_chart_sets_is_read_by_the_operator():
+    """A renamed variable on either side would silently fall back to a default."""
+    import re
+
+    source = (ROOT / "operator" / "main.py").read_text()
+    read = set(re.findall(r'os\.environ\.get\("([A-Z_]+)"', source))
+    assert set(env(operator_container())) == read
