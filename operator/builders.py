@@ -116,7 +116,7 @@ def matching_policies(policies: Iterable[Mapping[str, Any]], pod_labels: Mapping
     return sorted(names)
 
 
-def sidecar_container(policy: str, spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
+def sidecar_container(spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
     """The injected container: non-root, read-only root filesystem, gRPC health probes."""
     side = spec.get("sidecar") or {}
     grpc_port, metrics_port = side.get("grpcPort", 50051), side.get("metricsPort", 9090)
@@ -141,7 +141,6 @@ def sidecar_container(policy: str, spec: Mapping[str, Any], default_image: str) 
             "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "env": [{"name": "BINBATCH_POLICY", "value": policy}],
     }  # fmt: skip
     if side.get("resources"):
         container["resources"] = dict(side["resources"])
@@ -174,7 +173,7 @@ def build_pod_patch(
             "annotations": {INJECTED_ANNOTATION: f"{policy}@{generation}"},
         },
         "spec": {
-            "containers": [*containers, sidecar_container(policy, spec, default_image)],
+            "containers": [*containers, sidecar_container(spec, default_image)],
             "volumes": volumes,
             "terminationGracePeriodSeconds": grace,
         },
