@@ -18,13 +18,17 @@ import base64
 import contextlib
 import json
 import os
+import signal
+import socket
 import ssl
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import helm_python
 import jsonpatch
 import kmock
 import kubernetes
@@ -67,8 +71,6 @@ def obj(api: kmock.KubernetesEmulator, resource: str, name: str, namespace: str 
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -319,3 +321,36 @@ async def test_two_policies_on_one_pod_are_reported_and_deletion_rolls_the_workl
 
     await until(restarted, "the Deployment's rollout restart")
     await until(lambda: obj(api, PLURAL, "fast") is None, "the policy to go (finalizer released)")
+
+
+async def test_the_charts_operator_command_runs_as_a_process(cluster: Any, tmp_path: Path) -> None:
+    """`kopf run -m binbatch_operator.main ...` exactly as the chart's Deployment says,
+    from a directory without the source tree (where `operator/` cannot shadow the
+    standard library), with the chart's env: liveness answers, a policy is served,
+    and SIGTERM ends it cleanly."""
+    chart = helm_python.Chart.load(Path(__file__).resolve().parents[2] / "charts" / "binbatch")
+    text = chart.render({}, name="binbatch", namespace="binbatch-system", is_install=True)
+    deployment = next(doc for path, body in text.items() if path.endswith("deployment.yaml")
+                      for doc in yaml.safe_load_all(body) if doc)  # fmt: skip
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    live_port, hook_port = free_port(), free_port()
+    command = [f"--liveness=http://127.0.0.1:{live_port}/healthz" if a.startswith("--liveness=") else a
+               for a in container["command"]]  # fmt: skip
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env |= {"POD_NAMESPACE": "binbatch-system", "BINBATCH_WEBHOOK_PORT": str(hook_port),
+            "BINBATCH_WEBHOOK_CONFIG": WEBHOOK_CONFIG, "KUBECONFIG": os.environ["KUBECONFIG"],
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path)}  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *command, cwd=tmp_path, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        await cluster.post(POLICIES, json=policy_doc("fast"))
+        await until(lambda: obj(cluster, "configmaps", "fast-binbatch"), "the ConfigMap from the process")
+        await until(lambda: ca_bundle(cluster), "the CA bundle from the process")
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{live_port}/healthz") as resp:
+            assert resp.status == 200
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), DEADLINE)
+    assert proc.returncode == 0, stderr.decode()[-2000:]
