@@ -14,6 +14,8 @@ plain dicts, so the handlers in ``main.py`` stay thin and these are tested alone
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -30,6 +32,7 @@ CONFIG_VOLUME = "binbatch-config"
 TMP_VOLUME = "binbatch-tmp"  # the one writable place of a read-only root filesystem
 POLICY_LABEL = f"{GROUP}/policy"  # on injected pods; the Service selects it
 INJECTED_ANNOTATION = f"{GROUP}/injected"  # "<policy>@<generation>" of the config at injection
+SIDECAR_HASH_ANNOTATION = f"{GROUP}/sidecar-hash"  # of the injected container: tells outdated pods
 CONFLICT_ANNOTATION = f"{GROUP}/conflict"  # on pods two policies select: who they were
 SIDECAR_UID = 10001
 MANAGED_LABELS = {"app.kubernetes.io/name": "binbatch-sidecar", "app.kubernetes.io/managed-by": "binbatch-operator"}
@@ -147,6 +150,17 @@ def sidecar_container(spec: Mapping[str, Any], default_image: str) -> dict[str, 
     return container
 
 
+def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
+    """A short digest of the container the webhook would inject now.
+
+    Batching settings reach running sidecars through the ConfigMap; the
+    container itself (image, ports, resources, grace) only through a new pod.
+    Comparing digests finds the pods that still run an older container.
+    """
+    text = json.dumps(sidecar_container(spec, default_image), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def build_pod_patch(
     pod: Mapping[str, Any], policy: str, generation: int, spec: Mapping[str, Any], default_image: str
 ) -> dict[str, Any]:
@@ -170,7 +184,10 @@ def build_pod_patch(
     return {
         "metadata": {
             "labels": {POLICY_LABEL: policy},
-            "annotations": {INJECTED_ANNOTATION: f"{policy}@{generation}"},
+            "annotations": {
+                INJECTED_ANNOTATION: f"{policy}@{generation}",
+                SIDECAR_HASH_ANNOTATION: sidecar_hash(spec, default_image),
+            },
         },
         "spec": {
             "containers": [*containers, sidecar_container(spec, default_image)],

@@ -25,12 +25,14 @@ from binbatch_sidecar.config import ConfigError
 from .builders import (
     CONFLICT_ANNOTATION,
     POLICY_LABEL,
+    SIDECAR_HASH_ANNOTATION,
     build_configmap,
     build_pod_patch,
     build_service,
     child_name,
     matching_policies,
     sidecar_config,
+    sidecar_hash,
 )
 from .kube import KubeApi
 from .sidecar_stats import describe_error, get_stats
@@ -91,14 +93,17 @@ async def observe(
         for p in await ctx.kube.list_policies(namespace)
         if p["metadata"]["name"] != name
     ]
-    reports = [
-        PodReport(
-            name=pod["metadata"]["name"],
-            injected=(pod["metadata"].get("labels") or {}).get(POLICY_LABEL) == name,
-            conflict=matching_policies(others, pod["metadata"].get("labels")),
-        )
-        for pod in pods
-    ]
+    current = sidecar_hash(spec, ctx.sidecar_image)
+    reports = []
+    for pod in pods:
+        pod_meta = pod["metadata"]
+        injected = (pod_meta.get("labels") or {}).get(POLICY_LABEL) == name
+        digest = (pod_meta.get("annotations") or {}).get(SIDECAR_HASH_ANNOTATION)
+        reports.append(PodReport(
+            name=pod_meta["name"], injected=injected,
+            conflict=matching_policies(others, pod_meta.get("labels")),
+            outdated=injected and digest is not None and digest != current,
+        ))  # fmt: skip
     port = (spec.get("sidecar") or {}).get("grpcPort", 50051)
     asks = []
     for pod, report in zip(pods, reports, strict=True):

@@ -53,6 +53,7 @@ class PodReport:
     name: str
     injected: bool  # carries the sidecar (label set by the webhook)
     conflict: list[str] = field(default_factory=list)  # other policies that select it too
+    outdated: bool = False  # its sidecar container is from an older spec.sidecar
     stats: pb.Stats | None = None  # None: not asked (not running) or no answer
     error: str = ""  # why there are no stats
 
@@ -72,6 +73,7 @@ def aggregate(
     injected = [p for p in pods if p.injected]
     missing = sorted(p.name for p in pods if not p.injected and not p.conflict)
     conflicts = sorted(f"{p.name} (also {', '.join(p.conflict)})" for p in pods if p.conflict)
+    outdated = sorted(p.name for p in injected if p.outdated)
 
     if conflicts:
         sidecars = Condition("SidecarsInjected", "False", "SelectorConflict",
@@ -80,6 +82,10 @@ def aggregate(
         sidecars = Condition("SidecarsInjected", "False", "PodsNeedRestart",
                              f"{len(missing)} selected pod(s) were created before the policy and have no sidecar "
                              f"(recreate them, e.g. kubectl rollout restart): {', '.join(missing[:10])}")  # fmt: skip
+    elif outdated:
+        sidecars = Condition("SidecarsInjected", "False", "SidecarOutdated",
+                             f"{len(outdated)} pod(s) run a sidecar from an older spec.sidecar (image, ports, "
+                             f"resources or grace; recreate them): {', '.join(outdated[:10])}")  # fmt: skip
     elif not pods:
         sidecars = Condition("SidecarsInjected", "True", "NoPods", "No pod matches the selector yet.")
     else:

@@ -36,7 +36,7 @@ import pytest
 import yaml
 from sidecar_harness import running_sidecar, sidecar_config
 
-from binbatch_operator.builders import CONFLICT_ANNOTATION, POLICY_LABEL, SIDECAR_CONTAINER
+from binbatch_operator.builders import CONFLICT_ANNOTATION, POLICY_LABEL, SIDECAR_CONTAINER, SIDECAR_HASH_ANNOTATION
 from binbatch_operator.crd import GROUP, KIND, PLURAL, VERSION
 from binbatch_operator.kube import RESTART_ANNOTATION
 from binbatch_sidecar.engine.emulator import running_emulator
@@ -252,6 +252,16 @@ async def test_status_aggregates_a_real_sidecars_stats(cluster: Any, operator: i
         assert status["batchSize"] == stats.target_batch_size
         metrics = next(c for c in status["conditions"] if c["type"] == "MetricsAvailable")
         assert metrics["status"] == "True", metrics
+
+        # The pod's sidecar container predates a change of spec.sidecar: reported.
+        await api.patch(f"/api/v1/namespaces/{NS}/pods/vllm-7d4f-abcde",
+                        json={"metadata": {"annotations": {SIDECAR_HASH_ANNOTATION: "0123456789abcdef"}}})
+
+        def outdated() -> dict | None:
+            injected = condition(api, "fast", "SidecarsInjected")
+            return injected if injected and injected["reason"] == "SidecarOutdated" else None
+
+        assert "vllm-7d4f-abcde" in (await until(outdated, "SidecarOutdated"))["message"]
 
 
 async def test_invalid_spec_is_reported_by_field_and_the_old_config_kept(cluster: Any, operator: int) -> None:

@@ -74,7 +74,8 @@ def test_pod_patch_appends_a_locked_down_sidecar_and_keeps_the_pods_own_parts():
     assert volumes[builders.CONFIG_VOLUME]["configMap"] == {"name": "fast-binbatch", "optional": True}
     assert patch["spec"]["terminationGracePeriodSeconds"] == 45  # drain 40 s + 5
     assert patch["metadata"]["labels"] == {builders.POLICY_LABEL: "fast"}
-    assert patch["metadata"]["annotations"] == {builders.INJECTED_ANNOTATION: "fast@3"}
+    assert patch["metadata"]["annotations"] == {
+        builders.INJECTED_ANNOTATION: "fast@3", builders.SIDECAR_HASH_ANNOTATION: builders.sidecar_hash(SPEC, IMAGE)}
 
 
 def test_pod_patch_uses_the_policy_image_and_keeps_a_longer_grace_period():
@@ -240,3 +241,19 @@ def test_built_objects_pass_the_kubernetes_schemas():
     injected["spec"]["volumes"] = [v if v["name"] != "cache" else {"name": "cache", "emptyDir": {}} for v in injected["spec"]["volumes"]]
     for obj in (injected, builders.build_configmap("fast", "llm", SPEC), builders.build_service("fast", "llm", SPEC)):
         kubernetes_validate.validate(obj, "1.30", strict=True)
+
+
+def test_sidecar_hash_follows_the_container_not_the_batching_settings():
+    base = builders.sidecar_hash(SPEC, IMAGE)
+    assert builders.build_pod_patch(vllm_pod(), "fast", 3, SPEC, IMAGE)["metadata"]["annotations"][
+        builders.SIDECAR_HASH_ANNOTATION] == base  # fmt: skip
+    assert builders.sidecar_hash({**SPEC, "batch": {"maxBatchSize": 8}}, IMAGE) == base  # reloads live
+    assert builders.sidecar_hash(SPEC, "registry.example/binbatch:next") != base
+    assert builders.sidecar_hash({**SPEC, "sidecar": {**SPEC["sidecar"], "grpcPort": 50099}}, IMAGE) != base
+
+
+def test_pods_with_an_older_sidecar_container_are_reported():
+    pods = [PodReport("new", True, stats=stats()), PodReport("old", True, outdated=True, stats=stats())]
+    c = by_type(aggregate(pods, [], True)[0])
+    assert c["SidecarsInjected"].reason == "SidecarOutdated" and c["SidecarsInjected"].message.endswith(": old")
+    assert c["Ready"].status == "False"
