@@ -92,10 +92,18 @@ async def delete_policy(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any)
 
 @kopf.on.mutate("v1", "pods", id=WEBHOOK_PATH_ID, operations=["CREATE"], ignore_failures=True, side_effects=False)
 def inject_sidecar(
-    body: kopf.Body, patch: kopf.Patch, warnings: list[str], policies: kopf.Index, memo: kopf.Memo, **_: Any
+    body: kopf.Body, patch: kopf.Patch, warnings: list[str], policies: kopf.Index, memo: kopf.Memo, logger: Any,
+    **_: Any,
 ) -> None:
-    namespace = body.get("metadata", {}).get("namespace")
-    candidates = list(policies.get(namespace, []))
-    merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image)
+    """Fails open: kopf would answer an exception with allowed=false and so block the
+    pod, which failurePolicy Ignore does not cover; a pod without a sidecar is better."""
+    try:
+        namespace = body.get("metadata", {}).get("namespace")
+        candidates = list(policies.get(namespace, []))
+        merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image)
+    except Exception as exc:  # noqa: BLE001
+        logger.exception("sidecar injection failed; the pod is admitted without it")
+        warnings.append(f"binbatch: sidecar injection failed ({type(exc).__name__}); pod admitted without it")
+        return
     patch.update(merge)
     warnings.extend(notes)
