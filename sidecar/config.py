@@ -171,7 +171,8 @@ class MemoryConfig(_Section):
 
 class LatencyConfig(_Section):
     tpot_milliseconds: int = Field(0, ge=0, le=100_000, description="Time-per-output-token SLO D_SLA; 0 means none.")
-    ttft_milliseconds: int = Field(0, ge=0, le=600_000, description="Time-to-first-token SLO; 0 means none.")
+    ttft_milliseconds: int = Field(0, ge=0, le=600_000, description="Time-to-first-token SLO of requests without x-slo-ttft-ms; 0 means none.")  # fmt: skip
+    queue_share_percent: int = Field(50, ge=1, le=100, description="Share of a request's TTFT SLO it may wait in its bin; then the bin is sent, full or not.")  # fmt: skip
     tolerance_percent: int = Field(10, ge=0, le=100, description="ε_D: accepted TPOT deviation, in percent of the target.")  # fmt: skip
 
 
@@ -257,10 +258,11 @@ class SidecarConfig(_Section):
         ms = self.latency.tpot_milliseconds
         return ms / 1000 if ms else None
 
-    @property
-    def ttft_seconds(self) -> float | None:
-        ms = self.latency.ttft_milliseconds
-        return ms / 1000 if ms else None
+    def queue_budget_seconds(self, ttft_milliseconds: int | None) -> float | None:
+        """How long a request may wait in its bin: a share of its TTFT SLO (the
+        request's own, else the policy's), or None when neither is set."""
+        ms = ttft_milliseconds or self.latency.ttft_milliseconds
+        return ms / 1000 * self.latency.queue_share_percent / 100 if ms else None
 
     @property
     def eps_d(self) -> float:

@@ -4,9 +4,10 @@ Algorithm 1 of multi-bin-batching-v1.md, plus what a server needs around it:
 
 * a request goes to the bin of its predicted length (the binner decides);
 * a bin emits a batch when it holds its target size B ("full"), when its oldest
-  request has waited ``max_wait`` ("timeout"), or, when a server is idle, when the
-  dispatch policy says a partial batch should go now ("policy", the SMDP control
-  limit of DESIGN §3.4);
+  request has waited ``max_wait`` ("timeout"), when a request's ``send_by`` time
+  comes (its TTFT SLO leaves no more time to wait: "slo"), or, when a server is
+  idle, when the dispatch policy says a partial batch should go now ("policy", the
+  SMDP control limit of DESIGN §3.4);
 * emitted batches wait in one service queue: first completed batch, first served,
   a batch holding a higher priority first;
 * within a bin, higher priority first, then earliest arrival;
@@ -43,7 +44,7 @@ class DispatchPolicy(Protocol):
 class Batch:
     bin: int
     requests: list[Request]
-    reason: str  # "full" | "timeout" | "policy" | "drain"
+    reason: str  # "full" | "timeout" | "slo" | "policy" | "drain"
     formed_at: float
 
     @property
@@ -142,6 +143,7 @@ class BatchFormer:
         self._version = binner.version
         self._entries: dict[Request, _Entry] = {}  # queued or in the service queue
         self._deadlines: list[tuple[float, int, _Entry]] = []
+        self._send_by: list[tuple[float, int, _Entry]] = []
         self._service: list[tuple[int, int, Batch]] = []  # (-priority, seq, batch)
         self._sizes: list[int] = []
         self.set_target_sizes(target_size)
@@ -185,6 +187,8 @@ class BatchFormer:
         self._entries[req] = e
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, e.seq, e))
+        if req.send_by is not None:
+            heapq.heappush(self._send_by, (req.send_by, e.seq, e))
         i = self._binner.assign(req.predicted_tokens)
         req.bin = i
         self._bins[i].push(e, self._max_wait is not None)
@@ -212,6 +216,15 @@ class BatchFormer:
                 e.leave_bin(self._bins)
                 result.expired.append(e.req)
         self._sync_bins()
+        while self._send_by and self._send_by[0][0] <= now:
+            e = self._send_by[0][2]
+            if not e.live:  # already in a batch, cancelled or expired
+                heapq.heappop(self._send_by)
+                continue
+            # The bin holds fewer than B (full bins form at once), so this batch takes
+            # all of it, ``e`` included; the loop re-checks rather than assume so.
+            self._form(e.req.bin, self._sizes[e.req.bin], "slo")  # type: ignore[index]
+            result.formed += 1
         if self._max_wait is not None:
             for i, b in enumerate(self._bins):
                 while b.count:
@@ -223,12 +236,16 @@ class BatchFormer:
         return result
 
     def next_wake(self) -> float | None:
-        """The earliest clock time at which ``poll()`` has work: a deadline or a max_wait."""
+        """The earliest clock time at which ``poll()`` has work: a deadline, a send-by or a max_wait."""
         times = []
         while self._deadlines and self._deadlines[0][2].req not in self._entries:
             heapq.heappop(self._deadlines)
         if self._deadlines:
             times.append(self._deadlines[0][0])
+        while self._send_by and not self._send_by[0][2].live:
+            heapq.heappop(self._send_by)
+        if self._send_by:
+            times.append(self._send_by[0][0])
         if self._max_wait is not None:
             for b in self._bins:
                 oldest = b.oldest_arrival() if b.count else None

@@ -25,6 +25,7 @@ class Request:
     hint_tokens: float | None = None  # the client's expected_output_tokens, if given
     priority: int = 0  # larger is more urgent
     deadline: float | None = None  # absolute clock time; None = no deadline
+    send_by: float | None = None  # leave the bin by this clock time (a TTFT SLO's queue share)
     request_class: str = ""
     predicted_tokens: float | None = None  # set by the length predictor
     actual_tokens: float | None = None  # set when the engine reports completion

@@ -118,6 +118,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine_request = EngineRequest(params=params, prompt=msg.prompt if which == "prompt" else None, messages=messages)
         now = side.clock.now()
         remaining = context.time_remaining()
+        budget = cfg.queue_budget_seconds(slo.get("x-slo-ttft-ms"))  # TTFT SLO: bounds the wait in a bin
         text = msg.prompt if which == "prompt" else "".join(c for _, c in messages or ())
         req = Request(
             id=msg.request_id or uuid.uuid4().hex,
@@ -127,12 +128,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             hint_tokens=float(msg.expected_output_tokens) if msg.HasField("expected_output_tokens") else None,
             priority=msg.priority,
             deadline=None if remaining is None else now + remaining,
+            send_by=None if budget is None else now + budget,
             request_class=msg.request_class[:64],
         )
         loop = asyncio.get_running_loop()
         call = Call(engine_request, loop.create_future(), asyncio.Queue() if stream else None)
-        if slo:
-            log.debug("request %s carries SLOs %s", req.id, slo)
         return req, call
 
     async def _accept(self, msg, context, stream: bool) -> tuple[Request, Call]:

@@ -116,6 +116,24 @@ def _holding_config(url: str, **batch) -> dict:
     )
 
 
+async def test_ttft_slo_sends_a_bin_that_would_otherwise_hold(tmp_path):
+    """A batch that never fills and a 10-minute maxWait: only the TTFT SLO sends it,
+    the request's own (metadata) or, without one, the policy's."""
+    async with running_emulator(FAST) as url:
+        doc = _holding_config(url)
+        async with running_sidecar(doc, tmp_path) as sc:
+            own = await sc.inference.Generate(prompt_request(1, 3), metadata=(("x-slo-ttft-ms", "200"),), timeout=60)
+            assert own.completion_tokens == 3 and own.batch_size == 1
+            fams = await sc.scrape()
+            assert samples(fams, "binbatch_batches", reason="slo") == 1
+            doc["latency"] = {"ttftMilliseconds": 200}
+            sc.write_config(doc)
+            assert await sc.sidecar.watcher.check()
+            policy = await sc.inference.Generate(prompt_request(2, 3), timeout=60)
+            assert policy.completion_tokens == 3
+            assert samples(await sc.scrape(), "binbatch_batches", reason="slo") == 2
+
+
 async def test_full_queue_answers_resource_exhausted_at_once(tmp_path):
     async with running_emulator(FAST) as url, running_sidecar(_holding_config(url, maxQueuedRequests=2), tmp_path) as sc:
         held = [asyncio.ensure_future(sc.inference.Generate(prompt_request(i, 3), timeout=60)) for i in range(2)]

@@ -55,6 +55,7 @@ memory:
 latency:
   tpotMilliseconds: 50
   ttftMilliseconds: 2000
+  queueSharePercent: 25
   tolerancePercent: 20
 predictor:
   kind: Hint
@@ -99,7 +100,8 @@ def test_defaults_convert_to_si_units():
     cfg = SidecarConfig()
     assert cfg.max_wait_seconds == pytest.approx(0.05)
     assert cfg.eps_m == pytest.approx(0.010)
-    assert cfg.tpot_seconds is None and cfg.ttft_seconds is None
+    assert cfg.tpot_seconds is None and cfg.queue_budget_seconds(None) is None
+    assert cfg.queue_budget_seconds(400) == pytest.approx(0.2)  # a request's own SLO, 50% of it
     assert cfg.eps_d == pytest.approx(0.10)
     assert cfg.kv_reserve_ratio == 0 and cfg.kv_saturation == pytest.approx(0.95)
     assert cfg.scrape_interval_seconds == pytest.approx(0.5)
@@ -113,7 +115,9 @@ def test_full_example_parses_every_key():
     assert (cfg.batch.mode, cfg.batch.sizing, cfg.batch.static_size) == ("Gang", "Sla", 16)
     assert cfg.metrics.promql_selector == '{pod="vllm-0"}'
     assert cfg.logging.log_prompts is True
-    assert cfg.tpot_seconds == pytest.approx(0.05) and cfg.ttft_seconds == pytest.approx(2.0)
+    assert cfg.tpot_seconds == pytest.approx(0.05)
+    assert cfg.queue_budget_seconds(None) == pytest.approx(2.0 * 0.25)  # the policy's SLO, 25% of it
+    assert cfg.queue_budget_seconds(800) == pytest.approx(0.8 * 0.25)
     assert cfg.eps_m == pytest.approx(0.005) and cfg.kv_reserve_ratio == pytest.approx(0.10)
     # the dump spells the file's keys back, and round-trips
     assert dump_config(cfg) == yaml.safe_load(FULL)

@@ -71,6 +71,31 @@ def test_partial_bin_waits_until_max_wait_then_leaves_as_timeout(clock):
     assert f.next_wake() is None
 
 
+def test_send_by_releases_a_partial_bin_before_max_wait(clock):
+    """A TTFT SLO leaves a request less time to wait than the bin's max_wait."""
+    f = former(clock, max_wait=5.0)
+    relaxed, urgent = req(clock, 1), req(clock, 2, send_by=0.2)
+    f.submit(relaxed)
+    f.submit(urgent)
+    assert f.next_wake() == 0.2
+    clock.advance_to(0.19)
+    f.poll()
+    assert f.take() is None
+    clock.advance_to(0.2)
+    assert f.poll().formed == 1
+    batch = f.take()
+    assert batch is not None and batch.reason == "slo" and batch.requests == [relaxed, urgent]
+    assert f.next_wake() is None
+
+
+def test_send_by_of_a_cancelled_request_wakes_nobody(clock):
+    f = former(clock, max_wait=None)
+    r = req(clock, 1, send_by=1.0)
+    f.submit(r)
+    f.cancel(r)
+    assert f.next_wake() is None
+
+
 def test_without_max_wait_a_partial_bin_never_times_out(clock):
     f = former(clock, max_wait=None)
     f.submit(req(clock, 1))

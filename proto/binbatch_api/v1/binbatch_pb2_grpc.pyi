@@ -50,9 +50,13 @@ class InferenceStub:
         without reaching the engine.
       * Cancelling the call removes a queued request or aborts it in the engine.
       * Optional request metadata (as in the Kubernetes Gateway API Inference
-        Extension): `x-slo-ttft-ms` (target time to first token, milliseconds)
-        and `x-slo-tpot-ms` (target time per output token, milliseconds). They
-        are metadata keys, not message fields.
+        Extension): `x-slo-ttft-ms` (target time to first token, milliseconds):
+        the request waits in its bin at most `latency.queueSharePercent` of it,
+        then its bin is sent, full or not (without the key, the policy's
+        `latency.ttftMilliseconds` applies); and `x-slo-tpot-ms` (target time per
+        output token, milliseconds): validated, but a batch is shared, so its
+        size follows the policy's `latency.tpotMilliseconds`. They are metadata
+        keys, not message fields.
     Errors: INVALID_ARGUMENT for a malformed request, RESOURCE_EXHAUSTED when the
     sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
     engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
@@ -79,9 +83,13 @@ class InferenceAsyncStub(InferenceStub):
         without reaching the engine.
       * Cancelling the call removes a queued request or aborts it in the engine.
       * Optional request metadata (as in the Kubernetes Gateway API Inference
-        Extension): `x-slo-ttft-ms` (target time to first token, milliseconds)
-        and `x-slo-tpot-ms` (target time per output token, milliseconds). They
-        are metadata keys, not message fields.
+        Extension): `x-slo-ttft-ms` (target time to first token, milliseconds):
+        the request waits in its bin at most `latency.queueSharePercent` of it,
+        then its bin is sent, full or not (without the key, the policy's
+        `latency.ttftMilliseconds` applies); and `x-slo-tpot-ms` (target time per
+        output token, milliseconds): validated, but a batch is shared, so its
+        size follows the policy's `latency.tpotMilliseconds`. They are metadata
+        keys, not message fields.
     Errors: INVALID_ARGUMENT for a malformed request, RESOURCE_EXHAUSTED when the
     sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
     engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
@@ -104,9 +112,13 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         without reaching the engine.
       * Cancelling the call removes a queued request or aborts it in the engine.
       * Optional request metadata (as in the Kubernetes Gateway API Inference
-        Extension): `x-slo-ttft-ms` (target time to first token, milliseconds)
-        and `x-slo-tpot-ms` (target time per output token, milliseconds). They
-        are metadata keys, not message fields.
+        Extension): `x-slo-ttft-ms` (target time to first token, milliseconds):
+        the request waits in its bin at most `latency.queueSharePercent` of it,
+        then its bin is sent, full or not (without the key, the policy's
+        `latency.ttftMilliseconds` applies); and `x-slo-tpot-ms` (target time per
+        output token, milliseconds): validated, but a batch is shared, so its
+        size follows the policy's `latency.tpotMilliseconds`. They are metadata
+        keys, not message fields.
     Errors: INVALID_ARGUMENT for a malformed request, RESOURCE_EXHAUSTED when the
     sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
     engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
