@@ -3,8 +3,8 @@
 What is verified here on the real engine, not only on the emulator: a gRPC
 Generate reaches vLLM and comes back in gang and in continuous mode; token
 streaming; the metrics feed reads vLLM's own /metrics (KV capacity from
-``vllm:cache_config_info``); and the memory-aware batch size follows the KV cache
-that ``--num-gpu-blocks-override`` leaves.
+``vllm:cache_config_info``); the memory-aware batch size follows the KV cache
+that ``--num-gpu-blocks-override`` leaves; a TTFT SLO sends a partial batch.
 """
 
 from __future__ import annotations
@@ -54,6 +54,22 @@ async def test_continuous_generate_and_stream_through_the_sidecar(vllm_server, t
         await sc.sidecar.feed.poll_once()
         stats = await sc.stats()
         assert stats.metrics_source.state == pb.METRICS_STATE_FRESH  # vLLM's /metrics parsed
+
+
+async def test_ttft_slo_sends_a_partial_gang_batch_to_vllm(vllm_server, tmp_path):
+    """A gang batch of 64 that never fills and a 10-minute maxWait: the request's
+    TTFT SLO sends it alone, and vLLM answers it."""
+    doc = _doc(
+        vllm_server,
+        batch={"mode": "Gang", "sizing": "Static", "staticSize": 64, "maxWaitMilliseconds": 600000},
+        bins={"count": 1},
+    )
+    async with running_sidecar(doc, tmp_path) as sc:
+        resp = await sc.inference.Generate(prompt_request(1, 5), metadata=(("x-slo-ttft-ms", "300"),), timeout=120)
+        assert resp.completion_tokens == 5 and resp.batch_size == 1
+        reasons = {s.labels["reason"]: s.value for f in (await sc.scrape()).values() if f.name == "binbatch_batches"
+                   for s in f.samples if s.name == "binbatch_batches_total"}  # fmt: skip
+        assert reasons == {"slo": 1.0}
 
 
 async def _memory_sized_run(vllm_server, tmp_path) -> tuple[int, float]:

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -357,3 +358,31 @@ async def test_run_polls_until_cancelled(cfg_path):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert watcher.current.generation == 2
+
+
+def _kubelet_publish(volume, data: dict, generation: int) -> None:
+    """What kubelet's AtomicWriter does for a ConfigMap volume: write a fresh
+    timestamped directory, point a new symlink at it and rename that over
+    ``..data``; the user-visible file is a fixed symlink into ``..data``."""
+    stamp = volume / f"..2026_11_23_00_00_0{generation}.000000000"
+    stamp.mkdir()
+    (stamp / "sidecar.yaml").write_text(yaml.safe_dump(data))
+    tmp = volume / "..data_tmp"
+    tmp.symlink_to(stamp.name)
+    os.replace(tmp, volume / "..data")
+    if not (volume / "sidecar.yaml").is_symlink():
+        (volume / "sidecar.yaml").symlink_to("..data/sidecar.yaml")
+
+
+async def test_a_configmap_volume_update_is_picked_up(tmp_path):
+    """The file path never changes and its own mtime is the symlink's: only the
+    content tells that kubelet swapped in a new version."""
+    volume = tmp_path / "binbatch"
+    volume.mkdir()
+    _kubelet_publish(volume, {"batch": {"staticSize": 16}}, 1)
+    path = volume / "sidecar.yaml"
+    watcher = ConfigWatcher(path, initial=load_config(path), on_change=lambda loaded: None, poll_seconds=1)
+    assert not await watcher.check()
+    _kubelet_publish(volume, {"batch": {"staticSize": 24}}, 2)
+    assert await watcher.check()
+    assert watcher.current.config.batch.static_size == 24 and watcher.current.generation == 2
