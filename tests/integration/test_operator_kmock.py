@@ -50,7 +50,7 @@ from kopf._cogs.structs.credentials import Vault  # noqa: E402
 NS = "llm"
 WEBHOOK_CONFIG = "binbatch-test"
 POLICIES = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
-DEADLINE = 20.0
+DEADLINE = 30.0  # an upper bound only: each wait ends as soon as its condition holds
 
 
 async def until(check: Callable[[], Any], what: str) -> Any:
