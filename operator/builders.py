@@ -23,7 +23,7 @@ import yaml
 
 from binbatch_sidecar.config import ConfigError, parse_config
 
-from .crd import CONFIG_SECTIONS, GROUP
+from .crd import CONFIG_SECTIONS, GROUP, SIDECAR_DEFAULTS
 
 CONFIG_KEY = "sidecar.yaml"
 CONFIG_DIR = "/etc/binbatch"
@@ -43,15 +43,16 @@ def child_name(policy: str) -> str:
     return f"{policy}-binbatch"
 
 
+def sidecar_settings(spec: Mapping[str, Any]) -> dict[str, int]:
+    """``spec.sidecar``'s ports and drain grace, defaults filled in."""
+    side = spec.get("sidecar") or {}
+    return {key: side.get(key, default) for key, default in SIDECAR_DEFAULTS.items()}
+
+
 def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The sidecar config document for ``spec``; raises ConfigError naming ``spec.<field>``."""
     doc: dict[str, Any] = {name: dict(spec[name]) for name in CONFIG_SECTIONS if spec.get(name) is not None}
-    side = spec.get("sidecar") or {}
-    doc["server"] = {
-        "grpcPort": side.get("grpcPort", 50051),
-        "metricsPort": side.get("metricsPort", 9090),
-        "drainGraceSeconds": side.get("drainGraceSeconds", 30),
-    }
+    doc["server"] = sidecar_settings(spec)
     try:
         parse_config(doc)
     except ConfigError as exc:
@@ -88,8 +89,7 @@ def build_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[st
     It selects the pods the webhook injected for this policy, not the policy's
     selector, so a pod without the sidecar never receives gRPC traffic.
     """
-    side = spec.get("sidecar") or {}
-    grpc_port, metrics_port = side.get("grpcPort", 50051), side.get("metricsPort", 9090)
+    ports = sidecar_settings(spec)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -98,8 +98,8 @@ def build_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[st
             "type": "ClusterIP",
             "selector": {POLICY_LABEL: name},
             "ports": [
-                {"name": "grpc", "port": grpc_port, "targetPort": "bb-grpc", "protocol": "TCP", "appProtocol": "grpc"},
-                {"name": "metrics", "port": metrics_port, "targetPort": "bb-metrics", "protocol": "TCP"},
+                {"name": "grpc", "port": ports["grpcPort"], "targetPort": "bb-grpc", "protocol": "TCP", "appProtocol": "grpc"},
+                {"name": "metrics", "port": ports["metricsPort"], "targetPort": "bb-metrics", "protocol": "TCP"},
             ],
         },
     }
@@ -122,7 +122,8 @@ def matching_policies(policies: Iterable[Mapping[str, Any]], pod_labels: Mapping
 def sidecar_container(spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
     """The injected container: non-root, read-only root filesystem, gRPC health probes."""
     side = spec.get("sidecar") or {}
-    grpc_port, metrics_port = side.get("grpcPort", 50051), side.get("metricsPort", 9090)
+    settings = sidecar_settings(spec)
+    grpc_port, metrics_port = settings["grpcPort"], settings["metricsPort"]
     container: dict[str, Any] = {
         "name": SIDECAR_CONTAINER,
         "image": side.get("image") or default_image,
@@ -179,7 +180,7 @@ def build_pod_patch(
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in (CONFIG_VOLUME, TMP_VOLUME)]
     volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": child_name(policy), "optional": True}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
-    drain = (spec.get("sidecar") or {}).get("drainGraceSeconds", 30)
+    drain = sidecar_settings(spec)["drainGraceSeconds"]
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
     return {
         "metadata": {

@@ -35,6 +35,9 @@ CRD_PATH = Path("manifests/crd/batchingpolicies.binbatch.io.yaml")
 # render (ports come from spec.sidecar).
 CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging")
 
+# spec.sidecar's defaults: the CRD's, and the builders' for a spec the API server did not default.
+SIDECAR_DEFAULTS = {"grpcPort": 50051, "metricsPort": 9090, "drainGraceSeconds": 30}
+
 SECTION_RULES: dict[str, list[dict[str, str]]] = {
     "batch": [
         {"rule": "self.minBatchSize <= self.staticSize", "message": "minBatchSize must be <= staticSize",
@@ -126,9 +129,9 @@ def spec_schema() -> dict[str, Any]:
         "default": {},
         "properties": {
             "image": _str("Sidecar image; empty uses the operator's own image.", maxLength=512, default=""),
-            "grpcPort": {**port, "default": 50051, "description": "Port of the gRPC API (binbatch.v1.Inference)."},
-            "metricsPort": {**port, "default": 9090, "description": "Port of the sidecar's Prometheus /metrics."},
-            "drainGraceSeconds": {"type": "integer", "minimum": 0, "maximum": 3600, "default": 30,
+            "grpcPort": {**port, "default": SIDECAR_DEFAULTS["grpcPort"], "description": "Port of the gRPC API (binbatch.v1.Inference)."},
+            "metricsPort": {**port, "default": SIDECAR_DEFAULTS["metricsPort"], "description": "Port of the sidecar's Prometheus /metrics."},
+            "drainGraceSeconds": {"type": "integer", "minimum": 0, "maximum": 3600, "default": SIDECAR_DEFAULTS["drainGraceSeconds"],
                                   "description": "On termination, time to drain queued and in-flight requests."},
             "resources": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
                           "description": "Container resources (requests/limits), as in a Pod spec."},

@@ -33,6 +33,7 @@ from .builders import (
     matching_policies,
     sidecar_config,
     sidecar_hash,
+    sidecar_settings,
 )
 from .kube import KubeApi
 from .sidecar_stats import describe_error, get_stats
@@ -94,21 +95,19 @@ async def observe(
         if p["metadata"]["name"] != name
     ]
     current = sidecar_hash(spec, ctx.sidecar_image)
-    reports = []
+    port = sidecar_settings(spec)["grpcPort"]
+    reports, asks = [], []
     for pod in pods:
-        pod_meta = pod["metadata"]
+        pod_meta, state = pod["metadata"], pod.get("status") or {}
         injected = (pod_meta.get("labels") or {}).get(POLICY_LABEL) == name
         digest = (pod_meta.get("annotations") or {}).get(SIDECAR_HASH_ANNOTATION)
-        reports.append(PodReport(
+        report = PodReport(
             name=pod_meta["name"], injected=injected,
             conflict=matching_policies(others, pod_meta.get("labels")),
             outdated=injected and digest is not None and digest != current,
-        ))  # fmt: skip
-    port = (spec.get("sidecar") or {}).get("grpcPort", 50051)
-    asks = []
-    for pod, report in zip(pods, reports, strict=True):
-        state = pod.get("status") or {}
-        if not report.injected:
+        )  # fmt: skip
+        reports.append(report)
+        if not injected:
             continue
         if state.get("podIP") and state.get("phase") == "Running":
             asks.append(_ask(ctx, report, f"{state['podIP']}:{port}"))

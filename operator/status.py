@@ -17,8 +17,13 @@ from binbatch_api.v1 import binbatch_pb2 as pb
 MAX_ADJUSTMENTS = 20  # the CRD's maxItems for status.adjustments
 
 
+def iso(when: datetime.datetime) -> str:
+    """RFC 3339 in UTC to the second, as Kubernetes writes times."""
+    return when.astimezone(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
 def now_iso() -> str:
-    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return iso(datetime.datetime.now(datetime.UTC))
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,7 @@ def aggregate(
     if reporting:
         stats = [p.stats for p in reporting]
         fields["batchSize"] = max(s.target_batch_size for s in stats)  # type: ignore[union-attr]
-        bounds = next(s.bin_boundaries for s in stats if s is not None)
+        bounds = stats[0].bin_boundaries  # type: ignore[union-attr]
         fields["bins"] = ", ".join(f"{b:g}" for b in bounds) if bounds else "one bin"
         fields["throughputRequestsPerSecond"] = f"{sum(s.throughput.requests_per_second for s in stats):.3g}"  # type: ignore[union-attr]
     return [ready, valid, sidecars, metrics], fields
@@ -134,9 +139,8 @@ def adjustments(pods: Sequence[PodReport], previous: Sequence[Mapping[str, Any]]
         merged[(entry.get("time"), entry.get("pod"), entry.get("field"), entry.get("to"))] = dict(entry)
     for pod in pods:
         for adj in pod.stats.recent_adjustments if pod.stats is not None else ():
-            when = datetime.datetime.fromtimestamp(adj.time_unix_seconds, datetime.UTC)
             entry = {
-                "time": when.replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+                "time": iso(datetime.datetime.fromtimestamp(adj.time_unix_seconds, datetime.UTC)),
                 "pod": pod.name, "field": adj.field[:64], "from": adj.from_value[:256], "to": adj.to_value[:256],
                 "reason": adj.reason[:1024],
             }  # fmt: skip
