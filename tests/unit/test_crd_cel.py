@@ -35,7 +35,8 @@ What is checked, and the API-server behaviour each check mirrors:
    impossible on a stored object, but the same guard is what item 1 needs, and
    it keeps the next default someone adds from refusing the CRD again.
 5. Rules compile against the schema: every ``self.<field>`` a rule reads is
-   declared (the API server type-checks rules at CRD creation).
+   declared (the API server type-checks rules at CRD creation), and every
+   ``fieldPath`` resolves to a declared field (also checked at CRD creation).
 6. Cost: the API server estimates each rule's worst-case cost from the schema's
    bounds (``SchemaDeclType``: an unbounded string or an int-or-string counts
    as the 3 MiB request size; an unbounded list or map as many as fit in it)
@@ -395,6 +396,16 @@ def test_rules_only_read_declared_fields() -> None:
                         break  # a map: keys are data
                     assert name in schema["properties"], (path, rule["rule"], name)
                     schema = schema["properties"][name]
+
+
+def test_every_field_path_names_a_declared_field() -> None:
+    # The API server refuses a CRD whose fieldPath does not resolve in the schema.
+    for path, node in rule_nodes(SPEC):
+        for rule in node["x-kubernetes-validations"]:
+            schema = node
+            for name in filter(None, rule.get("fieldPath", "").split(".")):
+                assert name in schema.get("properties", {}), (path, rule)
+                schema = schema["properties"][name]
 
 
 def test_everything_a_rule_can_read_is_bounded() -> None:
