@@ -156,7 +156,7 @@ def resources_schema() -> dict[str, Any]:
         return {
             "type": "object", "maxProperties": MAX_RESOURCES,
             "description": f"{what} per resource name (cpu, memory, ephemeral-storage, hugepages-<size>, domain/name).",
-            "additionalProperties": _str("A quantity, e.g. 500m, 2, 1Gi.", maxLength=64, pattern=f"^{k8s_rules.QUANTITY}$"),
+            "additionalProperties": _str('A quantity, quoted: "500m", "2", "1Gi".', maxLength=64, pattern=f"^{k8s_rules.QUANTITY}$"),
             "x-kubernetes-validations": [
                 {"rule": "self.all(k, !isQuantity(self[k]) || quantity(self[k]).sign() >= 0)",
                  "message": "quantities must not be negative"},

@@ -62,12 +62,14 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import cel
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
 from binbatch_operator import crd, k8s_rules
 from binbatch_operator.reconcile import _spec_problems
@@ -77,6 +79,7 @@ SCHEMA = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SPEC = SCHEMA["properties"]["spec"]
 DEFAULTS = dump_config(parse_config({}))
 SELECTOR = {"matchLabels": {"app": "vllm"}}
+SAMPLES = sorted((Path(__file__).resolve().parents[2] / "manifests" / "samples").glob("*.yaml"))
 
 
 # -- Kubernetes' CEL libraries (item 7) ---------------------------------------------
@@ -359,6 +362,15 @@ def test_the_api_server_and_the_operator_agree(case: str) -> None:
     assert bool(_spec_problems(stored)) is invalid, (case, _spec_problems(stored))
 
 
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
+def test_the_sample_policies_are_accepted(sample: Path) -> None:
+    policies = [d for d in yaml.safe_load_all(sample.read_text()) if d and d.get("kind") == crd.KIND]
+    assert policies, sample
+    for policy in policies:
+        stored, found = admission(policy["spec"])
+        assert found == [] and _spec_problems(stored) == [], (policy["metadata"]["name"], found)
+
+
 def test_the_crd_defaults_are_the_sidecars_defaults() -> None:
     stored, found = admission({"selector": SELECTOR})
     assert found == []
@@ -444,6 +456,14 @@ def test_harness_treats_an_absent_key_as_an_error_not_as_false() -> None:
     assert default_findings({**node, "default": {}}, "x") != []
 
 
+def test_harness_validates_defaults_against_their_own_schema() -> None:
+    assert [f.kind for f in default_findings({"type": "integer", "minimum": 1, "default": 0}, "x")] == ["schema"]
+    assert [f.kind for f in default_findings({"type": "string", "enum": ["A"], "default": "B"}, "x")] == ["schema"]
+    assert [f.kind for f in default_findings({"type": "integer", "default": "1"}, "x")] == ["type"]
+    unknown = {"type": "object", "properties": {"a": {"type": "integer"}}, "default": {"b": 1}}
+    assert [f.text for f in default_findings(unknown, "x")] == ["unknown field"]
+
+
 def test_harness_quantity_library_compares_values_not_text() -> None:
     ctx = cel.Context(functions=K8S_FUNCTIONS)
     assert cel.evaluate("quantity('1500m').compareTo(quantity('2')) < 0", ctx) is True
@@ -452,5 +472,6 @@ def test_harness_quantity_library_compares_values_not_text() -> None:
     assert cel.evaluate("quantity('-1').sign() < 0 && quantity('0').sign() == 0", ctx) is True
 
 
-def test_crd_is_a_valid_kubernetes_object() -> None:
-    kubernetes_validate.validate(crd.build_crd(), "1.30", strict=True)
+@pytest.mark.parametrize("version", ["1.30", kubernetes_validate.latest_version()])
+def test_crd_is_a_valid_kubernetes_object(version: str) -> None:
+    kubernetes_validate.validate(crd.build_crd(), version, strict=True)
