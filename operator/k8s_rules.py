@@ -88,6 +88,16 @@ def dns1035_label_problems(value: str) -> list[str]:
     return problems
 
 
+# The name rule the API server applies per kind (ValidateServiceName, ValidateConfigMapName...).
+NAME_RULES = {"Service": dns1035_label_problems, "ConfigMap": dns1123_subdomain_problems,
+              "Pod": dns1123_subdomain_problems, "Namespace": dns1123_label_problems}  # fmt: skip
+
+
+def object_name_problems(kind: str, name: str) -> list[str]:
+    """Why the API server would refuse ``name`` for an object of ``kind`` (a Service's is the strictest)."""
+    return NAME_RULES[kind](name)
+
+
 def qualified_name_problems(value: str) -> list[str]:
     """A label key (``IsQualifiedName``): ``[prefix/]name``, prefix a DNS-1123 subdomain, name at most 63."""
     parts = value.split("/")

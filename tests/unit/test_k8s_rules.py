@@ -32,6 +32,15 @@ def test_name_syntax_follows_the_api_servers_regexes_and_lengths(check: Any, cas
         assert (check(value) == []) is valid, (check.__name__, value)
 
 
+def test_object_names_follow_each_kinds_rule() -> None:
+    # A name with dots, or of 64 characters, is a valid ConfigMap name and an invalid Service name.
+    for name in ("fast.v2-binbatch", "a" * 64):
+        assert k8s_rules.object_name_problems("ConfigMap", name) == []
+        assert k8s_rules.object_name_problems("Service", name) != []
+    assert k8s_rules.object_name_problems("Service", "fast-binbatch") == []
+    assert k8s_rules.object_name_problems("Namespace", "llm.prod") != []
+
+
 def test_name_problems_say_what_is_wrong() -> None:
     assert k8s_rules.dns1035_label_problems("a" * 64) == ["must be no more than 63 characters"]
     assert "start with a letter" in k8s_rules.dns1035_label_problems("1abc")[0]
