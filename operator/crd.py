@@ -25,6 +25,8 @@ from pydantic import BaseModel
 
 from binbatch_sidecar.config import SidecarConfig
 
+from . import k8s_rules
+
 GROUP = "binbatch.io"
 VERSION = "v1alpha1"
 KIND = "BatchingPolicy"
@@ -38,34 +40,60 @@ CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", 
 # spec.sidecar's defaults: the CRD's, and the builders' for a spec the API server did not default.
 SIDECAR_DEFAULTS = {"grpcPort": 50051, "metricsPort": 9090, "drainGraceSeconds": 30}
 
+def _rule(uses: tuple[str, ...], check: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """A CEL rule that holds when any field it ``uses`` is absent.
+
+    The API server runs every rule on its node's declared ``default`` exactly as
+    written (``default: {}`` has no keys; nested defaults are not filled in
+    first), and reading an absent key is an evaluation error ("no such key"),
+    which refuses the CRD.  On a stored object the fields are there: defaulting
+    fills them in before validation.  So each field a rule reads is guarded.
+    """
+    guards = [f"!has(self.{name})" for name in uses]
+    rule = {"rule": " || ".join([*guards, check]), "message": message}
+    if field_path:
+        rule["fieldPath"] = field_path
+    return rule
+
+
 SECTION_RULES: dict[str, list[dict[str, str]]] = {
     "batch": [
-        {"rule": "self.minBatchSize <= self.staticSize", "message": "minBatchSize must be <= staticSize",
-         "fieldPath": ".minBatchSize"},
-        {"rule": "self.staticSize <= self.maxBatchSize", "message": "staticSize must be <= maxBatchSize",
-         "fieldPath": ".staticSize"},
+        _rule(("minBatchSize", "staticSize"), "self.minBatchSize <= self.staticSize",
+              "minBatchSize must be <= staticSize", ".minBatchSize"),
+        _rule(("staticSize", "maxBatchSize"), "self.staticSize <= self.maxBatchSize",
+              "staticSize must be <= maxBatchSize", ".staticSize"),
     ],
     "bins": [
-        {"rule": "size(self.boundaries) == 0 || self.mode == 'Fixed'",
-         "message": "boundaries must be empty unless mode is Fixed", "fieldPath": ".boundaries"},
-        {"rule": "size(self.boundaries) == 0 || size(self.boundaries) == self.count - 1",
-         "message": "boundaries needs count-1 entries", "fieldPath": ".boundaries"},
-        {"rule": "self.boundaries.isSorted()", "message": "boundaries must be strictly increasing",
-         "fieldPath": ".boundaries"},
-        {"rule": "self.boundaries.all(b, b < self.maxOutputTokens)",
-         "message": "every boundary must be below maxOutputTokens", "fieldPath": ".boundaries"},
+        _rule(("boundaries", "mode"), "size(self.boundaries) == 0 || self.mode == 'Fixed'",
+              "boundaries must be empty unless mode is Fixed", ".boundaries"),
+        _rule(("boundaries", "count"), "size(self.boundaries) == 0 || size(self.boundaries) == self.count - 1",
+              "boundaries needs count-1 entries", ".boundaries"),
+        _rule(("boundaries",), "self.boundaries.isSorted()", "boundaries must be strictly increasing", ".boundaries"),
+        _rule(("boundaries", "maxOutputTokens"), "self.boundaries.all(b, b < self.maxOutputTokens)",
+              "every boundary must be below maxOutputTokens", ".boundaries"),
     ],
     "metrics": [
-        {"rule": "self.staleAfterMilliseconds >= 2 * self.intervalMilliseconds",
-         "message": "staleAfterMilliseconds must be >= 2 x intervalMilliseconds",
-         "fieldPath": ".staleAfterMilliseconds"},
+        _rule(("staleAfterMilliseconds", "intervalMilliseconds"),
+              "self.staleAfterMilliseconds >= 2 * self.intervalMilliseconds",
+              "staleAfterMilliseconds must be >= 2 x intervalMilliseconds", ".staleAfterMilliseconds"),
     ],
 }  # fmt: skip
 
 SPEC_RULES = [
-    {"rule": "self.batch.sizing != 'Sla' || self.latency.tpotMilliseconds > 0",
+    {"rule": "!has(self.batch) || !has(self.batch.sizing) || self.batch.sizing != 'Sla'"
+             " || (has(self.latency) && has(self.latency.tpotMilliseconds) && self.latency.tpotMilliseconds > 0)",
      "message": "latency.tpotMilliseconds must be > 0 when batch.sizing is Sla", "fieldPath": ".latency.tpotMilliseconds"},
 ]  # fmt: skip
+
+MAX_MATCH_LABELS = 64  # bounds for CEL's cost estimate on everything a rule iterates
+MAX_RESOURCES = 16
+
+# Label keys are checked by CEL (a schema cannot constrain map keys); values by ``pattern``.
+LABEL_KEY_RULE = {
+    "rule": f"self.all(k, k.matches(r'^{k8s_rules.LABEL_KEY}$') && !k.matches(r'{k8s_rules.LABEL_KEY_LONG_PREFIX}'))",
+    "message": "label keys are [prefix/]name: an optional DNS subdomain prefix of at most 253 characters, "
+               "and a name of at most 63 alphanumerics, '-', '_' or '.', starting and ending alphanumeric",
+}  # fmt: skip
 
 SECTION_DESCRIPTIONS = {
     "engine": "The vLLM server next to the sidecar.",
@@ -89,12 +117,18 @@ def _openapi(node: dict[str, Any]) -> dict[str, Any]:
         out.setdefault("type", "string")
     if "items" in out:
         out["items"] = _openapi(out["items"])
+    if "enum" in out and out.get("type") == "string":  # a bound for CEL's cost estimate, as on every string
+        out.setdefault("maxLength", max(len(v) for v in out["enum"]))
     return out
 
 
 def section_schema(name: str, model: type[BaseModel]) -> dict[str, Any]:
     schema = model.model_json_schema(by_alias=True)
     props = {key: _openapi(prop) for key, prop in schema["properties"].items()}
+    for key, field in model.model_fields.items():  # a default_factory is not in pydantic's JSON schema
+        prop = props[field.alias or key]
+        if "default" not in prop and not field.is_required():
+            prop["default"] = field.get_default(call_default_factory=True)
     if name == "bins":  # pydantic checks entries in a validator; the API server needs the bounds here
         props["boundaries"]["items"] |= {"minimum": 1, "maximum": 1_000_000}
         props["boundaries"]["x-kubernetes-list-type"] = "set"  # with isSorted(): strictly increasing
@@ -108,6 +142,45 @@ def _str(description: str, **extra: Any) -> dict[str, Any]:
     return {"type": "string", "description": description, **extra}
 
 
+def resources_schema() -> dict[str, Any]:
+    """``spec.sidecar.resources``: requests and limits as a Pod's container has them.
+
+    Quantities are strings with the core types' quantity pattern.  (The core
+    types also take integers, as ``x-kubernetes-int-or-string``; but CEL types
+    such a value as ``dyn`` of up to the request size, 3 MiB, and the quantity
+    rules below would then exceed the API server's cost budget: a string with a
+    ``maxLength`` keeps them cheap.  Write ``cpu: "1"``.)
+    """
+
+    def amounts(what: str) -> dict[str, Any]:
+        return {
+            "type": "object", "maxProperties": MAX_RESOURCES,
+            "description": f"{what} per resource name (cpu, memory, ephemeral-storage, hugepages-<size>, domain/name).",
+            "additionalProperties": _str('A quantity, quoted: "500m", "2", "1Gi".', maxLength=64, pattern=f"^{k8s_rules.QUANTITY}$"),
+            "x-kubernetes-validations": [
+                {"rule": "self.all(k, !isQuantity(self[k]) || quantity(self[k]).sign() >= 0)",
+                 "message": "quantities must not be negative"},
+                {"rule": f"self.all(k, k in {list(k8s_rules.STANDARD_CONTAINER_RESOURCES)} "
+                         f"|| k.startsWith('{k8s_rules.HUGEPAGES_PREFIX}') || (k.matches(r'^{k8s_rules.LABEL_KEY}$') "
+                         "&& k.contains('/') && !k.contains('kubernetes.io/')))",
+                 "message": "resource names are cpu, memory, ephemeral-storage, hugepages-<size> or an extended "
+                            "resource (domain/name)"},
+            ],
+        }  # fmt: skip
+
+    return {
+        "type": "object",
+        "description": "Container resources (requests and limits), as in a Pod spec.",
+        "properties": {"requests": amounts("Requested amount"), "limits": amounts("Upper limit")},
+        "x-kubernetes-validations": [
+            _rule(("requests", "limits"),
+                  "self.requests.all(k, !(k in self.limits) || !isQuantity(self.requests[k]) "
+                  "|| !isQuantity(self.limits[k]) || quantity(self.requests[k]).compareTo(quantity(self.limits[k])) <= 0)",
+                  "every request must be <= its limit", ".requests"),
+        ],
+    }  # fmt: skip
+
+
 def spec_schema() -> dict[str, Any]:
     fields = SidecarConfig.model_fields
     sections = {name: section_schema(name, fields[name].annotation) for name in CONFIG_SECTIONS}  # type: ignore[arg-type]
@@ -116,8 +189,12 @@ def spec_schema() -> dict[str, Any]:
         "description": "Pods of this namespace that get the sidecar: every label here must match.",
         "properties": {
             "matchLabels": {
-                "type": "object", "description": "Label key/value pairs a pod must carry.", "minProperties": 1,
-                "additionalProperties": _str("Label value.", maxLength=63),
+                "type": "object", "description": "Label key/value pairs a pod must carry.",
+                "minProperties": 1, "maxProperties": MAX_MATCH_LABELS,
+                "additionalProperties": _str("Label value: empty, or at most 63 alphanumerics, '-', '_' or '.', "
+                                             "starting and ending alphanumeric.",
+                                             maxLength=k8s_rules.LABEL_VALUE_MAX, pattern=f"^{k8s_rules.LABEL_VALUE}$"),
+                "x-kubernetes-validations": [LABEL_KEY_RULE],
             },
         },
         "required": ["matchLabels"],
@@ -133,12 +210,11 @@ def spec_schema() -> dict[str, Any]:
             "metricsPort": {**port, "default": SIDECAR_DEFAULTS["metricsPort"], "description": "Port of the sidecar's Prometheus /metrics."},
             "drainGraceSeconds": {"type": "integer", "minimum": 0, "maximum": 3600, "default": SIDECAR_DEFAULTS["drainGraceSeconds"],
                                   "description": "On termination, time to drain queued and in-flight requests."},
-            "resources": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
-                          "description": "Container resources (requests/limits), as in a Pod spec."},
+            "resources": resources_schema(),
         },
         "x-kubernetes-validations": [
-            {"rule": "self.grpcPort != self.metricsPort", "message": "grpcPort and metricsPort must differ",
-             "fieldPath": ".metricsPort"},
+            _rule(("grpcPort", "metricsPort"), "self.grpcPort != self.metricsPort", "grpcPort and metricsPort must differ",
+                  ".metricsPort"),
         ],
     }  # fmt: skip
     return {

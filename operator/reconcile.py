@@ -35,6 +35,7 @@ from .builders import (
     sidecar_hash,
     sidecar_settings,
 )
+from .k8s_rules import policy_problems
 from .kube import KubeApi
 from .sidecar_stats import describe_error, get_stats
 from .status import PodReport, adjustments, aggregate, merge_conditions, now_iso
@@ -50,11 +51,13 @@ class Context:
 
 
 def _spec_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Everything wrong with a spec: the sidecar config, and what the API server would refuse later."""
+    problems = policy_problems(spec)
     try:
         sidecar_config(spec)
     except ConfigError as exc:
-        return list(exc.problems)
-    return []
+        problems += exc.problems
+    return problems
 
 
 async def reconcile(ctx: Context, body: Mapping[str, Any], logger: Any) -> dict[str, Any]:
@@ -88,7 +91,8 @@ async def observe(
     old = body.get("status") or {}
 
     match_labels = (spec.get("selector") or {}).get("matchLabels") or {}
-    pods = await ctx.kube.list_pods(namespace, match_labels)
+    bad_selector = any(path.startswith("spec.selector") for path, _ in problems)
+    pods = [] if bad_selector else await ctx.kube.list_pods(namespace, match_labels)  # the API server would answer 400
     others = [
         {"name": p["metadata"]["name"], "spec": p.get("spec") or {}}
         for p in await ctx.kube.list_policies(namespace)
