@@ -224,8 +224,8 @@ class MetricsConfig(_Section):
 
 
 class ServerConfig(_Section):
-    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC listen port; 0 picks a free port.")
-    metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics listen port; 0 picks a free port.")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC listen port; 0 picks a free port. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
+    metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics listen port; 0 picks a free port. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
     drain_grace_seconds: int = Field(30, ge=0, le=3600, description="On SIGTERM, time to drain queued and in-flight requests.")  # fmt: skip
     config_poll_milliseconds: int = Field(1000, ge=100, le=600_000, description="How often the config file is checked for a change.")  # fmt: skip
 
@@ -237,7 +237,7 @@ class ServerConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    level: LogLevel = Field("Info", description="Log level.")
+    level: LogLevel = Field("Info", description="Level of the sidecar's logs; a reload applies it at once.")
     log_prompts: bool = Field(False, description="Log each request's prompt and completion text at Info (logger binbatch.prompts). Off: never logged at any level (they may hold personal data).")  # fmt: skip
 
 

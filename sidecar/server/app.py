@@ -20,7 +20,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from binbatch_api.v1 import binbatch_pb2 as pb
-from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
 from ..config import ConfigError, ConfigWatcher, LoadedConfig, SidecarConfig, config_json, restart_required
 from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
@@ -33,7 +32,7 @@ from ..engine.engine_client import EngineClient
 from ..engine.metrics_feed import MetricsFeed, PromQLSource, ScrapeSource
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs
-from .servicer import AdminServicer, InferenceServicer, add_inference_servicer
+from .servicer import AdminServicer, InferenceServicer, add_servicers
 
 log = logging.getLogger("binbatch.sidecar")
 
@@ -88,9 +87,10 @@ def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -
         binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests
     )
     predictor = build_predictor(cfg)
-    if isinstance(predictor, OnlinePredictor) and previous is not None and isinstance(previous.predictor, OnlinePredictor):
-        previous.predictor.fallback = predictor.fallback
-        predictor = previous.predictor
+    learned = previous.predictor if previous is not None else None
+    if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
+        learned.fallback = predictor.fallback
+        predictor = learned
     return Core(predictor=predictor, binner=binner, former=former, sizer=sizer)
 
 
@@ -158,8 +158,7 @@ class Sidecar:
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
-        add_inference_servicer(InferenceServicer(self), self.server)
-        pb_grpc.add_AdminServicer_to_server(AdminServicer(self), self.server)
+        add_servicers(self.server, InferenceServicer(self), AdminServicer(self))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

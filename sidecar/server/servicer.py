@@ -70,35 +70,59 @@ class InvalidRequest(Exception):
 
 
 class Undecodable:
-    """A request body that is not a GenerateRequest (corrupt protobuf, a string
-    field that is not UTF-8): answered INVALID_ARGUMENT by the servicer."""
+    """A request body that does not parse as its message (corrupt protobuf, a
+    string field that is not UTF-8): the servicer answers INVALID_ARGUMENT."""
 
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def decode_request(data: bytes) -> pb.GenerateRequest | Undecodable:
-    """The request deserializer: never raises, so gRPC never logs a traceback for it."""
-    try:
-        return pb.GenerateRequest.FromString(data)
-    except DecodeError as exc:
-        return Undecodable(str(exc))
+    def __init__(self, message_type: str, error: str) -> None:
+        self.message = (
+            f"request: the body is not a valid {message_type} "
+            f"(corrupt protobuf, or a string field that is not UTF-8): {error}"
+        )
 
 
-def add_inference_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    """``add_InferenceServicer_to_server`` with ``decode_request`` as the deserializer."""
-    handlers = {
-        "Generate": grpc.unary_unary_rpc_method_handler(
-            servicer.Generate, request_deserializer=decode_request,
-            response_serializer=pb.GenerateResponse.SerializeToString,
-        ),
-        "GenerateStream": grpc.unary_stream_rpc_method_handler(
-            servicer.GenerateStream, request_deserializer=decode_request,
-            response_serializer=pb.GenerateChunk.SerializeToString,
-        ),
+def _decoder(message_cls):
+    """A request deserializer that never raises: gRPC would answer UNKNOWN and log
+    an ERROR traceback per call, which any client could use to flood the logs."""
+
+    def decode(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(message_cls.DESCRIPTOR.full_name, str(exc))
+
+    return decode
+
+
+decode_request = _decoder(pb.GenerateRequest)
+
+
+def add_servicers(server: grpc.aio.Server, inference: InferenceServicer, admin: AdminServicer) -> None:
+    """The generated ``add_*Servicer_to_server``, with deserializers that never raise."""
+    services = {
+        "binbatch.v1.Inference": {
+            "Generate": grpc.unary_unary_rpc_method_handler(
+                inference.Generate, request_deserializer=decode_request,
+                response_serializer=pb.GenerateResponse.SerializeToString,
+            ),
+            "GenerateStream": grpc.unary_stream_rpc_method_handler(
+                inference.GenerateStream, request_deserializer=decode_request,
+                response_serializer=pb.GenerateChunk.SerializeToString,
+            ),
+        },
+        "binbatch.v1.Admin": {
+            "GetStats": grpc.unary_unary_rpc_method_handler(
+                admin.GetStats, request_deserializer=_decoder(pb.GetStatsRequest),
+                response_serializer=pb.Stats.SerializeToString,
+            ),
+            "GetConfig": grpc.unary_unary_rpc_method_handler(
+                admin.GetConfig, request_deserializer=_decoder(pb.GetConfigRequest),
+                response_serializer=pb.ConfigView.SerializeToString,
+            ),
+        },
     }  # fmt: skip
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("binbatch.v1.Inference", handlers),))
-    server.add_registered_method_handlers("binbatch.v1.Inference", handlers)
+    for name, handlers in services.items():
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        server.add_registered_method_handlers(name, handlers)
 
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -123,15 +147,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.sidecar = sidecar
         self._ids = itertools.count(1)
 
-    def _build(self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, stream: bool) -> tuple[Request, Call]:
+    def _build(
+        self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, stream: bool
+    ) -> tuple[Request, Call]:
         """Validate ``msg`` and make the core request and the caller's handle."""
         side = self.sidecar
         cfg = side.config
         if isinstance(msg, Undecodable):
-            raise InvalidRequest(
-                "request: the body is not a valid binbatch.v1.GenerateRequest "
-                f"(corrupt protobuf, or a string field that is not UTF-8): {msg.error}"
-            )
+            raise InvalidRequest(msg.message)
         which = msg.WhichOneof("input")
         if which is None:
             raise InvalidRequest("input: set either prompt or chat")
@@ -300,9 +323,13 @@ class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, sidecar: Sidecar) -> None:
         self.sidecar = sidecar
 
-    async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.Stats:
+    async def GetStats(self, request: pb.GetStatsRequest | Undecodable, context: Any) -> pb.Stats:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return self.sidecar.stats()
 
-    async def GetConfig(self, request: pb.GetConfigRequest, context: Any) -> pb.ConfigView:
+    async def GetConfig(self, request: pb.GetConfigRequest | Undecodable, context: Any) -> pb.ConfigView:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return self.sidecar.config_view()
 

@@ -98,8 +98,13 @@ async def test_bad_input_is_invalid_argument_naming_the_field_and_never_logged_a
 
         unary = sc.channel.unary_unary("/binbatch.v1.Inference/Generate")  # no serializers: raw bytes
         streaming = sc.channel.unary_stream("/binbatch.v1.Inference/GenerateStream")
+        stats = sc.channel.unary_unary("/binbatch.v1.Admin/GetStats")
+        config = sc.channel.unary_unary("/binbatch.v1.Admin/GetConfig")
         for body in CORRUPT:
-            for call in (unary(body, timeout=10), _drain(streaming(body, timeout=10))):
+            calls = [unary(body, timeout=10), _drain(streaming(body, timeout=10))]
+            if body != CORRUPT[0]:  # the Admin requests have no fields: a bad string is an unknown field there
+                calls += [stats(body, timeout=10), config(body, timeout=10)]
+            for call in calls:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (body, err.value.details())

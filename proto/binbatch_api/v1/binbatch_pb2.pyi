@@ -868,7 +868,10 @@ class ConfigView(_message.Message):
     """File the config was read from; empty if it came from defaults."""
     last_reload_error: _builtins.str
     """Why the most recent reload was refused (the config above stayed in
-    effect); empty if the last reload succeeded or none was attempted.
+    effect): an invalid or empty file, or a change that needs a restart
+    (`server.grpcPort`, `server.metricsPort`); empty if the last reload
+    succeeded or none was attempted. Every other key is applied live, so
+    `config_json` is always the config that runs.
     """
     def __init__(
         self,
