@@ -435,3 +435,12 @@ async def test_a_configmap_volume_update_is_picked_up(tmp_path):
     _kubelet_publish(volume, {"batch": {"staticSize": 24}}, 2)
     assert await watcher.check()
     assert watcher.current.config.batch.static_size == 24 and watcher.current.generation == 2
+
+
+def test_the_sidecar_command_refuses_an_empty_config_file_at_start_up(tmp_path, capsys):
+    from binbatch_sidecar import cli
+
+    path = tmp_path / "sidecar.yaml"
+    path.write_text("# being written\n")
+    assert cli.main(["sidecar", "--config", str(path)]) == 2
+    assert "holds no config" in capsys.readouterr().err
