@@ -444,3 +444,15 @@ def test_the_sidecar_command_refuses_an_empty_config_file_at_start_up(tmp_path, 
     path.write_text("# being written\n")
     assert cli.main(["sidecar", "--config", str(path)]) == 2
     assert "holds no config" in capsys.readouterr().err
+
+
+def test_a_policy_with_classes_renders_a_config_the_sidecar_enforces():
+    from binbatch_operator import crd
+    from binbatch_operator.builders import sidecar_config
+
+    spec = {"selector": {"matchLabels": {"app": "vllm"}}, "classes": {"classes": [{"name": "interactive", "priority": 100}]}}
+    assert parse_config(sidecar_config(spec)).classes.priority_of("interactive") == 100
+    schema = crd.spec_schema()["properties"]["classes"]["properties"]["classes"]
+    assert schema["x-kubernetes-list-type"] == "map" and schema["x-kubernetes-list-map-keys"] == ["name"]
+    priority = schema["items"]["properties"]["priority"]
+    assert (priority["minimum"], priority["maximum"]) == (-1000, 1000)
