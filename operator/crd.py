@@ -35,7 +35,7 @@ CRD_PATH = Path("manifests/crd/batchingpolicies.binbatch.io.yaml")
 
 # Sections of the sidecar config a policy sets; ``server`` is the operator's to
 # render (ports come from spec.sidecar).
-CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging")
+CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging", "classes")
 
 # spec.sidecar's defaults: the CRD's, and the builders' for a spec the API server did not default.
 SIDECAR_DEFAULTS = {"grpcPort": 50051, "metricsPort": 9090, "drainGraceSeconds": 30}
@@ -104,6 +104,7 @@ SECTION_DESCRIPTIONS = {
     "predictor": "How output lengths are predicted.",
     "metrics": "Where the sidecar reads the engine's metrics.",
     "logging": "The sidecar's logs.",
+    "classes": "Request classes clients name in request_class, each with a priority.",
 }
 
 _DROP = {"title", "additionalProperties"}

@@ -95,14 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     dm.set_defaults(func=_demo)
 
     sc = sub.add_parser("sidecar", help="run the gRPC batching sidecar in front of a vLLM server")
-    sc.add_argument("--config", metavar="FILE", help="config YAML (default: $BINBATCH_CONFIG, else built-in defaults); "
-                    "reloaded on change")
+    sc.add_argument("--config", metavar="FILE", help="config YAML (default: $BINBATCH_CONFIG, else built-in defaults; "
+                    "an existing empty file is an error); reloaded on change, every key live except the ports")
     sc.add_argument("--host", default=os.environ.get("BINBATCH_HOST", "0.0.0.0"),
                     help="address to bind (default $BINBATCH_HOST or 0.0.0.0)")
     sc.add_argument("--grpc-port", type=_port, default=_env_port("BINBATCH_GRPC_PORT"),
-                    help="gRPC port (default $BINBATCH_GRPC_PORT, else server.grpcPort)")
+                    help="gRPC port (default $BINBATCH_GRPC_PORT, else server.grpcPort; fixed until restart)")
     sc.add_argument("--metrics-port", type=_port, default=_env_port("BINBATCH_METRICS_PORT"),
-                    help="Prometheus metrics port (default $BINBATCH_METRICS_PORT, else server.metricsPort)")
+                    help="Prometheus metrics port (default $BINBATCH_METRICS_PORT, else server.metricsPort; "
+                    "fixed until restart)")
     sc.set_defaults(func=_sidecar)
 
     from .engine import emulator

@@ -27,6 +27,17 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 staleAfterMilliseconds, promqlSelector}
     server:    {grpcPort, metricsPort, drainGraceSeconds, configPollMilliseconds}
     logging:   {level: Debug|Info|Warning|Error, logPrompts}
+    classes:   {classes: [{name, priority}]}
+
+An absent file means the defaults (``binbatch sidecar`` without ``--config``), but
+a file that exists and holds no document (empty, whitespace or comments only) is
+an error, at start-up and on reload: an editor that truncates before it writes
+must not flip the engine URL and ports to the defaults for one poll.
+
+Reload (``ConfigWatcher``): a changed valid file is applied live, key by key (see
+``RESTART_KEYS`` for the only keys that are not: changing them is refused with a
+message saying a restart is needed, and the old config stays in effect), so what
+``GetConfig`` shows is always what runs.
 """
 
 from __future__ import annotations
@@ -41,11 +52,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -60,6 +71,11 @@ Dispatch = Literal["MaxWait"]
 PredictorKind = Literal["Hint", "Online"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
+# Keys bound once at start-up (listening sockets). A reload that changes one is
+# refused and names the key; everything else is applied live.
+RESTART_KEYS = (("server", "grpc_port"), ("server", "metrics_port"))
+CLASS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+CLASS_PRIORITY_LIMIT = 1000  # class and request priorities are in [-1000, 1000]
 
 _RULE = "binbatch_rule"  # error type of a cross-field rule; ctx["problems"] holds (relative path, message)
 
@@ -208,8 +224,8 @@ class MetricsConfig(_Section):
 
 
 class ServerConfig(_Section):
-    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC listen port; 0 picks a free port.")
-    metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics listen port; 0 picks a free port.")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC listen port; 0 picks a free port. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
+    metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics listen port; 0 picks a free port. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
     drain_grace_seconds: int = Field(30, ge=0, le=3600, description="On SIGTERM, time to drain queued and in-flight requests.")  # fmt: skip
     config_poll_milliseconds: int = Field(1000, ge=100, le=600_000, description="How often the config file is checked for a change.")  # fmt: skip
 
@@ -221,8 +237,47 @@ class ServerConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    level: LogLevel = Field("Info", description="Log level.")
-    log_prompts: bool = Field(False, description="Log prompt and completion text (off: they may hold personal data).")
+    level: LogLevel = Field("Info", description="Level of the sidecar's logs; a reload applies it at once.")
+    log_prompts: bool = Field(False, description="Log each request's prompt and completion text at Info (logger binbatch.prompts). Off: never logged at any level (they may hold personal data).")  # fmt: skip
+
+
+class RequestClass(_Section):
+    name: str = Field(min_length=1, max_length=63, pattern=CLASS_NAME_PATTERN, description="Name a request gives in request_class (lower-case DNS label).")  # fmt: skip
+    priority: int = Field(0, ge=-CLASS_PRIORITY_LIMIT, le=CLASS_PRIORITY_LIMIT, description="Rank of the class; larger is more urgent. It orders bins and batches before the request's own priority.")  # fmt: skip
+
+
+def _class_list_schema() -> dict[str, Any]:
+    """The list inlined (the CRD generator takes no $ref), keyed by name as a list-map."""
+    item = RequestClass.model_json_schema(by_alias=True)
+    item.pop("title", None)
+    for prop in item["properties"].values():
+        prop.pop("title", None)
+    item["required"] = ["name"]
+    return {
+        "type": "array", "maxItems": 64, "items": item,
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+        "description": "The request classes clients may name; a request naming another class is refused (INVALID_ARGUMENT). Empty request_class: no class, priority 0.",
+    }  # fmt: skip
+
+
+class ClassesConfig(_Section):
+    classes: Annotated[list[RequestClass], WithJsonSchema(_class_list_schema())] = Field(default_factory=list, max_length=64)  # fmt: skip
+
+    @model_validator(mode="after")
+    def _unique(self) -> ClassesConfig:
+        seen: set[str] = set()
+        for i, c in enumerate(self.classes):
+            if c.name in seen:
+                _broken([(f"classes[{i}].name", f"duplicate class {c.name!r}")])
+            seen.add(c.name)
+        return self
+
+    def priority_of(self, name: str) -> int | None:
+        """The class's priority, or None if the policy defines no class ``name``."""
+        for c in self.classes:
+            if c.name == name:
+                return c.priority
+        return None
 
 
 class SidecarConfig(_Section):
@@ -237,6 +292,7 @@ class SidecarConfig(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Where engine metrics come from.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="The sidecar's own ports and lifecycle.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    classes: ClassesConfig = Field(default_factory=ClassesConfig, description="Request classes and their priorities.")
 
     @model_validator(mode="after")
     def _sla_needs_target(self) -> SidecarConfig:
@@ -333,7 +389,19 @@ def _parse_bytes(raw: bytes, source: str) -> SidecarConfig:
         raise ConfigError([(source, f"invalid YAML at line {line}: {exc.problem or exc.context}")]) from None
     except yaml.YAMLError as exc:  # e.g. bytes that are not UTF-8
         raise ConfigError([(source, f"invalid YAML: {exc}")]) from None
+    if data is None:  # empty, whitespace or comments only: a file being written, never "all defaults"
+        raise ConfigError([(source, "the file holds no config (empty, or only whitespace and comments)")])
     return parse_config(data)
+
+
+def restart_required(running: SidecarConfig, new: SidecarConfig) -> list[tuple[str, str]]:
+    """Problems for the keys in ``RESTART_KEYS`` that ``new`` changes: they cannot be applied live."""
+    problems = []
+    for section, key in RESTART_KEYS:
+        old_value, new_value = getattr(getattr(running, section), key), getattr(getattr(new, section), key)
+        if old_value != new_value:
+            problems.append((f"{section}.{to_camel(key)}", f"changed from {old_value} to {new_value}: needs a restart (bound at start-up); keeping the running config"))  # fmt: skip
+    return problems
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,12 @@
 * ``HintPredictor``: the client's ``expected_output_tokens`` hint, else ``max_tokens``.
 * ``OnlinePredictor``: learns from the completions the sidecar sees, per
   (request class, prompt-length bucket), with coarser fallbacks.
+
+The client's hint always wins (the API promises it): both predictors return the
+hint, capped at ``max_tokens``, whenever one is given; the online predictor only
+predicts requests without a hint.  ``predict`` records where its answer came from
+in ``req.prediction_source`` (``SOURCES``), so accuracy is reported per source: a
+good hint and a poor learned estimate must not average into one number.
 * ``AccuracyTracker``: how often the prediction lands in the right bin - the
   analogue of multi-bin-batching-v2 Table 1 (bin classification accuracy) and its
   "1 bin accuracy" (predicted bin within one of the actual bin, Appendix C.1).
@@ -19,6 +25,18 @@ from .request import Request
 
 _Key = tuple[str] | tuple[str, int]  # (request_class,) or (request_class, prompt bucket)
 
+# Where a prediction came from: the client's hint, the online estimate, the
+# request's max_tokens, or predictor.defaultOutputTokens.
+SOURCES = ("hint", "online", "max_tokens", "default")
+
+
+def _hinted(req: Request) -> float | None:
+    """The client's hint capped at ``max_tokens`` (when > 0), or None without a hint."""
+    if req.hint_tokens is None or not req.hint_tokens > 0:
+        return None
+    hint = float(req.hint_tokens)
+    return min(hint, float(req.max_tokens)) if req.max_tokens > 0 else hint
+
 
 class LengthPredictor(Protocol):
     """What the batch former and the simulator need from a predictor."""
@@ -26,7 +44,7 @@ class LengthPredictor(Protocol):
     name: str
 
     def predict(self, req: Request) -> float:
-        """Expected output tokens of ``req`` (> 0)."""
+        """Expected output tokens of ``req`` (> 0); sets ``req.prediction_source``."""
         ...
 
     def observe(self, req: Request, actual_tokens: float) -> None:
@@ -35,7 +53,8 @@ class LengthPredictor(Protocol):
 
 
 class HintPredictor:
-    """The client's hint if > 0, else ``max_tokens`` if > 0, else ``default_tokens``."""
+    """The client's hint if > 0 (capped at ``max_tokens``), else ``max_tokens`` if > 0,
+    else ``default_tokens``."""
 
     name = "hint"
 
@@ -45,10 +64,14 @@ class HintPredictor:
         self.default_tokens = float(default_tokens)
 
     def predict(self, req: Request) -> float:
-        if req.hint_tokens is not None and req.hint_tokens > 0:
-            return float(req.hint_tokens)
+        hint = _hinted(req)
+        if hint is not None:
+            req.prediction_source = "hint"
+            return hint
         if req.max_tokens > 0:
+            req.prediction_source = "max_tokens"
             return float(req.max_tokens)
+        req.prediction_source = "default"
         return self.default_tokens
 
     def observe(self, req: Request, actual_tokens: float) -> None:
@@ -81,10 +104,12 @@ def prompt_bucket(prompt_tokens: int) -> int:
 class OnlinePredictor:
     """Learns output lengths from observed completions.
 
-    Keys, finest first: (request_class, prompt_bucket), (request_class,), global.
-    ``predict`` uses the finest key with at least ``min_samples`` observations, else
-    the ``HintPredictor`` rule; the result is capped at ``max_tokens`` when that is
-    > 0 and floored at ``min_tokens`` so it is always > 0.
+    A request with a hint gets the hint (capped at ``max_tokens``): the client knows
+    its request better than an average of others.  Otherwise, keys, finest first:
+    (request_class, prompt_bucket), (request_class,), global.  ``predict`` uses the
+    finest key with at least ``min_samples`` observations, else the ``HintPredictor``
+    rule; the result is capped at ``max_tokens`` when that is > 0 and floored at
+    ``min_tokens`` so it is always > 0.
 
     Memory is bounded: per key a two-number estimate (``_Estimate``: exact mean for
     the first 1/alpha samples, then EWMA, so it follows drift), and at most
@@ -129,9 +154,15 @@ class OnlinePredictor:
         return (req.request_class, prompt_bucket(req.prompt_tokens)), (req.request_class,)
 
     def predict(self, req: Request) -> float:
+        hint = _hinted(req)
+        if hint is not None:
+            req.prediction_source = "hint"
+            return max(hint, self.min_tokens)
         estimate = self._learned(req)
         if estimate is None:
             estimate = self.fallback.predict(req)
+        else:
+            req.prediction_source = "online"
         if req.max_tokens > 0:
             estimate = min(estimate, float(req.max_tokens))
         return max(estimate, self.min_tokens)
@@ -161,7 +192,8 @@ class OnlinePredictor:
 
 
 class AccuracyTracker:
-    """Bin accuracy of the last ``window`` (predicted, actual) pairs.
+    """Bin accuracy of the last ``window`` (predicted, actual) pairs, overall and
+    per prediction source (``SOURCES``: hint vs online vs the fallbacks).
 
     A value's bin is ``bisect_right(boundaries, value)``.  ``bin_accuracy`` is
     Table 1's classification accuracy (predicted bin == actual bin);
@@ -173,25 +205,33 @@ class AccuracyTracker:
     def __init__(self, window: int = 1024) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        self._pairs: deque[tuple[float, float]] = deque(maxlen=window)
+        self._pairs: deque[tuple[float, float, str]] = deque(maxlen=window)
 
     def __len__(self) -> int:
         return len(self._pairs)
 
-    def record(self, predicted: float, actual: float) -> None:
-        self._pairs.append((float(predicted), float(actual)))
+    def record(self, predicted: float, actual: float, source: str = "") -> None:
+        self._pairs.append((float(predicted), float(actual), source))
 
-    def bin_accuracy(self, boundaries: Sequence[float]) -> float | None:
-        return self._share_within(boundaries, 0)
+    def samples(self, source: str | None = None) -> int:
+        """Pairs held, of one ``source`` or (None) of all."""
+        return len(self._pairs) if source is None else sum(s == source for _, _, s in self._pairs)
 
-    def within_one_bin_accuracy(self, boundaries: Sequence[float]) -> float | None:
-        return self._share_within(boundaries, 1)
+    def sources(self) -> list[str]:
+        """The sources that have pairs in the window, in ``SOURCES`` order."""
+        held = {s for _, _, s in self._pairs}
+        return [s for s in SOURCES if s in held] + sorted(held - set(SOURCES))
 
-    def _share_within(self, boundaries: Sequence[float], tolerance: int) -> float | None:
-        if not self._pairs:
+    def bin_accuracy(self, boundaries: Sequence[float], source: str | None = None) -> float | None:
+        return self._share_within(boundaries, 0, source)
+
+    def within_one_bin_accuracy(self, boundaries: Sequence[float], source: str | None = None) -> float | None:
+        return self._share_within(boundaries, 1, source)
+
+    def _share_within(self, boundaries: Sequence[float], tolerance: int, source: str | None) -> float | None:
+        pairs = [(p, a) for p, a, s in self._pairs if source is None or s == source]
+        if not pairs:
             return None
         bin_of = bisect.bisect_right
-        hits = sum(
-            abs(bin_of(boundaries, p) - bin_of(boundaries, a)) <= tolerance for p, a in self._pairs
-        )
-        return hits / len(self._pairs)
+        hits = sum(abs(bin_of(boundaries, p) - bin_of(boundaries, a)) <= tolerance for p, a in pairs)
+        return hits / len(pairs)

@@ -28,6 +28,7 @@ class Request:
     send_by: float | None = None  # leave the bin by this clock time (a TTFT SLO's queue share)
     request_class: str = ""
     predicted_tokens: float | None = None  # set by the length predictor
+    prediction_source: str = ""  # set by the length predictor: hint | online | max_tokens | default
     actual_tokens: float | None = None  # set when the engine reports completion
     bin: int | None = None  # set by the batch former
     cancelled: bool = False  # set by cancel(); such a request is never dispatched

@@ -316,7 +316,7 @@ class Dispatcher:
         core.binner.observe(actual)
         if req.bin is not None:
             core.sizer.observe(req.bin, result.prompt_tokens, actual)
-        core.accuracy.record(predicted, actual)
+        core.accuracy.record(predicted, actual, req.prediction_source)
         self.metrics.predicted_tokens.observe(predicted)
         self.metrics.actual_tokens.observe(actual)
         now = self.clock.now()
@@ -413,6 +413,13 @@ class Dispatcher:
         self._publish_sizes()
         self._wake.set()
 
+    def replace_client(self, client: EngineClient) -> list[asyncio.Task[None]]:
+        """New dispatches go to ``client`` (a reload changed the engine); returns
+        the engine tasks that may still use the old one, for the caller to await
+        before it closes the old client."""
+        self.client = client
+        return list(self._tasks)
+
     async def drain(self, grace: float) -> int:
         """Stop intake, dispatch everything held, wait up to ``grace`` seconds; then
         end what is left with UNAVAILABLE.  Returns how many requests were cut off."""
@@ -478,6 +485,9 @@ class Dispatcher:
         ):
             if value is not None:
                 gauge.set(value)
+        for source in acc.sources():
+            self.metrics.bin_accuracy_by_source.labels(source).set(acc.bin_accuracy(b, source) or 0.0)
+            self.metrics.within_one_accuracy_by_source.labels(source).set(acc.within_one_bin_accuracy(b, source) or 0.0)
 
 
 def _fmt(values) -> str:

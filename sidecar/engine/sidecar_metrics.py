@@ -69,6 +69,16 @@ class SidecarMetrics:
             "binbatch_predictor_within_one_bin_accuracy_ratio",
             "Share of completions predicted into their true bin or a neighbour", registry=r,
         )  # fmt: skip
+        self.bin_accuracy_by_source = Gauge(
+            "binbatch_predictor_source_bin_accuracy_ratio",
+            "Share of completions predicted into their true bin, by where the prediction came from "
+            "(hint|online|max_tokens|default)", ["source"], registry=r,
+        )  # fmt: skip
+        self.within_one_accuracy_by_source = Gauge(
+            "binbatch_predictor_source_within_one_bin_accuracy_ratio",
+            "Share of completions predicted into their true bin or a neighbour, by prediction source",
+            ["source"], registry=r,
+        )  # fmt: skip
         self.bins = Gauge("binbatch_bins", "Number of bins k", registry=r)
         self.metrics_fresh = Gauge(
             "binbatch_engine_metrics_fresh", "1 when the last engine scrape is fresh, else 0", registry=r

@@ -20,9 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from binbatch_api.v1 import binbatch_pb2 as pb
-from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
-from ..config import ConfigWatcher, LoadedConfig, SidecarConfig, config_json
+from ..config import ConfigError, ConfigWatcher, LoadedConfig, SidecarConfig, config_json, restart_required
 from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock, MonotonicClock
 from ..core.former import BatchFormer
@@ -32,7 +31,8 @@ from ..engine.dispatcher import Core, Dispatcher
 from ..engine.engine_client import EngineClient
 from ..engine.metrics_feed import MetricsFeed, PromQLSource, ScrapeSource
 from ..engine.sidecar_metrics import SidecarMetrics
-from .servicer import AdminServicer, InferenceServicer
+from . import logs
+from .servicer import AdminServicer, InferenceServicer, add_servicers
 
 log = logging.getLogger("binbatch.sidecar")
 
@@ -68,7 +68,8 @@ def build_predictor(cfg: SidecarConfig) -> LengthPredictor:
 
 
 def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -> Core:
-    """The scheduling core for ``cfg``; a learned predictor of the same kind is kept."""
+    """The scheduling core for ``cfg``; what an online predictor learned is kept
+    (with the new ``predictor.defaultOutputTokens``)."""
     bt = cfg.batch
     sizer = BatchSizer(
         mode=bt.sizing.lower(),  # type: ignore[arg-type]
@@ -86,8 +87,10 @@ def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -
         binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests
     )
     predictor = build_predictor(cfg)
-    if previous is not None and previous.predictor.name == predictor.name:
-        predictor = previous.predictor
+    learned = previous.predictor if previous is not None else None
+    if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
+        learned.fallback = predictor.fallback
+        predictor = learned
     return Core(predictor=predictor, binner=binner, former=former, sizer=sizer)
 
 
@@ -121,6 +124,8 @@ class Sidecar:
         self._tasks: list[asyncio.Task] = []
         self.grpc_port = 0
         self.metrics_port = 0
+        self._retiring: set[EngineClient] = set()  # replaced by a reload, closed once their calls end
+        self._background: set[asyncio.Task] = set()
 
     @property
     def config(self) -> SidecarConfig:
@@ -153,8 +158,7 @@ class Sidecar:
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self), self.server)
-        pb_grpc.add_AdminServicer_to_server(AdminServicer(self), self.server)
+        add_servicers(self.server, InferenceServicer(self), AdminServicer(self))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -187,6 +191,11 @@ class Sidecar:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._runner.cleanup()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for old in list(self._retiring):
+            await old.close()
         await self.client.close()
         log.info("sidecar stopped (%d requests cut off by the grace period)", cut)
         return cut
@@ -241,19 +250,57 @@ class Sidecar:
             refused = error
 
     async def _apply(self, loaded: LoadedConfig) -> None:
-        """A new valid config file: rebuild the core and feed, keep the queue."""
-        cfg = loaded.config
+        """A new valid config file: apply every key live, or refuse the whole file.
+
+        Keys bound at start-up (``RESTART_KEYS``: the ports) cannot change live;
+        a file changing one is refused (raises, so the watcher keeps the running
+        config and reports the error in GetConfig). Everything else takes effect
+        here: the core and feed are rebuilt (the queue is kept), a new engine URL
+        or timeout gets a new engine client for new dispatches, the log level and
+        the poll interval are set; the rest is read from ``self.config`` at use.
+        The watcher logs the applied generation (once).
+        """
+        cfg, running = loaded.config, self.config
+        refused = restart_required(running, cfg)
+        if refused:
+            raise ConfigError(refused)
         core = build_core(cfg, self.clock, previous=self.dispatcher.core)
         self.dispatcher.replace_core(
             core, mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds,
         )  # fmt: skip
+        if (cfg.engine.url, cfg.engine.request_timeout_seconds) != (running.engine.url, running.engine.request_timeout_seconds):  # fmt: skip
+            self._swap_client(cfg)
         self.feed.source = self._metrics_source(cfg)
         self.feed.interval = cfg.scrape_interval_seconds
         self.feed.stale_after = cfg.stale_after_seconds
+        if self.watcher is not None:
+            self.watcher.poll_seconds = cfg.server.config_poll_milliseconds / 1000
+        if cfg.logging.level != running.logging.level:
+            logs.set_level(cfg.logging.level)
         self.loaded = loaded
         self.metrics.config_generation.set(loaded.generation)
-        log.info("config generation %d applied (sha256 %s)", loaded.generation, loaded.sha256[:12])
+        if cfg.engine.url != running.engine.url:
+            self._models = []  # the default model is the new engine's
+            await self._check_engine()
+
+    def _swap_client(self, cfg: SidecarConfig) -> None:
+        """New dispatches use a client for the new engine; calls already running
+        finish on the old one, which is closed once they are done."""
+        old = self.client
+        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds)
+        running = self.dispatcher.replace_client(self.client)
+        self._retiring.add(old)
+        task = asyncio.create_task(self._retire(old, running))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _retire(self, old: EngineClient, running: list[asyncio.Task]) -> None:
+        try:
+            await asyncio.gather(*running, return_exceptions=True)
+        finally:
+            self._retiring.discard(old)
+            await old.close()
 
     # -- views ------------------------------------------------------------------------------
 
@@ -310,6 +357,14 @@ class Sidecar:
                 name=core.predictor.name, samples=len(core.accuracy),
                 bin_accuracy=core.accuracy.bin_accuracy(bounds) or 0.0,
                 within_one_bin_accuracy=core.accuracy.within_one_bin_accuracy(bounds) or 0.0,
+                sources=[
+                    pb.PredictorSourceStats(
+                        source=src, samples=core.accuracy.samples(src),
+                        bin_accuracy=core.accuracy.bin_accuracy(bounds, src) or 0.0,
+                        within_one_bin_accuracy=core.accuracy.within_one_bin_accuracy(bounds, src) or 0.0,
+                    )
+                    for src in core.accuracy.sources()
+                ],
             ),  # fmt: skip
             metrics_source=self._source_status(),
             recent_adjustments=[

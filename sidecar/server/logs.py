@@ -1,7 +1,8 @@
 """Structured (one JSON object per line) logs for the sidecar.
 
-Log calls never receive prompt or generated text: the request path logs ids,
-counts and timings only, so prompts cannot leak through logs by default.
+The request path logs ids, counts and timings only. Prompt and generated text
+are logged only when the policy sets ``logging.logPrompts`` (at Info, logger
+``binbatch.prompts``); otherwise no log call receives them, at any level.
 """
 
 from __future__ import annotations
@@ -30,5 +31,10 @@ def setup(level: str) -> None:
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    set_level(level)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def set_level(level: str) -> None:
+    """Set the root logger's level (``logging.level``; at start-up and on reload)."""
+    logging.getLogger().setLevel(level.upper())

@@ -5,6 +5,12 @@ engine request, hand it to the dispatcher, await the outcome, translate back.
 Every error becomes a gRPC status in one place, ``_status_of``.  The gRPC deadline
 becomes the request's deadline (it leaves its bin when it passes); a cancelled
 call is withdrawn from its bin or its engine call is aborted.
+
+Input is parsed strictly, within the bounds the proto documents: every bad input
+(a field, a metadata value, or a body that is not a GenerateRequest at all) is
+INVALID_ARGUMENT naming what is wrong, and is not logged above DEBUG, so no
+client can flood the logs or reach a traceback with its input.  The request
+deserializer never raises for that reason (``add_inference_servicer``).
 """
 
 from __future__ import annotations
@@ -12,14 +18,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import uuid
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
+from ..config import CLASS_PRIORITY_LIMIT
 from ..core.request import Request
 from ..engine.dispatcher import Call, Completion, Rejected
 from ..engine.engine_client import EngineError, EngineRequest, SamplingParams
@@ -28,9 +37,19 @@ if TYPE_CHECKING:
     from .app import Sidecar
 
 log = logging.getLogger("binbatch.api")
+prompt_log = logging.getLogger("binbatch.prompts")  # only with logging.logPrompts
 
-SLO_KEYS = ("x-slo-ttft-ms", "x-slo-tpot-ms")
+# Bounds of the request's fields and metadata (documented in binbatch.proto).
+SLO_LIMITS = {"x-slo-ttft-ms": 600_000, "x-slo-tpot-ms": 100_000}  # milliseconds, like latency.*Milliseconds
+SLO_KEYS = tuple(SLO_LIMITS)
 REQUEST_ID_LIMIT = 128
+MODEL_LIMIT = 512
+TEMPERATURE_LIMIT = 100.0
+STOP_COUNT_LIMIT = 16
+STOP_LENGTH_LIMIT = 1024
+PRIORITY_LIMIT = CLASS_PRIORITY_LIMIT
+PRIORITY_SPAN = 2 * PRIORITY_LIMIT + 1  # a class's priority ranks before the request's own
+_DIGITS = re.compile(r"[0-9]{1,9}")  # plain ASCII digits; longer is beyond every bound anyway
 
 _REJECTED_CODES = {
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -48,6 +67,62 @@ _ENGINE_CODES = {
 
 class InvalidRequest(Exception):
     """A request field is wrong; the message starts with the field's name."""
+
+
+class Undecodable:
+    """A request body that does not parse as its message (corrupt protobuf, a
+    string field that is not UTF-8): the servicer answers INVALID_ARGUMENT."""
+
+    def __init__(self, message_type: str, error: str) -> None:
+        self.message = (
+            f"request: the body is not a valid {message_type} "
+            f"(corrupt protobuf, or a string field that is not UTF-8): {error}"
+        )
+
+
+def _decoder(message_cls):
+    """A request deserializer that never raises: gRPC would answer UNKNOWN and log
+    an ERROR traceback per call, which any client could use to flood the logs."""
+
+    def decode(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(message_cls.DESCRIPTOR.full_name, str(exc))
+
+    return decode
+
+
+decode_request = _decoder(pb.GenerateRequest)
+
+
+def add_servicers(server: grpc.aio.Server, inference: InferenceServicer, admin: AdminServicer) -> None:
+    """The generated ``add_*Servicer_to_server``, with deserializers that never raise."""
+    services = {
+        "binbatch.v1.Inference": {
+            "Generate": grpc.unary_unary_rpc_method_handler(
+                inference.Generate, request_deserializer=decode_request,
+                response_serializer=pb.GenerateResponse.SerializeToString,
+            ),
+            "GenerateStream": grpc.unary_stream_rpc_method_handler(
+                inference.GenerateStream, request_deserializer=decode_request,
+                response_serializer=pb.GenerateChunk.SerializeToString,
+            ),
+        },
+        "binbatch.v1.Admin": {
+            "GetStats": grpc.unary_unary_rpc_method_handler(
+                admin.GetStats, request_deserializer=_decoder(pb.GetStatsRequest),
+                response_serializer=pb.Stats.SerializeToString,
+            ),
+            "GetConfig": grpc.unary_unary_rpc_method_handler(
+                admin.GetConfig, request_deserializer=_decoder(pb.GetConfigRequest),
+                response_serializer=pb.ConfigView.SerializeToString,
+            ),
+        },
+    }  # fmt: skip
+    for name, handlers in services.items():
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        server.add_registered_method_handlers(name, handlers)
 
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -72,10 +147,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.sidecar = sidecar
         self._ids = itertools.count(1)
 
-    def _build(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream: bool) -> tuple[Request, Call]:
+    def _build(
+        self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, stream: bool
+    ) -> tuple[Request, Call]:
         """Validate ``msg`` and make the core request and the caller's handle."""
         side = self.sidecar
         cfg = side.config
+        if isinstance(msg, Undecodable):
+            raise InvalidRequest(msg.message)
         which = msg.WhichOneof("input")
         if which is None:
             raise InvalidRequest("input: set either prompt or chat")
@@ -89,25 +168,44 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if not m.role:
                     raise InvalidRequest(f"chat.messages[{i}].role: must not be empty")
             messages = tuple((m.role, m.content) for m in msg.chat.messages)
+        if len(msg.model) > MODEL_LIMIT:
+            raise InvalidRequest(f"model: at most {MODEL_LIMIT} characters")
         model = msg.model or side.default_model()
         if not model:
             raise InvalidRequest("model: required (the sidecar has no default model: set engine.model)")
         cap = cfg.bins.max_output_tokens
-        max_tokens = msg.max_tokens  # 0: unset; the engine fills the rest of the context
+        max_tokens = msg.max_tokens  # 0: unset; the engine is sent the cap
         if max_tokens > cap:
             raise InvalidRequest(f"max_tokens: {max_tokens} exceeds the limit of {cap} (bins.maxOutputTokens)")
-        if msg.HasField("temperature") and not 0 <= msg.temperature <= 100:
-            raise InvalidRequest(f"temperature: must be in [0, 100], got {msg.temperature:g}")
+        if msg.HasField("temperature") and not 0 <= msg.temperature <= TEMPERATURE_LIMIT:
+            raise InvalidRequest(f"temperature: must be in [0, {TEMPERATURE_LIMIT:g}], got {msg.temperature:g}")
         if msg.HasField("top_p") and not 0 < msg.top_p <= 1:
             raise InvalidRequest(f"top_p: must be in (0, 1], got {msg.top_p:g}")
         if msg.HasField("min_tokens") and msg.min_tokens > (max_tokens or cap):
-            raise InvalidRequest(f"min_tokens: {msg.min_tokens} exceeds max_tokens {max_tokens}")
+            raise InvalidRequest(f"min_tokens: {msg.min_tokens} exceeds max_tokens {max_tokens or cap}")
+        if msg.HasField("expected_output_tokens") and not 1 <= msg.expected_output_tokens <= cap:
+            raise InvalidRequest(f"expected_output_tokens: must be in [1, {cap}] (bins.maxOutputTokens), got {msg.expected_output_tokens}")  # fmt: skip
+        if not -PRIORITY_LIMIT <= msg.priority <= PRIORITY_LIMIT:
+            raise InvalidRequest(f"priority: must be in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {msg.priority}")
+        if len(msg.stop) > STOP_COUNT_LIMIT:
+            raise InvalidRequest(f"stop: at most {STOP_COUNT_LIMIT} sequences, got {len(msg.stop)}")
+        for i, seq in enumerate(msg.stop):
+            if not 1 <= len(seq) <= STOP_LENGTH_LIMIT:
+                raise InvalidRequest(f"stop[{i}]: must be 1 to {STOP_LENGTH_LIMIT} characters, got {len(seq)}")
         if len(msg.request_id) > REQUEST_ID_LIMIT:
             raise InvalidRequest(f"request_id: at most {REQUEST_ID_LIMIT} characters")
+        class_priority = 0
+        if msg.request_class:
+            found = cfg.classes.priority_of(msg.request_class)
+            if found is None:
+                names = ", ".join(c.name for c in cfg.classes.classes) or "none"
+                shown = msg.request_class if len(msg.request_class) <= 64 else msg.request_class[:64] + "..."
+                raise InvalidRequest(f"request_class: unknown class {shown!r} (the policy's classes.classes defines: {names})")  # fmt: skip
+            class_priority = found
         slo = _read_slo(context)
         params = SamplingParams(
             model=model,
-            max_tokens=max_tokens or None,
+            max_tokens=max_tokens or cap,  # never unset: bins.maxOutputTokens is the cap the docs promise
             temperature=msg.temperature if msg.HasField("temperature") else None,
             top_p=msg.top_p if msg.HasField("top_p") else None,
             stop=tuple(msg.stop),
@@ -126,11 +224,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             prompt_tokens=estimate_prompt_tokens(text),
             max_tokens=max_tokens,
             hint_tokens=float(msg.expected_output_tokens) if msg.HasField("expected_output_tokens") else None,
-            priority=msg.priority,
+            priority=class_priority * PRIORITY_SPAN + msg.priority,
             deadline=None if remaining is None else now + remaining,
             send_by=None if budget is None else now + budget,
-            request_class=msg.request_class[:64],
+            request_class=msg.request_class,
         )
+        if cfg.logging.log_prompts:
+            prompt_log.info("request %s prompt: %s", req.id, text)
         loop = asyncio.get_running_loop()
         call = Call(engine_request, loop.create_future(), asyncio.Queue() if stream else None)
         return req, call
@@ -141,8 +241,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.sidecar.dispatcher.submit(req, call)
         except (InvalidRequest, Rejected) as exc:
             code, text = _status_of(exc)
+            log.debug("refused: %s: %s", code.name, text)
             await context.abort(code, text)
         return req, call
+
+    def _log_completion(self, req: Request, completion: Completion) -> None:
+        if self.sidecar.config.logging.log_prompts:
+            prompt_log.info("request %s completion: %s", req.id, completion.result.text)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         req, call = await self._accept(request, context, stream=False)
@@ -154,6 +259,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except Exception as exc:  # noqa: BLE001 - every outcome becomes a status
             code, text = _status_of(exc)
             await context.abort(code, text)
+        self._log_completion(req, completion)
         return _response(req, completion)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -173,6 +279,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except Exception as exc:  # noqa: BLE001
             code, text = _status_of(exc)
             await context.abort(code, text)
+        self._log_completion(req, completion)
         if index == 0 and completion.result.text:
             yield pb.GenerateChunk(text=completion.result.text, index=0)  # gang mode: one chunk
         yield pb.GenerateChunk(final=_response(req, completion))
@@ -195,17 +302,20 @@ def _response(req: Request, c: Completion) -> pb.GenerateResponse:
 
 
 def _read_slo(context: grpc.aio.ServicerContext) -> dict[str, int]:
-    """The Gateway API Inference Extension's SLO headers, validated."""
+    """The Gateway API Inference Extension's SLO headers, validated strictly: plain
+    ASCII digits (``int()`` would take " 7 ", "1_000" and any length), within
+    ``SLO_LIMITS``, at most once each."""
     out: dict[str, int] = {}
     for key, value in context.invocation_metadata() or ():
-        if key in SLO_KEYS:
-            try:
-                ms = int(value)
-            except ValueError:
-                raise InvalidRequest(f"{key}: must be a whole number of milliseconds, got {value!r}") from None
-            if ms <= 0:
-                raise InvalidRequest(f"{key}: must be > 0, got {ms}")
-            out[key] = ms
+        if key not in SLO_LIMITS:
+            continue
+        limit = SLO_LIMITS[key]
+        if key in out:
+            raise InvalidRequest(f"{key}: given more than once")
+        if not isinstance(value, str) or not _DIGITS.fullmatch(value) or not 1 <= int(value) <= limit:
+            shown = value if len(value) <= 32 else value[:32] + "..."
+            raise InvalidRequest(f"{key}: must be a whole number of milliseconds in [1, {limit}], got {shown!r}")
+        out[key] = int(value)
     return out
 
 
@@ -213,9 +323,13 @@ class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, sidecar: Sidecar) -> None:
         self.sidecar = sidecar
 
-    async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.Stats:
+    async def GetStats(self, request: pb.GetStatsRequest | Undecodable, context: Any) -> pb.Stats:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return self.sidecar.stats()
 
-    async def GetConfig(self, request: pb.GetConfigRequest, context: Any) -> pb.ConfigView:
+    async def GetConfig(self, request: pb.GetConfigRequest | Undecodable, context: Any) -> pb.ConfigView:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return self.sidecar.config_view()
 

@@ -245,8 +245,12 @@ async def test_memory_aware_size_follows_the_engines_kv_capacity(tmp_path):
     assert sizes[64] <= 64 * 16 // 40  # no more requests than the cache can hold at ~50 tokens each
 
 
-async def test_unset_max_tokens_leaves_the_length_to_the_engine(tmp_path):
-    async with running_emulator(FAST) as url, running_sidecar(sidecar_config(url), tmp_path) as sc:
-        resp = await sc.inference.Generate(pb.GenerateRequest(prompt="no limit given"), timeout=30)
-        assert resp.completion_tokens > 0
-        assert resp.finish_reason in ("stop", "length")
+async def test_unset_max_tokens_is_capped_at_bins_max_output_tokens(tmp_path):
+    # Issue 9 defect 10: max_tokens 0 reached the engine as "unset" (506 tokens came back).
+    doc = sidecar_config("", bins={"maxOutputTokens": 24})
+    async with running_emulator(FAST) as url:
+        doc["engine"]["url"], doc["metrics"]["url"] = url, url + "/metrics"
+        async with running_sidecar(doc, tmp_path) as sc:
+            msg = pb.GenerateRequest(prompt="no limit given", ignore_eos=True)
+            resp = await sc.inference.Generate(msg, timeout=30)
+            assert (resp.completion_tokens, resp.finish_reason) == (24, "length")

@@ -75,6 +75,12 @@ server:
 logging:
   level: Debug
   logPrompts: true
+classes:
+  classes:
+  - name: interactive
+    priority: 100
+  - name: batch
+    priority: -100
 """
 
 
@@ -222,10 +228,53 @@ def test_load_config_records_source_and_hash(tmp_path):
     assert loaded.loaded_at > 0
 
 
-def test_empty_file_gives_the_defaults(tmp_path):
+@pytest.mark.parametrize("text", ["", "   \n\n  \n", "# rendered by the operator\n", "---\n# nothing\n"])
+def test_an_empty_file_is_an_error_not_the_defaults(tmp_path, text):
     path = tmp_path / "sidecar.yaml"
-    path.write_text("# rendered by the operator\n")
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    [(where, msg)] = err.value.problems
+    assert where == str(path) and "holds no config" in msg
+
+
+def test_an_empty_mapping_is_the_defaults(tmp_path):
+    path = tmp_path / "sidecar.yaml"
+    path.write_text("{}\n")
     assert load_config(path).config == SidecarConfig()
+
+
+async def test_a_truncated_file_on_reload_keeps_the_old_config(cfg_path):
+    applied: list[LoadedConfig] = []
+    w = watcher_for(cfg_path, applied)
+    cfg_path.write_text("")  # an editor truncates, then writes
+    assert not await w.check()
+    assert applied == [] and w.current.config.batch.static_size == 16
+    assert "holds no config" in (w.last_error or "")
+    write(cfg_path, {"batch": {"staticSize": 8}})
+    assert await w.check() and w.current.config.batch.static_size == 8
+
+
+def test_classes_map_names_to_priorities():
+    cfg = parse_config(yaml.safe_load(FULL))
+    assert cfg.classes.priority_of("interactive") == 100
+    assert cfg.classes.priority_of("batch") == -100
+    assert cfg.classes.priority_of("other") is None
+    assert SidecarConfig().classes.classes == []
+
+
+@pytest.mark.parametrize(
+    ("classes", "path", "words"),
+    [
+        ([{"name": "a"}, {"name": "a", "priority": 1}], "classes.classes[1].name", "duplicate class 'a'"),
+        ([{"name": "Has Space"}], "classes.classes[0].name", "should match pattern"),
+        ([{"name": "a", "priority": 1001}], "classes.classes[0].priority", "less than or equal to 1000"),
+        ([{"priority": 1}], "classes.classes[0].name", "Field required"),
+    ],
+)
+def test_bad_classes_name_the_entry(classes, path, words):
+    [(where, msg)] = problems_of({"classes": {"classes": classes}})
+    assert where == path and words in msg
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
@@ -386,3 +435,24 @@ async def test_a_configmap_volume_update_is_picked_up(tmp_path):
     _kubelet_publish(volume, {"batch": {"staticSize": 24}}, 2)
     assert await watcher.check()
     assert watcher.current.config.batch.static_size == 24 and watcher.current.generation == 2
+
+
+def test_the_sidecar_command_refuses_an_empty_config_file_at_start_up(tmp_path, capsys):
+    from binbatch_sidecar import cli
+
+    path = tmp_path / "sidecar.yaml"
+    path.write_text("# being written\n")
+    assert cli.main(["sidecar", "--config", str(path)]) == 2
+    assert "holds no config" in capsys.readouterr().err
+
+
+def test_a_policy_with_classes_renders_a_config_the_sidecar_enforces():
+    from binbatch_operator import crd
+    from binbatch_operator.builders import sidecar_config
+
+    spec = {"selector": {"matchLabels": {"app": "vllm"}}, "classes": {"classes": [{"name": "interactive", "priority": 100}]}}
+    assert parse_config(sidecar_config(spec)).classes.priority_of("interactive") == 100
+    schema = crd.spec_schema()["properties"]["classes"]["properties"]["classes"]
+    assert schema["x-kubernetes-list-type"] == "map" and schema["x-kubernetes-list-map-keys"] == ["name"]
+    priority = schema["items"]["properties"]["priority"]
+    assert (priority["minimum"], priority["maximum"]) == (-1000, 1000)

@@ -105,13 +105,41 @@ def test_online_predictor_prefers_the_prompt_bucket_key_when_it_has_enough_sampl
 
 def test_online_predictor_falls_back_to_the_class_then_global_then_hint():
     p = OnlinePredictor(min_samples=3)
-    assert p.predict(req(request_class="a", hint_tokens=77.0)) == 77.0  # nothing learned: hint rule
+    assert p.predict(req(request_class="a", max_tokens=77)) == 77.0  # nothing learned: hint rule
     for _ in range(3):
         p.observe(req(request_class="a", prompt_tokens=10), 40.0)
     # An unseen prompt bucket of a known class: the class estimate.
     assert p.predict(req(request_class="a", prompt_tokens=5000)) == 40.0
     # An unseen class: the global estimate.
-    assert p.predict(req(request_class="zzz", hint_tokens=77.0)) == 40.0
+    assert p.predict(req(request_class="zzz", max_tokens=77)) == 40.0
+
+
+def test_the_clients_hint_wins_over_what_the_online_predictor_learned():
+    # Issue 9 defect 4: after 8 samples of ~80 tokens, hint 1800 (max_tokens 2000) predicted 80.
+    p = OnlinePredictor()
+    for _ in range(20):
+        p.observe(req(prompt_tokens=30), 80.0)
+    r = req(prompt_tokens=30, max_tokens=2000, hint_tokens=1800.0)
+    assert p.predict(r) == 1800.0 and r.prediction_source == "hint"
+    capped = req(prompt_tokens=30, max_tokens=500, hint_tokens=1800.0)
+    assert p.predict(capped) == 500.0 and capped.prediction_source == "hint"  # a hint is capped at max_tokens
+    learned = req(prompt_tokens=30, max_tokens=2000)
+    assert p.predict(learned) == 80.0 and learned.prediction_source == "online"
+
+
+@pytest.mark.parametrize(
+    ("fields", "source"),
+    [({"hint_tokens": 5.0}, "hint"), ({"max_tokens": 9}, "max_tokens"), ({}, "default")],
+)
+def test_predictors_record_where_a_prediction_came_from(fields, source):
+    for p in (HintPredictor(), OnlinePredictor()):
+        r = req(**fields)
+        p.predict(r)
+        assert r.prediction_source == source
+
+
+def test_hint_predictor_caps_the_hint_at_max_tokens():
+    assert HintPredictor().predict(req(hint_tokens=1800.0, max_tokens=500)) == 500.0
 
 
 def test_online_predictor_needs_min_samples_before_trusting_a_key():
@@ -233,6 +261,20 @@ def test_accuracy_window_keeps_only_the_latest_pairs():
     t.record(50, 50)
     assert len(t) == 2
     assert t.bin_accuracy((10.0,)) == 1.0
+
+
+def test_accuracy_is_reported_per_source():
+    t = AccuracyTracker()
+    t.record(5, 5, "hint")  # exact
+    t.record(5, 50, "online")  # wrong
+    t.record(50, 50, "online")  # exact
+    b = (10.0,)
+    assert t.sources() == ["hint", "online"]
+    assert (t.samples("hint"), t.samples("online"), t.samples()) == (1, 2, 3)
+    assert t.bin_accuracy(b, "hint") == 1.0
+    assert t.bin_accuracy(b, "online") == 0.5
+    assert t.bin_accuracy(b) == 2 / 3
+    assert t.bin_accuracy(b, "default") is None
 
 
 def test_accuracy_tracker_rejects_a_bad_window_naming_it():

@@ -176,15 +176,17 @@ class GenerateRequest(_message.Message):
     prompt: _builtins.str
     """Raw prompt text, sent to the engine as is (/v1/completions)."""
     model: _builtins.str
-    """Model name as served by the engine. Empty means the engine's only (or
-    default) model as configured for the sidecar.
+    """Model name as served by the engine (at most 512 characters). Empty means
+    the engine's only (or default) model as configured for the sidecar.
     """
     max_tokens: _builtins.int
-    """Maximum number of tokens to generate. 0 means the sidecar's configured
-    default. A request never produces more tokens than this.
+    """Maximum number of tokens to generate, at most the policy's
+    `bins.maxOutputTokens` (larger is INVALID_ARGUMENT). 0 means
+    `bins.maxOutputTokens`: the engine is always sent a cap, so a request never
+    produces more tokens than this field, or than `bins.maxOutputTokens`.
     """
     temperature: _builtins.float
-    """Sampling temperature (>= 0; 0 is greedy). Unset: engine default."""
+    """Sampling temperature in [0, 100]; 0 is greedy. Unset: engine default."""
     top_p: _builtins.float
     """Nucleus sampling probability mass, in (0, 1]. Unset: engine default."""
     seed: _builtins.int
@@ -195,27 +197,34 @@ class GenerateRequest(_message.Message):
     """
     min_tokens: _builtins.int
     """Minimum number of tokens to generate before EOS or stop sequences may end
-    the completion. Unset: no minimum.
+    the completion, at most `max_tokens` (or `bins.maxOutputTokens` when
+    `max_tokens` is 0). Unset: no minimum.
     """
     expected_output_tokens: _builtins.int
-    """Length hint: the client's estimate of the number of output tokens. When
-    set, the length predictor uses it to choose the request's bin (it is still
-    capped by `max_tokens`). Unset: the sidecar's online predictor decides.
+    """Length hint: the client's estimate of the number of output tokens, in
+    [1, `bins.maxOutputTokens`]. When set, it always decides the request's bin,
+    whatever the predictor has learned (capped at `max_tokens` when that is
+    set); hint accuracy is reported apart from the learned predictor's
+    (`PredictorStats.sources`). Unset: the sidecar's predictor decides.
     """
     priority: _builtins.int
-    """Scheduling priority; larger is more urgent, 0 is the default. Orders
-    requests within a bin and across bins when the dispatcher picks the next
-    batch. Negative values are allowed (background work).
+    """Scheduling priority in [-1000, 1000]; larger is more urgent, 0 is the
+    default. Orders requests within a bin and across bins when the dispatcher
+    picks the next batch, after the priority of the request's class (a class
+    ranks first; this field orders requests of equally ranked classes).
+    Negative values are allowed (background work).
     """
     request_class: _builtins.str
-    """Workload class of the request as named in the sidecar's policy, for
-    example "online" (served in arrival order) or "offline" (may be reordered
-    by predicted length). Empty means the default class. Unknown classes are
-    rejected with INVALID_ARGUMENT.
+    """Workload class of the request, one of the names the sidecar's policy
+    defines in `classes.classes` (each with a priority, e.g. "interactive"
+    above "batch"). Empty means no class (class priority 0). A name the
+    policy does not define is rejected with INVALID_ARGUMENT. The online
+    predictor also learns output lengths per class.
     """
     request_id: _builtins.str
-    """Optional client-chosen identifier, used in logs and echoed in the
-    response. Not required to be unique. Empty: the sidecar assigns one.
+    """Optional client-chosen identifier (at most 128 characters), used in logs
+    and echoed in the response. Not required to be unique. Empty: the sidecar
+    assigns one.
     """
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
@@ -224,7 +233,8 @@ class GenerateRequest(_message.Message):
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop sequences: generation ends before the first occurrence of any of
-        them (the sequence itself is not returned).
+        them (the sequence itself is not returned). At most 16, each 1 to 1024
+        characters.
         """
 
     def __init__(
@@ -546,6 +556,44 @@ class Throughput(_message.Message):
 Global___Throughput: _TypeAlias = Throughput  # noqa: Y015
 
 @_typing.final
+class PredictorSourceStats(_message.Message):
+    """Bin accuracy of the predictions that came from one source."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    BIN_ACCURACY_FIELD_NUMBER: _builtins.int
+    WITHIN_ONE_BIN_ACCURACY_FIELD_NUMBER: _builtins.int
+    source: _builtins.str
+    """Where the predictions came from: "hint" (the client's
+    expected_output_tokens), "online" (learned from completions),
+    "max_tokens" (no hint, nothing learned: the request's max_tokens) or
+    "default" (none of those: predictor.defaultOutputTokens).
+    """
+    samples: _builtins.int
+    """Completions scored from this source."""
+    bin_accuracy: _builtins.float
+    """As `PredictorStats.bin_accuracy`, for this source only."""
+    within_one_bin_accuracy: _builtins.float
+    """As `PredictorStats.within_one_bin_accuracy`, for this source only."""
+    def __init__(
+        self,
+        *,
+        source: _builtins.str = ...,
+        samples: _builtins.int = ...,
+        bin_accuracy: _builtins.float = ...,
+        within_one_bin_accuracy: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bin_accuracy", b"bin_accuracy", "samples", b"samples", "source", b"source", "within_one_bin_accuracy", b"within_one_bin_accuracy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PredictorSourceStats: _TypeAlias = PredictorSourceStats  # noqa: Y015
+
+@_typing.final
 class PredictorStats(_message.Message):
     """How well the length predictor places requests in bins, over the recent
     completions it has been scored on.
@@ -557,8 +605,11 @@ class PredictorStats(_message.Message):
     SAMPLES_FIELD_NUMBER: _builtins.int
     BIN_ACCURACY_FIELD_NUMBER: _builtins.int
     WITHIN_ONE_BIN_ACCURACY_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Predictor in use, e.g. "hint", "online", "hint+online"."""
+    """Predictor in use, the policy's predictor.kind: "hint" or "online". Either
+    way a request's hint wins; `sources` tells the predictions apart.
+    """
     samples: _builtins.int
     """Completions scored."""
     bin_accuracy: _builtins.float
@@ -569,6 +620,12 @@ class PredictorStats(_message.Message):
     """Fraction whose predicted bin is within one bin of the actual one, in
     [0, 1].
     """
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___PredictorSourceStats]:
+        """The same, per prediction source (only sources with samples), so the
+        clients' hints and the learned estimate are judged apart.
+        """
+
     def __init__(
         self,
         *,
@@ -576,10 +633,11 @@ class PredictorStats(_message.Message):
         samples: _builtins.int = ...,
         bin_accuracy: _builtins.float = ...,
         within_one_bin_accuracy: _builtins.float = ...,
+        sources: _abc.Iterable[Global___PredictorSourceStats] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bin_accuracy", b"bin_accuracy", "name", b"name", "samples", b"samples", "within_one_bin_accuracy", b"within_one_bin_accuracy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bin_accuracy", b"bin_accuracy", "name", b"name", "samples", b"samples", "sources", b"sources", "within_one_bin_accuracy", b"within_one_bin_accuracy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -810,7 +868,10 @@ class ConfigView(_message.Message):
     """File the config was read from; empty if it came from defaults."""
     last_reload_error: _builtins.str
     """Why the most recent reload was refused (the config above stayed in
-    effect); empty if the last reload succeeded or none was attempted.
+    effect): an invalid or empty file, or a change that needs a restart
+    (`server.grpcPort`, `server.metricsPort`); empty if the last reload
+    succeeded or none was attempted. Every other key is applied live, so
+    `config_json` is always the config that runs.
     """
     def __init__(
         self,

@@ -56,8 +56,13 @@ class InferenceStub:
         `latency.ttftMilliseconds` applies); and `x-slo-tpot-ms` (target time per
         output token, milliseconds): validated, but a batch is shared, so its
         size follows the policy's `latency.tpotMilliseconds`. They are metadata
-        keys, not message fields.
-    Errors: INVALID_ARGUMENT for a malformed request, RESOURCE_EXHAUSTED when the
+        keys, not message fields. Values are plain ASCII digits (no sign, spaces
+        or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
+        `x-slo-tpot-ms` in [1, 100000].
+    Errors: INVALID_ARGUMENT for a malformed request (a field or metadata value
+    out of its documented bounds, or a body that is not a valid GenerateRequest,
+    e.g. corrupt protobuf or invalid UTF-8; the message names the field),
+    RESOURCE_EXHAUSTED when the
     sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
     engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
     an engine failure.
@@ -89,8 +94,13 @@ class InferenceAsyncStub(InferenceStub):
         `latency.ttftMilliseconds` applies); and `x-slo-tpot-ms` (target time per
         output token, milliseconds): validated, but a batch is shared, so its
         size follows the policy's `latency.tpotMilliseconds`. They are metadata
-        keys, not message fields.
-    Errors: INVALID_ARGUMENT for a malformed request, RESOURCE_EXHAUSTED when the
+        keys, not message fields. Values are plain ASCII digits (no sign, spaces
+        or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
+        `x-slo-tpot-ms` in [1, 100000].
+    Errors: INVALID_ARGUMENT for a malformed request (a field or metadata value
+    out of its documented bounds, or a body that is not a valid GenerateRequest,
+    e.g. corrupt protobuf or invalid UTF-8; the message names the field),
+    RESOURCE_EXHAUSTED when the
     sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
     engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
     an engine failure.
@@ -118,8 +128,13 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         `latency.ttftMilliseconds` applies); and `x-slo-tpot-ms` (target time per
         output token, milliseconds): validated, but a batch is shared, so its
         size follows the policy's `latency.tpotMilliseconds`. They are metadata
-        keys, not message fields.
-    Errors: INVALID_ARGUMENT for a malformed request, RESOURCE_EXHAUSTED when the
+        keys, not message fields. Values are plain ASCII digits (no sign, spaces
+        or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
+        `x-slo-tpot-ms` in [1, 100000].
+    Errors: INVALID_ARGUMENT for a malformed request (a field or metadata value
+    out of its documented bounds, or a body that is not a valid GenerateRequest,
+    e.g. corrupt protobuf or invalid UTF-8; the message names the field),
+    RESOURCE_EXHAUSTED when the
     sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
     engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
     an engine failure.

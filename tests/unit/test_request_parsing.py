@@ -1,0 +1,84 @@
+"""The servicer's request parsing, without a network: classes and priorities,
+the engine's max_tokens cap, strict metadata numbers (binbatch_sidecar.server.servicer)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from binbatch_api.v1 import binbatch_pb2 as pb
+from binbatch_sidecar.config import parse_config
+from binbatch_sidecar.core.binner import FixedBinner
+from binbatch_sidecar.core.clock import ManualClock
+from binbatch_sidecar.core.former import BatchFormer
+from binbatch_sidecar.server.servicer import InferenceServicer, InvalidRequest, decode_request
+
+CONFIG = parse_config({
+    "engine": {"model": "m"},
+    "bins": {"maxOutputTokens": 300},
+    "classes": {"classes": [{"name": "interactive", "priority": 10}, {"name": "batch", "priority": -10}]},
+})  # fmt: skip
+
+
+class Context:
+    def __init__(self, metadata=()) -> None:
+        self.metadata = metadata
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def time_remaining(self):
+        return None
+
+
+def build(msg: pb.GenerateRequest, metadata=()):
+    sidecar = SimpleNamespace(config=CONFIG, clock=ManualClock(), default_model=lambda: "m")
+    return InferenceServicer(sidecar)._build(msg, Context(metadata), stream=False)  # type: ignore[arg-type]
+
+
+async def test_a_class_ranks_before_the_requests_own_priority_in_the_former():
+    urgent_batch = build(pb.GenerateRequest(prompt="a", request_class="batch", priority=1000))[0]
+    plain = build(pb.GenerateRequest(prompt="b", priority=0))[0]
+    lazy_interactive = build(pb.GenerateRequest(prompt="c", request_class="interactive", priority=-1000))[0]
+    clock = ManualClock()
+    former = BatchFormer(FixedBinner([1000.0]), clock, target_size=3)
+    for r in (urgent_batch, plain, lazy_interactive):
+        r.predicted_tokens = 10.0
+        former.submit(r)
+    batch = former.take()
+    assert batch is not None
+    assert [r.request_class for r in batch.requests] == ["interactive", "", "batch"]
+
+
+async def test_an_unknown_class_is_refused_naming_request_class():
+    with pytest.raises(InvalidRequest, match=r"^request_class: unknown class 'offline'"):
+        build(pb.GenerateRequest(prompt="a", request_class="offline"))
+
+
+async def test_unset_max_tokens_sends_the_policy_cap_to_the_engine():
+    req, call = build(pb.GenerateRequest(prompt="a"))
+    assert call.engine_request.params.max_tokens == 300
+    assert req.max_tokens == 0  # the predictor still sees "no max_tokens given"
+    _, call = build(pb.GenerateRequest(prompt="a", max_tokens=7))
+    assert call.engine_request.params.max_tokens == 7
+
+
+@pytest.mark.parametrize("value", ["7 ", " 7", "1_000", "٣", "0x10", "10" * 10])
+async def test_slo_metadata_takes_plain_ascii_digits_only(value):
+    with pytest.raises(InvalidRequest, match="^x-slo-ttft-ms: "):
+        build(pb.GenerateRequest(prompt="a"), metadata=(("x-slo-ttft-ms", value),))
+
+
+async def test_a_valid_slo_sets_the_send_by_time():
+    req, _ = build(pb.GenerateRequest(prompt="a"), metadata=(("x-slo-ttft-ms", "0400"),))
+    assert req.send_by == pytest.approx(0.2)  # 50% of 400 ms
+
+
+def test_a_corrupt_body_decodes_to_an_undecodable_marker():
+    assert decode_request(pb.GenerateRequest(prompt="ok").SerializeToString()).prompt == "ok"
+    bad = decode_request(b"\x0a\x02\xff\xfe")
+    assert not isinstance(bad, pb.GenerateRequest)
+    with pytest.raises(InvalidRequest, match="^request: "):
+        build(bad)  # type: ignore[arg-type]
+
