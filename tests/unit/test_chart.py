@@ -828,3 +828,13 @@ def test_every_env_var_the_chart_sets_is_read_by_the_operator():
     read_by_kopf = {"POD_ID"}  # the replica's name in the peering object (kopf's peering.detect_own_id)
     chart = set().union(*(env(operator_container(values)) for values in VALUE_SETS.values()))
     assert chart == read | read_by_kopf
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=[p.name for p in SAMPLES])
+def test_sample_tells_to_opt_its_namespace_in_before_applying(path):
+    """The webhook is opt-in by default: a sample applied to an unlabelled namespace gets no sidecar."""
+    (selector,) = [o for o in objects() if o["kind"] == "MutatingWebhookConfiguration"]
+    ((key, value),) = selector["webhooks"][0]["namespaceSelector"]["matchLabels"].items()
+    text = path.read_text()
+    assert re.search(rf"kubectl label namespace \S+ {re.escape(key)}={value}", text), path.name
+    assert text.index(f"{key}={value}") < text.index(" apply -f manifests/samples/")
