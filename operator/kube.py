@@ -178,3 +178,21 @@ class KubeApi:
             if exc.status == 409:
                 return None
             raise
+
+    # -- kopf peering (several replicas) ----------------------------------------
+
+    async def ensure_cluster_peering(self, name: str) -> bool:
+        """Create the ClusterKopfPeering ``name`` unless it exists; True if this call made it.
+
+        kopf does not create its peering object, and without it every replica
+        stays paused; shipping it beside its CRD in one ``kubectl apply`` fails on
+        a fresh cluster (the CRD is not served yet), so the operator makes it.
+        """
+        body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
+        try:
+            await self._call(self.custom.create_cluster_custom_object, "kopf.dev", "v1", "clusterkopfpeerings", body)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True

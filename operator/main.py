@@ -58,6 +58,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
         # Equal priorities would pause every replica; the newest pod leads (a rollout hands over).
         settings.peering.priority = peering_priority()
     kube = KubeApi.from_environment()
+    if not settings.peering.standalone and settings.peering.name:
+        if await kube.ensure_cluster_peering(settings.peering.name):
+            logger.info("created ClusterKopfPeering %s", settings.peering.name)
     memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE)
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
     memo.policies_from_api = not settings.peering.standalone

@@ -353,10 +353,8 @@ async def test_the_charts_operator_command_runs_as_a_process(cluster: Any, tmp_p
     env |= {"POD_NAMESPACE": "binbatch-system", "BINBATCH_WEBHOOK_PORT": str(hook_port),
             "BINBATCH_WEBHOOK_CONFIG": WEBHOOK_CONFIG, "KUBECONFIG": os.environ["KUBECONFIG"],
             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path)}  # fmt: skip
-    # The chart's default is two replicas with kopf peering; the chart ships this object.
+    # The chart's default is two replicas with kopf peering: the operator makes its peering object.
     peering = next(a.split("=", 1)[1] for a in command if a.startswith("--peering="))
-    await cluster.post("/apis/kopf.dev/v1/clusterkopfpeerings",
-                       json={"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": peering}})
     proc = await asyncio.create_subprocess_exec(
         *command, cwd=tmp_path, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
@@ -368,6 +366,8 @@ async def test_the_charts_operator_command_runs_as_a_process(cluster: Any, tmp_p
         secret = await until(lambda: obj(cluster, "secrets", env["BINBATCH_WEBHOOK_CERT_SECRET"], "binbatch-system"),
                              "the shared certificate Secret")  # fmt: skip
         assert base64.b64decode(secret["data"]["tls.crt"]) == ca_bundle(cluster)
+        # It leads: its keep-alive is in the peering object it created.
+        await until(lambda: (obj(cluster, "clusterkopfpeerings", peering, None) or {}).get("status"), "a keep-alive")
         async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{live_port}/healthz") as resp:
             assert resp.status == 200
     finally:

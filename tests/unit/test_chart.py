@@ -251,7 +251,7 @@ def test_defaults_render_the_operator_with_peering_and_nothing_optional():
     kinds = sorted(o["kind"] for o in objects())
     assert kinds == sorted([
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment",
-        "MutatingWebhookConfiguration", "PodDisruptionBudget", "ClusterKopfPeering",
+        "MutatingWebhookConfiguration", "PodDisruptionBudget",
     ])  # fmt: skip
     single = sorted(o["kind"] for o in objects(SINGLE))
     assert single == sorted([
@@ -356,7 +356,7 @@ EXPECTED_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch"), ()),
     ("", "namespaces", ("get", "list", "watch"), ()),
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get", "patch"), (RELEASE,)),
-    ("kopf.dev", "clusterkopfpeerings", ("list", "watch"), ()),
+    ("kopf.dev", "clusterkopfpeerings", ("create", "list", "watch"), ()),
     ("kopf.dev", "clusterkopfpeerings", ("get", "patch"), (RELEASE,)),
     ("apps", "deployments", ("get", "patch"), ()),
     ("apps", "statefulsets", ("get", "patch"), ()),
@@ -438,8 +438,10 @@ def test_several_replicas_elect_a_leader_with_kopf_peering_and_roll_without_a_ga
     assert spec["replicas"] == 3
     assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     (container,) = spec["template"]["spec"]["containers"]
-    peering = one(objs, "ClusterKopfPeering")["metadata"]["name"]
-    assert f"--peering={peering}" in container["command"] and "--standalone" not in container["command"]
+    # The operator creates this ClusterKopfPeering at start-up, and may patch only it.
+    (peering,) = [r["resourceNames"] for r in one(objs, "ClusterRole")["rules"] if r.get("resourceNames")
+                  and r["resources"] == ["clusterkopfpeerings"]]  # fmt: skip
+    assert f"--peering={peering[0]}" in container["command"] and "--standalone" not in container["command"]
     assert env(container)["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     (spread,) = spec["template"]["spec"]["topologySpreadConstraints"]
     assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"

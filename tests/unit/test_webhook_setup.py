@@ -121,6 +121,12 @@ class FakeKube:
             self.store.read_secret, self.store.create_secret, self.store.replace_secret)
         self.policies = policies or []
         self.listed: list[str] = []
+        self.peerings: set[str] = set()
+
+    async def ensure_cluster_peering(self, name: str) -> bool:
+        made = name not in self.peerings
+        self.peerings.add(name)
+        return made
 
     def list_policies_blocking(self, namespace: str) -> list[dict[str, Any]]:
         self.listed.append(namespace)
@@ -248,16 +254,18 @@ def test_a_peering_replica_answers_from_the_api_not_from_its_frozen_index():
 async def test_each_peering_replica_gets_its_own_priority_and_reads_policies_from_the_api(monkeypatch):
     """Equal priorities make kopf pause every replica ("possibly conflicting operators")."""
     monkeypatch.delenv("BINBATCH_WEBHOOK_SERVICE", raising=False)
-    monkeypatch.setattr(main.KubeApi, "from_environment", classmethod(lambda cls: FakeKube()))
+    kube = FakeKube()
+    monkeypatch.setattr(main.KubeApi, "from_environment", classmethod(lambda cls: kube))
     stamps = iter([1_000_000_000, 1_000_001_000])
     monkeypatch.setattr(main.time, "time_ns", lambda: next(stamps))
     replicas = []
     for _ in range(2):
         settings, memo = kopf.OperatorSettings(), kopf.Memo()
-        settings.peering.standalone = False
+        settings.peering.standalone, settings.peering.name = False, "binbatch"
         await main.configure(settings=settings, memo=memo, logger=logging.getLogger("test"))
         replicas.append((settings.peering.priority, memo.policies_from_api))
     assert replicas[0][0] != replicas[1][0] and all(from_api for _, from_api in replicas)
+    assert kube.peerings == {"binbatch"}  # kopf would wait paused forever without its peering object
     settings, memo = kopf.OperatorSettings(), kopf.Memo()
     settings.peering.standalone = True
     await main.configure(settings=settings, memo=memo, logger=logging.getLogger("test"))
