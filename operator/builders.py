@@ -163,7 +163,8 @@ def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
 
 
 def build_pod_patch(
-    pod: Mapping[str, Any], policy: str, generation: int, spec: Mapping[str, Any], default_image: str
+    pod: Mapping[str, Any], policy: str, generation: int, spec: Mapping[str, Any], default_image: str,
+    *, native: bool = False,
 ) -> dict[str, Any]:
     """A merge patch that adds the sidecar to ``pod``; ``{}`` if it already has one.
 
@@ -171,18 +172,19 @@ def build_pod_patch(
     containers and volumes followed by ours.  The ConfigMap volume is mounted as a
     directory (not ``subPath``) so kubelet updates it in place and the sidecar
     reloads the new config without a restart; it is ``optional`` so a pod
-    restarted after its policy was deleted still starts.
+    restarted after its policy was deleted still starts.  ``native`` makes it a
+    native sidecar (see ``as_native_sidecar``).
     """
     pod_spec = pod.get("spec") or {}
     containers = list(pod_spec.get("containers") or [])
-    if any(c.get("name") == SIDECAR_CONTAINER for c in containers):
+    if any(c.get("name") == SIDECAR_CONTAINER for c in [*containers, *(pod_spec.get("initContainers") or [])]):
         return {}
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in (CONFIG_VOLUME, TMP_VOLUME)]
     volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": child_name(policy), "optional": True}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
     drain = sidecar_settings(spec)["drainGraceSeconds"]
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
-    return {
+    patch: dict[str, Any] = {
         "metadata": {
             "labels": {POLICY_LABEL: policy},
             "annotations": {
@@ -196,3 +198,25 @@ def build_pod_patch(
             "terminationGracePeriodSeconds": grace,
         },
     }
+    return as_native_sidecar(patch, pod) if native else patch
+
+
+def as_native_sidecar(patch: dict[str, Any], pod: Mapping[str, Any]) -> dict[str, Any]:
+    """``patch`` with the sidecar moved into ``initContainers`` with ``restartPolicy: Always``.
+
+    A native sidecar (Kubernetes >= 1.29) starts before the pod's containers, is
+    ready (its gRPC probe) before they start, and is stopped only after they
+    exit, so the model server never runs without its front door and the sidecar
+    drains while vLLM still answers.  It goes after the pod's own init containers
+    (a model download finishes first).  The container itself is unchanged, so its
+    ``sidecar-hash`` still compares with the operator's.
+    """
+    spec = patch.get("spec") or {}
+    containers = spec.get("containers") or []
+    ours = [c for c in containers if c.get("name") == SIDECAR_CONTAINER]
+    if not ours:
+        return patch
+    inits = list(((pod.get("spec") or {}).get("initContainers")) or [])
+    spec = {**spec, "containers": [c for c in containers if c.get("name") != SIDECAR_CONTAINER]}
+    spec["initContainers"] = [*inits, *({**c, "restartPolicy": "Always"} for c in ours)]
+    return {**patch, "spec": spec}

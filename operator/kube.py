@@ -100,6 +100,11 @@ class KubeApi:
         # keeps the meaning exact even behind an API that ignores it.
         return [p for p in found["items"] if selector_matches(match_labels, p["metadata"].get("labels"))]
 
+    def list_policies_blocking(self, namespace: str) -> list[dict[str, Any]]:
+        """``list_policies`` for a caller already in a worker thread (the webhook handler)."""
+        found = self._plain(self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL))
+        return list(found["items"])
+
     async def list_policies(self, namespace: str) -> list[dict[str, Any]]:
         found = await self._call(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL)
         return list(found["items"])
@@ -144,3 +149,50 @@ class KubeApi:
         body = {"spec": {"template": {"metadata": {"annotations": {RESTART_ANNOTATION: stamp}}}}}
         await self._call(patch_fn, name, namespace, body, _content_type=MERGE_PATCH)
         return f"{kind}/{name}"
+
+    # -- the webhook's shared certificate (built-in source) ----------------------
+
+    async def read_secret(self, name: str, namespace: str) -> dict[str, Any] | None:
+        try:
+            return await self._call(self.core.read_namespaced_secret, name, namespace)  # type: ignore[no-any-return]
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def create_secret(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create ``obj``; None if it already exists (another replica was first)."""
+        try:
+            return await self._call(self.core.create_namespaced_secret, obj["metadata"]["namespace"], dict(obj))  # type: ignore[no-any-return]
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+
+    async def replace_secret(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Replace ``obj`` at its ``metadata.resourceVersion``; None if it changed meanwhile."""
+        meta = obj["metadata"]
+        try:
+            return await self._call(self.core.replace_namespaced_secret, meta["name"], meta["namespace"], dict(obj))  # type: ignore[no-any-return]
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+
+    # -- kopf peering (several replicas) ----------------------------------------
+
+    async def ensure_cluster_peering(self, name: str) -> bool:
+        """Create the ClusterKopfPeering ``name`` unless it exists; True if this call made it.
+
+        kopf does not create its peering object, and without it every replica
+        stays paused; shipping it beside its CRD in one ``kubectl apply`` fails on
+        a fresh cluster (the CRD is not served yet), so the operator makes it.
+        """
+        body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
+        try:
+            await self._call(self.custom.create_cluster_custom_object, "kopf.dev", "v1", "clusterkopfpeerings", body)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True

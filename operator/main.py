@@ -5,24 +5,40 @@ admission server) and ``builders.py`` (the objects).  Settings come from the
 environment the Helm chart sets:
 
   BINBATCH_SIDECAR_IMAGE           image of injected sidecars (a policy may override it)
+  BINBATCH_SIDECAR_NATIVE          "true": inject a native sidecar (init container, restartPolicy Always)
   BINBATCH_WEBHOOK_SERVICE         the webhook's Service; unset = no admission webhook
-  BINBATCH_WEBHOOK_CONFIG          the MutatingWebhookConfiguration to put our CA into
+  BINBATCH_WEBHOOK_ADDRESS         address the webhook listens on (default 0.0.0.0)
   BINBATCH_WEBHOOK_PORT            port the webhook listens on (default 9443)
+  BINBATCH_WEBHOOK_HOSTNAMES       comma-separated names for the certificate (default: the Service's)
+  BINBATCH_WEBHOOK_CERT_SECRET     built-in certificate: the Secret all replicas share (unset: one per start)
+  BINBATCH_WEBHOOK_CONFIG          built-in certificate: the MutatingWebhookConfiguration to put our CA into
+  BINBATCH_WEBHOOK_CERT_DIR        cert-manager: the mounted Secret (tls.crt, tls.key, ca.crt); no CA patching
   POD_NAMESPACE                    the operator's namespace (the Service's)
   BINBATCH_STATS_INTERVAL_SECONDS  how often status is refreshed from the sidecars (default 15)
+
+With ``kopf run --peering=NAME`` (the chart, replicas > 1) one replica handles
+the policies and the others stay paused, while every replica serves the webhook.
+A paused kopf stops all its watch streams, so its ``policies`` index would go
+stale; the webhook therefore reads the pod's namespace's policies from the API
+on every replica when peering is on (one namespaced list per pod CREATE in an
+opted-in namespace), and from the index when standalone.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import kopf
 
 from .crd import GROUP, PLURAL, VERSION
 from .kube import KubeApi
+from .builders import as_native_sidecar
 from .reconcile import Context, admit, cleanup, reconcile
-from .webhook import WEBHOOK_PATH_ID, WebhookServer, service_hostnames
+from .webhook import WEBHOOK_PATH_ID, WebhookServer, service_hostnames, shared_certificate
 
 DEFAULT_IMAGE = "ghcr.io/binbatch/binbatch:0.1.0"
 STATS_INTERVAL = float(os.environ.get("BINBATCH_STATS_INTERVAL_SECONDS", "15"))
@@ -38,27 +54,62 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.posting.level = 30  # events for warnings and errors only (logging.WARNING)
 
+    if not settings.peering.standalone:
+        # Equal priorities would pause every replica; the newest pod leads (a rollout hands over).
+        settings.peering.priority = peering_priority()
     kube = KubeApi.from_environment()
+    if not settings.peering.standalone and settings.peering.name:
+        if await kube.ensure_cluster_peering(settings.peering.name):
+            logger.info("created ClusterKopfPeering %s", settings.peering.name)
     memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE)
+    memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
+    memo.policies_from_api = not settings.peering.standalone
 
     service = os.environ.get("BINBATCH_WEBHOOK_SERVICE")
     if not service:
         logger.warning("BINBATCH_WEBHOOK_SERVICE is unset: no admission webhook, pods get no sidecar")
         return
+    settings.admission.server = await webhook_server(kube, service, logger)
+    settings.admission.managed = None  # the install owns the configuration (service-based)
+
+
+def peering_priority() -> int:
+    """A priority unique to this replica: its start time in microseconds."""
+    return time.time_ns() // 1000
+
+
+async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookServer:
+    """The webhook server the environment asks for (see the module docstring)."""
     namespace = os.environ.get("POD_NAMESPACE", "default")
     config_name = os.environ.get("BINBATCH_WEBHOOK_CONFIG", "")
+    extra = [h.strip() for h in os.environ.get("BINBATCH_WEBHOOK_HOSTNAMES", "").split(",") if h.strip()]
+    hosts = list(dict.fromkeys(service_hostnames(service, namespace) + extra))
+    listen = {"addr": os.environ.get("BINBATCH_WEBHOOK_ADDRESS") or "0.0.0.0",
+              "port": int(os.environ.get("BINBATCH_WEBHOOK_PORT", "9443")), "host": hosts[0]}  # fmt: skip
+
+    cert_dir = os.environ.get("BINBATCH_WEBHOOK_CERT_DIR")
+    if cert_dir:  # cert-manager: serve its Secret; its injector owns the caBundle
+        folder = Path(cert_dir)
+        ca = folder / "ca.crt"
+        return WebhookServer(**listen, certfile=folder / "tls.crt", pkeyfile=folder / "tls.key",
+                             cafile=ca if ca.exists() else None)  # fmt: skip
 
     async def publish_ca(ca_pem: bytes) -> None:
         if config_name:
             await kube.set_webhook_ca_bundle(config_name, ca_pem)
             logger.info("CA bundle set on MutatingWebhookConfiguration %s", config_name)
 
-    hosts = service_hostnames(service, namespace)
-    settings.admission.server = WebhookServer(
-        addr="0.0.0.0", port=int(os.environ.get("BINBATCH_WEBHOOK_PORT", "9443")),
-        host=hosts[0], extra_sans=hosts[1:], on_ca=publish_ca,
-    )  # fmt: skip
-    settings.admission.managed = None  # the install owns the configuration (service-based)
+    secret = os.environ.get("BINBATCH_WEBHOOK_CERT_SECRET")
+    if not secret:  # a fresh self-signed certificate for this start only (one replica)
+        return WebhookServer(**listen, extra_sans=hosts[1:], on_ca=publish_ca)
+    cert_pem, key_pem = await shared_certificate(kube, secret, namespace, hosts)
+    folder = Path(tempfile.mkdtemp(prefix="binbatch-webhook-"))
+    (folder / "tls.crt").write_bytes(cert_pem)
+    key_file = folder / "tls.key"
+    key_file.touch(mode=0o600)
+    key_file.write_bytes(key_pem)
+    logger.info("serving the webhook certificate of Secret %s/%s", namespace, secret)
+    return WebhookServer(**listen, certfile=folder / "tls.crt", pkeyfile=key_file, on_ca=publish_ca)
 
 
 @kopf.on.cleanup()
@@ -99,11 +150,34 @@ def inject_sidecar(
     pod, which failurePolicy Ignore does not cover; a pod without a sidecar is better."""
     try:
         namespace = body.get("metadata", {}).get("namespace")
-        candidates = list(policies.get(namespace, []))
+        if memo.get("policies_from_api"):
+            candidates = policies_of(memo.ctx.kube, namespace)
+        else:
+            candidates = list(policies.get(namespace, []))
         merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image)
+        if memo.get("native_sidecar"):
+            merge = as_native_sidecar(merge, body)
     except Exception as exc:  # noqa: BLE001
         logger.exception("sidecar injection failed; the pod is admitted without it")
         warnings.append(f"binbatch: sidecar injection failed ({type(exc).__name__}); pod admitted without it")
         return
     patch.update(merge)
     warnings.extend(notes)
+
+
+def policies_of(kube: KubeApi, namespace: str) -> list[Any]:
+    """The namespace's policies read from the API, as the ``policies`` index holds them.
+
+    For replicas that kopf peering keeps paused (their index is frozen).  The
+    webhook handler is synchronous (kopf runs it in a worker thread), so is this.
+    """
+    entries = []
+    for item in kube.list_policies_blocking(namespace):
+        meta = item.get("metadata") or {}
+        spec = item.get("spec") or {}
+        found = policies(
+            namespace=namespace, name=meta.get("name"), spec=spec, meta=meta, body=item,
+            labels=meta.get("labels") or {}, annotations=meta.get("annotations") or {}, status=item.get("status") or {},
+        )  # fmt: skip
+        entries += list(found.values())
+    return entries

@@ -229,7 +229,9 @@ def ready_policy(cluster: Cluster, operator: None) -> dict[str, Any]:
     from kubernetes import client
 
     name, docs = sample_for_kind()
-    cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=DEMO_NAMESPACE)))
+    # The chart's webhook is opt-in per namespace (values webhook.namespaceSelector).
+    labels = {"binbatch.io/inject": "enabled"}
+    cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=DEMO_NAMESPACE, labels=labels)))
     cluster.kubectl("--namespace", DEMO_NAMESPACE, "apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
 
     def ready_condition():

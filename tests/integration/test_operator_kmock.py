@@ -89,6 +89,8 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
             ("apps/v1/deployments", "Deployment", True, set()), ("apps/v1/replicasets", "ReplicaSet", True, set()),
             ("admissionregistration.k8s.io/v1/mutatingwebhookconfigurations", "MutatingWebhookConfiguration", False, set()),
             ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),
+            ("v1/secrets", "Secret", True, set()),
+            ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False, set()),
         ]:
             api.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, subresources=sub, verbs=verbs)
         kubeconfig = {
@@ -351,6 +353,8 @@ async def test_the_charts_operator_command_runs_as_a_process(cluster: Any, tmp_p
     env |= {"POD_NAMESPACE": "binbatch-system", "BINBATCH_WEBHOOK_PORT": str(hook_port),
             "BINBATCH_WEBHOOK_CONFIG": WEBHOOK_CONFIG, "KUBECONFIG": os.environ["KUBECONFIG"],
             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path)}  # fmt: skip
+    # The chart's default is two replicas with kopf peering: the operator makes its peering object.
+    peering = next(a.split("=", 1)[1] for a in command if a.startswith("--peering="))
     proc = await asyncio.create_subprocess_exec(
         *command, cwd=tmp_path, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
@@ -358,6 +362,12 @@ async def test_the_charts_operator_command_runs_as_a_process(cluster: Any, tmp_p
         await cluster.post(POLICIES, json=policy_doc("fast"))
         await until(lambda: obj(cluster, "configmaps", "fast-binbatch"), "the ConfigMap from the process")
         await until(lambda: ca_bundle(cluster), "the CA bundle from the process")
+        # The built-in certificate is the one kept in the shared Secret.
+        secret = await until(lambda: obj(cluster, "secrets", env["BINBATCH_WEBHOOK_CERT_SECRET"], "binbatch-system"),
+                             "the shared certificate Secret")  # fmt: skip
+        assert base64.b64decode(secret["data"]["tls.crt"]) == ca_bundle(cluster)
+        # It leads: its keep-alive is in the peering object it created.
+        await until(lambda: (obj(cluster, "clusterkopfpeerings", peering, None) or {}).get("status"), "a keep-alive")
         async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{live_port}/healthz") as resp:
             assert resp.status == 200
     finally:

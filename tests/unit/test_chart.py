@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "binbatch"
 CRD_SOURCE = ROOT / "manifests" / "crd" / "batchingpolicies.binbatch.io.yaml"
 CRD_COPY = CHART / "crds" / "batchingpolicies.binbatch.io.yaml"
+PEERING_CRD = CHART / "crds" / "clusterkopfpeerings.kopf.dev.yaml"
 INSTALL = ROOT / "manifests" / "install" / "binbatch.yaml"
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
 RELEASE, NAMESPACE = "binbatch", "binbatch-system"
@@ -43,9 +44,22 @@ MONITORING = {
     "grafanaDashboard": {"enabled": True},
 }
 CUSTOM_TAG = {"image": {"tag": "1.2.3-rc1"}}
-VALUE_SETS = {"defaults": None, "monitoring": MONITORING, "custom-tag": CUSTOM_TAG}
+SINGLE = {"operator": {"replicas": 1}}
+CERT_MANAGER = {"webhook": {"certificate": {"source": "CertManager"}}}
+CERT_MANAGER_ISSUER = {"webhook": {"certificate": {"source": "CertManager", "certManager": {
+    "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}}}  # fmt: skip
+SCOPED = {"webhook": {"namespaceSelector": {"matchLabels": None, "matchExpressions": [{"key": "team", "operator": "In", "values": ["ml"]}]},
+                      "objectSelector": {"matchLabels": {"binbatch.io/inject": "enabled"}},
+                      "listenAddress": "::", "port": 10443, "extraHostnames": ["hook.example.org", "10.0.0.9"]},
+          "sidecar": {"native": True}}  # fmt: skip
+EVERY_NAMESPACE = {"webhook": {"namespaceSelector": {"matchLabels": None}}}  # Helm: null drops a default key
+VALUE_SETS = {
+    "defaults": None, "monitoring": MONITORING, "custom-tag": CUSTOM_TAG, "single": SINGLE,
+    "cert-manager": CERT_MANAGER, "cert-manager-issuer": CERT_MANAGER_ISSUER, "scoped": SCOPED,
+}  # fmt: skip
 
-NAMESPACED = {"ServiceAccount", "Service", "Deployment", "ConfigMap", "ServiceMonitor"}
+NAMESPACED = {"ServiceAccount", "Service", "Deployment", "ConfigMap", "ServiceMonitor", "Role", "RoleBinding",
+              "PodDisruptionBudget", "Issuer", "Certificate"}  # fmt: skip
 
 # A Prometheus duration, as prometheus-operator checks it.
 DURATION = "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
@@ -76,6 +90,38 @@ SERVICE_MONITOR = {
             },
         },
     },
+}  # fmt: skip
+
+
+
+def _closed(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "properties": properties, "required": required or []}
+
+
+_ISSUER_REF = _closed({"name": {"type": "string"}, "kind": {"enum": ["Issuer", "ClusterIssuer"]},
+                       "group": {"type": "string"}}, ["name"])  # fmt: skip
+# The parts of cert-manager's Issuer and Certificate (cert-manager.io/v1) and kopf's
+# ClusterKopfPeering the chart uses, closed like the strict Kubernetes schemas.
+CUSTOM_KINDS = {
+    "ClusterKopfPeering": _closed({"apiVersion": {"const": "kopf.dev/v1"}, "kind": {"const": "ClusterKopfPeering"},
+                                   "metadata": {"type": "object"}}, ["metadata"]),
+    "Issuer": _closed({
+        "apiVersion": {"const": "cert-manager.io/v1"}, "kind": {"const": "Issuer"}, "metadata": {"type": "object"},
+        "spec": {"type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False, "properties": {
+            "selfSigned": _closed({}), "ca": _closed({"secretName": {"type": "string"}}, ["secretName"])}},
+    }, ["spec"]),
+    "Certificate": _closed({
+        "apiVersion": {"const": "cert-manager.io/v1"}, "kind": {"const": "Certificate"}, "metadata": {"type": "object"},
+        "spec": _closed({
+            "secretName": {"type": "string"}, "isCA": {"type": "boolean"}, "commonName": {"type": "string"},
+            "duration": {"type": "string", "pattern": "^([0-9]+(h|m|s))+$"},
+            "renewBefore": {"type": "string", "pattern": "^([0-9]+(h|m|s))+$"},
+            "dnsNames": {"type": "array", "items": {"type": "string"}},
+            "privateKey": _closed({"algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]}, "size": {"type": "integer"}}),
+            "usages": {"type": "array", "items": {"enum": ["server auth", "digital signature", "key encipherment"]}},
+            "issuerRef": _ISSUER_REF,
+        }, ["secretName", "issuerRef"]),
+    }, ["spec"]),
 }  # fmt: skip
 
 
@@ -123,6 +169,8 @@ def env(container: dict[str, Any]) -> dict[str, Any]:
 def validate_kubernetes(obj: dict[str, Any]) -> None:
     if obj["kind"] == "ServiceMonitor":
         jsonschema.Draft7Validator(SERVICE_MONITOR).validate(obj)
+    elif obj["kind"] in CUSTOM_KINDS:
+        jsonschema.Draft7Validator(CUSTOM_KINDS[obj["kind"]]).validate(obj)
     else:
         kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
 
@@ -183,18 +231,32 @@ def test_every_rendered_object_is_valid_against_the_kubernetes_schemas(values):
 
 def test_crd_in_the_chart_is_a_byte_copy_of_the_manifests_source():
     assert CRD_COPY.read_bytes() == CRD_SOURCE.read_bytes(), "cp manifests/crd/*.yaml charts/binbatch/crds/"
-    (crd,) = _chart().crds
-    assert crd["data"].encode() == CRD_SOURCE.read_bytes()
+    crds = {c["filename"]: c["data"] for c in _chart().crds}
+    names = {Path(name).name: data for name, data in crds.items()}
+    assert sorted(names) == ["batchingpolicies.binbatch.io.yaml", "clusterkopfpeerings.kopf.dev.yaml"]
+    assert names["batchingpolicies.binbatch.io.yaml"].encode() == CRD_SOURCE.read_bytes()
 
 
-def test_crd_is_a_valid_kubernetes_object():
+def test_crds_are_valid_kubernetes_objects():
     validate_kubernetes(yaml.safe_load(CRD_COPY.read_text()))
+    peering = yaml.safe_load(PEERING_CRD.read_text())
+    validate_kubernetes(peering)
+    # What kopf looks for with --all-namespaces: kopf.dev/v1 clusterkopfpeerings, cluster-scoped.
+    assert (peering["spec"]["group"], peering["spec"]["names"]["plural"], peering["spec"]["scope"]) == (
+        "kopf.dev", "clusterkopfpeerings", "Cluster")
+    assert [v["name"] for v in peering["spec"]["versions"]] == ["v1"]
 
 
-def test_defaults_render_the_operator_and_nothing_optional():
+def test_defaults_render_the_operator_with_peering_and_nothing_optional():
     kinds = sorted(o["kind"] for o in objects())
     assert kinds == sorted([
-        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "MutatingWebhookConfiguration",
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment",
+        "MutatingWebhookConfiguration", "PodDisruptionBudget",
+    ])  # fmt: skip
+    single = sorted(o["kind"] for o in objects(SINGLE))
+    assert single == sorted([
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment",
+        "MutatingWebhookConfiguration",
     ])  # fmt: skip
 
 
@@ -203,6 +265,12 @@ def test_notes_tell_the_next_commands():
     assert f"kubectl --namespace {NAMESPACE} rollout status deployment/{RELEASE}" in notes
     assert "apply -f manifests/samples/cpu-emulator.yaml" in notes
     assert "get bp" in notes
+    # The opt-in label before the sample, and the Pod Security label --create-namespace leaves out.
+    assert notes.index("kubectl label namespace binbatch-demo binbatch.io/inject=enabled") < notes.index(
+        "apply -f manifests/samples/cpu-emulator.yaml")
+    assert f"kubectl label namespace {NAMESPACE} pod-security.kubernetes.io/enforce=restricted" in notes
+    everywhere = rendered(EVERY_NAMESPACE)["binbatch/templates/NOTES.txt"]
+    assert "binbatch.io/inject=enabled" not in everywhere
 
 
 # ------------------------------------------------------------------ values and their schema
@@ -288,6 +356,8 @@ EXPECTED_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch"), ()),
     ("", "namespaces", ("get", "list", "watch"), ()),
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get", "patch"), (RELEASE,)),
+    ("kopf.dev", "clusterkopfpeerings", ("create", "list", "watch"), ()),
+    ("kopf.dev", "clusterkopfpeerings", ("get", "patch"), (RELEASE,)),
     ("apps", "deployments", ("get", "patch"), ()),
     ("apps", "statefulsets", ("get", "patch"), ()),
     ("apps", "replicasets", ("get",), ()),
@@ -308,8 +378,26 @@ def test_rbac_rules_have_no_wildcard():
     assert "*" not in json.dumps(role["rules"])
 
 
+PEERING_RULES = {r for r in EXPECTED_RULES if r[0] == "kopf.dev"}
+CA_PATCH_RULES = {r for r in EXPECTED_RULES if r[1] == "mutatingwebhookconfigurations"}
+SECRET_RULES = {("", "secrets", ("create",), ()), ("", "secrets", ("get", "update"), (f"{RELEASE}-webhook-cert",))}
+
+
 def test_rbac_grants_exactly_what_the_operator_needs():
     assert _grants(one(objects(), "ClusterRole")) == EXPECTED_RULES
+    assert _grants(one(objects(), "Role")) == SECRET_RULES  # the shared built-in certificate
+    # One replica: no peering. cert-manager: no CA patching and no Secret writing.
+    assert _grants(one(objects(SINGLE), "ClusterRole")) == EXPECTED_RULES - PEERING_RULES
+    cert_manager = objects(CERT_MANAGER)
+    assert _grants(one(cert_manager, "ClusterRole")) == EXPECTED_RULES - CA_PATCH_RULES
+    assert not [o for o in cert_manager if o["kind"] in ("Role", "RoleBinding")]
+
+
+def test_role_for_the_certificate_secret_is_bound_in_the_release_namespace():
+    objs = objects()
+    binding, role = one(objs, "RoleBinding"), one(objs, "Role")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"] and role["metadata"]["namespace"] == NAMESPACE
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
 
 
 def test_webhook_configuration_access_is_restricted_to_the_releases_own():
@@ -334,9 +422,34 @@ def test_role_is_bound_to_the_operators_service_account():
 # ------------------------------------------------------------------ the operator Deployment
 
 
-def test_operator_is_one_replica_recreated_never_two_at_once():
-    spec = one(objects(), "Deployment")["spec"]
+def test_one_operator_replica_is_standalone_and_recreated_never_two_at_once():
+    spec = one(objects(SINGLE), "Deployment")["spec"]
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    (container,) = spec["template"]["spec"]["containers"]
+    assert "--standalone" in container["command"] and not [a for a in container["command"] if "peering" in a]
+    assert "topologySpreadConstraints" not in spec["template"]["spec"]
+    assert "POD_ID" not in env(container)
+
+
+def test_several_replicas_elect_a_leader_with_kopf_peering_and_roll_without_a_gap():
+    objs = objects({"operator": {"replicas": 3}})
+    deployment = one(objs, "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 3
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    (container,) = spec["template"]["spec"]["containers"]
+    # The operator creates this ClusterKopfPeering at start-up, and may patch only it.
+    (peering,) = [r["resourceNames"] for r in one(objs, "ClusterRole")["rules"] if r.get("resourceNames")
+                  and r["resources"] == ["clusterkopfpeerings"]]  # fmt: skip
+    assert f"--peering={peering[0]}" in container["command"] and "--standalone" not in container["command"]
+    assert env(container)["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    (spread,) = spec["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert spread["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    pdb = one(objs, "PodDisruptionBudget")
+    assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": spec["selector"]["matchLabels"]}}
+    assert not [o for o in objects({"operator": {"replicas": 3, "podDisruptionBudget": False}})
+                if o["kind"] == "PodDisruptionBudget"]  # fmt: skip
 
 
 def test_operator_runs_non_root_on_a_read_only_root_filesystem():
@@ -360,6 +473,7 @@ def test_operator_probes_kopfs_liveness_endpoint():
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"webhook": 9443, "health": 8080}
     assert "--liveness=http://0.0.0.0:8080/healthz" in container["command"]
+    assert {p["name"]: p["containerPort"] for p in operator_container(SCOPED)["ports"]}["webhook"] == 10443
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
 
@@ -369,17 +483,24 @@ def test_operator_command_and_environment():
     container = operator_container()
     assert container["name"] == "operator"
     assert container["command"] == [
-        "kopf", "run", "-m", "binbatch_operator.main", "--all-namespaces", "--standalone",
+        "kopf", "run", "-m", "binbatch_operator.main", "--all-namespaces", f"--peering={RELEASE}",
         "--liveness=http://0.0.0.0:8080/healthz",
     ]  # fmt: skip
+    service = one(objs, "Service")["metadata"]["name"]
     assert env(container) == {
         "POD_NAMESPACE": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        "POD_ID": {"fieldRef": {"fieldPath": "metadata.name"}},
         "BINBATCH_SIDECAR_IMAGE": "ghcr.io/binbatch/binbatch:0.1.0",
-        "BINBATCH_WEBHOOK_SERVICE": one(objs, "Service")["metadata"]["name"],
-        "BINBATCH_WEBHOOK_CONFIG": one(objs, "MutatingWebhookConfiguration")["metadata"]["name"],
+        "BINBATCH_SIDECAR_NATIVE": "false",
+        "BINBATCH_WEBHOOK_SERVICE": service,
+        "BINBATCH_WEBHOOK_ADDRESS": "0.0.0.0",
         "BINBATCH_WEBHOOK_PORT": "9443",
+        "BINBATCH_WEBHOOK_HOSTNAMES": f"{service}.{NAMESPACE}.svc,{service}.{NAMESPACE}.svc.cluster.local,"
+                                      f"{service}.{NAMESPACE},{service}",
+        "BINBATCH_WEBHOOK_CERT_SECRET": f"{RELEASE}-webhook-cert",
+        "BINBATCH_WEBHOOK_CONFIG": one(objs, "MutatingWebhookConfiguration")["metadata"]["name"],
         "BINBATCH_STATS_INTERVAL_SECONDS": "15",
-    }
+    }  # fmt: skip
     slower = operator_container({"operator": {"statsIntervalSeconds": 30}})
     assert env(slower)["BINBATCH_STATS_INTERVAL_SECONDS"] == "30"
 
@@ -417,6 +538,103 @@ def test_webhook_calls_inject_sidecar_on_the_operators_service_and_ignores_failu
     (expr,) = hook["namespaceSelector"]["matchExpressions"]
     assert expr["key"] == "kubernetes.io/metadata.name" and expr["operator"] == "NotIn"
     assert set(expr["values"]) == {"kube-system", "kube-node-lease", "kube-public", NAMESPACE}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector's meaning (matchLabels and matchExpressions), as the API server applies it."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]  # fmt: skip
+        if not ok:
+            return False
+    return True
+
+
+def _namespace(name: str, **labels: str) -> dict[str, str]:
+    return {"kubernetes.io/metadata.name": name, **labels}
+
+
+def test_webhook_is_opt_in_per_namespace_by_default_and_never_sees_system_namespaces():
+    (hook,) = one(objects(), "MutatingWebhookConfiguration")["webhooks"]
+    selector = hook["namespaceSelector"]
+    assert selector["matchLabels"] == {"binbatch.io/inject": "enabled"}
+    assert _selects(selector, _namespace("ml", **{"binbatch.io/inject": "enabled"}))
+    assert not _selects(selector, _namespace("ml"))  # not labelled: its pods never reach the webhook
+    assert not _selects(selector, _namespace("web", **{"binbatch.io/inject": "disabled"}))
+    for system in ("kube-system", NAMESPACE):
+        assert not _selects(selector, _namespace(system, **{"binbatch.io/inject": "enabled"}))
+    assert "objectSelector" not in hook
+
+
+def test_webhook_scope_comes_from_values_and_keeps_the_exclusions():
+    (hook,) = one(objects(SCOPED), "MutatingWebhookConfiguration")["webhooks"]
+    selector = hook["namespaceSelector"]
+    assert "matchLabels" not in selector
+    assert _selects(selector, _namespace("ml", team="ml")) and not _selects(selector, _namespace("web", team="web"))
+    assert not _selects(selector, _namespace(NAMESPACE, team="ml"))
+    assert hook["objectSelector"] == {"matchLabels": {"binbatch.io/inject": "enabled"}}
+    (everywhere,) = one(objects(EVERY_NAMESPACE), "MutatingWebhookConfiguration")["webhooks"]
+    assert _selects(everywhere["namespaceSelector"], _namespace("anything"))
+    assert not _selects(everywhere["namespaceSelector"], _namespace("kube-system"))
+
+
+def test_webhook_listen_address_port_and_certificate_names_come_from_values():
+    container = operator_container(SCOPED)
+    variables = env(container)
+    assert (variables["BINBATCH_WEBHOOK_ADDRESS"], variables["BINBATCH_WEBHOOK_PORT"]) == ("::", "10443")
+    hosts = variables["BINBATCH_WEBHOOK_HOSTNAMES"].split(",")
+    assert hosts[0] == f"{RELEASE}-webhook.{NAMESPACE}.svc" and hosts[-2:] == ["hook.example.org", "10.0.0.9"]
+    assert variables["BINBATCH_SIDECAR_NATIVE"] == "true"
+
+
+def test_cert_manager_issues_the_certificate_and_injects_the_ca():
+    objs = objects(CERT_MANAGER)
+    config = one(objs, "MutatingWebhookConfiguration")
+    certificates = {c["metadata"]["name"]: c for c in objs if c["kind"] == "Certificate"}
+    serving = certificates[f"{RELEASE}-webhook"]
+    assert config["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": f"{NAMESPACE}/{RELEASE}-webhook"}
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    service = one(objs, "Service")["metadata"]["name"]
+    assert f"{service}.{NAMESPACE}.svc" in serving["spec"]["dnsNames"]
+    # The chart's own chain: self-signed root -> CA Certificate -> CA Issuer -> serving certificate.
+    issuers = {i["metadata"]["name"]: i["spec"] for i in objs if i["kind"] == "Issuer"}
+    ca_issuer = issuers[serving["spec"]["issuerRef"]["name"]]
+    assert ca_issuer == {"ca": {"secretName": certificates[f"{RELEASE}-ca"]["spec"]["secretName"]}}
+    assert certificates[f"{RELEASE}-ca"]["spec"]["isCA"] is True
+    assert issuers[certificates[f"{RELEASE}-ca"]["spec"]["issuerRef"]["name"]] == {"selfSigned": {}}
+    # The operator serves the mounted Secret and patches no CA.
+    container = operator_container(CERT_MANAGER)
+    variables = env(container)
+    assert variables["BINBATCH_WEBHOOK_CERT_DIR"] == "/etc/binbatch/webhook-tls"
+    assert "BINBATCH_WEBHOOK_CONFIG" not in variables and "BINBATCH_WEBHOOK_CERT_SECRET" not in variables
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/etc/binbatch/webhook-tls")
+    pod = one(objs, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == serving["spec"]["secretName"] and mount["readOnly"] is True
+
+
+def test_cert_manager_can_use_an_existing_issuer():
+    objs = objects(CERT_MANAGER_ISSUER)
+    assert not [o for o in objs if o["kind"] == "Issuer"]
+    (serving,) = [o for o in objs if o["kind"] == "Certificate"]
+    assert serving["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"}
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"webhook": {"certificate": {"source": "Vault"}}}, "source"),
+        ({"operator": {"replicas": 0}}, "replicas"),
+        ({"webhook": {"namespaceSelector": {"matchExpressions": [{"key": "a", "operator": "Like"}]}}}, "operator"),
+        ({"webhook": {"extraHostnames": ["bad name"]}}, "extraHostnames"),
+    ],
+)
+def test_bad_new_values_are_refused_naming_the_field(values, named):
+    with pytest.raises(helm.HelmValuesError, match=named):
+        _chart().render(values, name=RELEASE, namespace=NAMESPACE)
 
 
 def test_webhook_service_reaches_the_operators_webhook_port():
@@ -503,10 +721,12 @@ def test_install_manifest_is_the_rendered_chart():
 def test_install_manifest_creates_the_namespace_then_the_crd_then_the_operator():
     docs = [doc for doc in yaml.safe_load_all(INSTALL.read_text()) if doc]
     kinds = [d["kind"] for d in docs]
-    assert kinds[:2] == ["Namespace", "CustomResourceDefinition"]
+    assert kinds[:3] == ["Namespace", "CustomResourceDefinition", "CustomResourceDefinition"]
     assert docs[0]["metadata"]["name"] == NAMESPACE
+    assert docs[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     assert docs[1] == yaml.safe_load(CRD_SOURCE.read_text())
-    assert sorted(kinds[2:]) == sorted(o["kind"] for o in objects())
+    assert docs[2] == yaml.safe_load(PEERING_CRD.read_text())
+    assert sorted(kinds[3:]) == sorted(o["kind"] for o in objects())
     assert kinds.index("MutatingWebhookConfiguration") > kinds.index("Deployment")
     for doc in docs:
         validate_kubernetes(doc)
@@ -607,4 +827,16 @@ def test_every_env_var_the_chart_sets_is_read_by_the_operator():
 
     source = (ROOT / "operator" / "main.py").read_text()
     read = set(re.findall(r'os\.environ\.get\("([A-Z_]+)"', source))
-    assert set(env(operator_container())) == read
+    read_by_kopf = {"POD_ID"}  # the replica's name in the peering object (kopf's peering.detect_own_id)
+    chart = set().union(*(env(operator_container(values)) for values in VALUE_SETS.values()))
+    assert chart == read | read_by_kopf
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=[p.name for p in SAMPLES])
+def test_sample_tells_to_opt_its_namespace_in_before_applying(path):
+    """The webhook is opt-in by default: a sample applied to an unlabelled namespace gets no sidecar."""
+    (selector,) = [o for o in objects() if o["kind"] == "MutatingWebhookConfiguration"]
+    ((key, value),) = selector["webhooks"][0]["namespaceSelector"]["matchLabels"].items()
+    text = path.read_text()
+    assert re.search(rf"kubectl label namespace \S+ {re.escape(key)}={value}", text), path.name
+    assert text.index(f"{key}={value}") < text.index(" apply -f manifests/samples/")

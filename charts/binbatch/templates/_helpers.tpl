@@ -75,3 +75,33 @@ The admission webhook's Service.
 {{- define "binbatch.webhookServiceName" -}}
 {{- printf "%s-webhook" (include "binbatch.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
+
+{{/*
+"true" when the operator runs several replicas with kopf peering (one leader for the handlers).
+*/}}
+{{- define "binbatch.peering" -}}
+{{- if gt (int .Values.operator.replicas) 1 }}true{{ end }}
+{{- end }}
+
+{{/*
+The Secret holding the webhook's serving certificate: made by the operator (BuiltIn) or by
+cert-manager (CertManager).
+*/}}
+{{- define "binbatch.webhookCertSecretName" -}}
+{{- if eq .Values.webhook.certificate.source "CertManager" }}
+{{- printf "%s-webhook-tls" (include "binbatch.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-webhook-cert" (include "binbatch.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The DNS names the API server may use for the webhook Service (the certificate's SANs), then
+the extra ones from values.
+*/}}
+{{- define "binbatch.webhookHostnames" -}}
+{{- $svc := include "binbatch.webhookServiceName" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $names := list (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) (printf "%s.%s" $svc $ns) $svc -}}
+{{- concat $names .Values.webhook.extraHostnames | uniq | toJson }}
+{{- end }}
