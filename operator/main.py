@@ -21,11 +21,13 @@ import kopf
 
 from .crd import GROUP, PLURAL, VERSION
 from .kube import KubeApi
-from .reconcile import Context, admit, cleanup, reconcile
+from .reconcile import Context, admit, cleanup, deleting, reconcile
+from .status import changed_fields
 from .webhook import WEBHOOK_PATH_ID, WebhookServer, service_hostnames
 
 DEFAULT_IMAGE = "ghcr.io/binbatch/binbatch:0.1.0"
 STATS_INTERVAL = float(os.environ.get("BINBATCH_STATS_INTERVAL_SECONDS", "15"))
+MAX_RETRY_DELAY = 300.0  # seconds: a failing policy is retried at least every 5 minutes
 POLICY = (GROUP, VERSION, PLURAL)
 
 
@@ -37,6 +39,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.posting.level = 30  # events for warnings and errors only (logging.WARNING)
+    settings.posting.loggers = True  # handlers' log warnings/errors become Events (`kubectl describe bp`)
 
     kube = KubeApi.from_environment()
     memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE)
@@ -67,20 +70,42 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
         memo.ctx.kube.close()
 
 
-@kopf.index(*POLICY)
+def _not_deleting(meta: kopf.Meta, **_: Any) -> bool:
+    return not deleting(meta)
+
+
+# A policy being deleted leaves the index at once (kopf drops an object's entry
+# when the filter stops matching): the rollout restart its deletion starts must
+# bring pods back without its sidecar.
+@kopf.index(*POLICY, when=_not_deleting)
 def policies(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> dict[str, Any]:
-    """Policies by namespace, for the webhook (which must answer from memory)."""
-    return {namespace: {"name": name, "spec": dict(spec), "generation": meta.get("generation", 0)}}
+    """Policies by namespace, for the webhook (which must answer from memory) and the conflict check."""
+    return {namespace: {
+        "name": name, "spec": dict(spec), "generation": meta.get("generation", 0),
+        "deletionTimestamp": meta.get("deletionTimestamp"),
+    }}  # fmt: skip
+
+
+def retry_delay(retry: int) -> float:
+    """Backoff for a reconcile whose API calls failed: the status interval, doubling, capped."""
+    return float(min(MAX_RETRY_DELAY, STATS_INTERVAL * 2 ** min(retry, 16)))
 
 
 @kopf.on.resume(*POLICY)
 @kopf.on.create(*POLICY)
 @kopf.on.update(*POLICY, field="spec")
 @kopf.timer(*POLICY, interval=STATS_INTERVAL, initial_delay=STATS_INTERVAL)
-async def reconcile_policy(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    status = await reconcile(memo.ctx, body, logger)
-    for key, value in status.items():
+async def reconcile_policy(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, policies: kopf.Index, retry: int, logger: Any, **_: Any
+) -> None:
+    """Writes only the status fields that changed (an idle policy's status is not patched);
+    API failures are in that status and the handler is retried with backoff."""
+    others = list(policies.get(body["metadata"]["namespace"], []))
+    outcome = await reconcile(memo.ctx, body, others, logger)
+    for key, value in changed_fields(body.get("status") or {}, outcome.status).items():
         patch.status[key] = value
+    if outcome.failures:
+        raise kopf.TemporaryError("; ".join(str(f) for f in outcome.failures), delay=retry_delay(retry))
 
 
 @kopf.on.delete(*POLICY)
