@@ -422,3 +422,11 @@ async def test_an_unchanged_status_is_not_written_again():
     again = (await reconcile(ctx, policy_body(status=first), [], log)).status
     assert changed_fields(first, again) == {}
     assert changed_fields({"pods": 1}, {"pods": 2, "bins": None}) == {"pods": 2}
+
+
+def test_failed_reconciles_back_off_doubling_up_to_a_cap():
+    from binbatch_operator import main
+
+    delays = [main.retry_delay(n) for n in range(4)]
+    assert delays == [main.STATS_INTERVAL * 2**n for n in range(4)]
+    assert main.retry_delay(1000) == main.MAX_RETRY_DELAY
