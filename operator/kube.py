@@ -22,7 +22,7 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from .builders import covers, selector_matches
-from .crd import GROUP
+from .crd import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
@@ -119,6 +119,13 @@ class KubeApi:
         # The server filters by the selector; filtering again costs nothing and
         # keeps the meaning exact even behind an API that ignores it.
         return [p for p in found["items"] if selector_matches(match_labels, p["metadata"].get("labels"))]
+
+    async def list_policies(self, namespace: str) -> list[dict[str, Any]]:
+        """The namespace's BatchingPolicies as the API server has them now (the webhook's view, see main)."""
+        found = await self._call(
+            self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, _request_timeout=5
+        )
+        return list(found["items"])
 
     # -- webhook and workloads -------------------------------------------------
 

@@ -21,7 +21,7 @@ import kopf
 
 from .crd import GROUP, PLURAL, VERSION
 from .kube import KubeApi
-from .reconcile import Context, admit, cleanup, deleting, reconcile
+from .reconcile import Context, admit, candidate, cleanup, deleting, reconcile
 from .status import changed_fields
 from .webhook import WEBHOOK_PATH_ID, WebhookServer, service_hostnames
 
@@ -78,12 +78,9 @@ def _not_deleting(meta: kopf.Meta, **_: Any) -> bool:
 # when the filter stops matching): the rollout restart its deletion starts must
 # bring pods back without its sidecar.
 @kopf.index(*POLICY, when=_not_deleting)
-def policies(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> dict[str, Any]:
-    """Policies by namespace, for the webhook (which must answer from memory) and the conflict check."""
-    return {namespace: {
-        "name": name, "spec": dict(spec), "generation": meta.get("generation", 0),
-        "deletionTimestamp": meta.get("deletionTimestamp"),
-    }}  # fmt: skip
+def policies(namespace: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+    """Policies by namespace, for the conflict check of ``reconcile`` (which runs where the watch is live)."""
+    return {namespace: candidate(body)}
 
 
 def retry_delay(retry: int) -> float:
@@ -116,15 +113,19 @@ async def delete_policy(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any)
 
 
 @kopf.on.mutate("v1", "pods", id=WEBHOOK_PATH_ID, operations=["CREATE"], ignore_failures=True, side_effects=False)
-def inject_sidecar(
-    body: kopf.Body, patch: kopf.Patch, warnings: list[str], policies: kopf.Index, memo: kopf.Memo, logger: Any,
-    **_: Any,
+async def inject_sidecar(
+    body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, logger: Any, **_: Any
 ) -> None:
-    """Fails open: kopf would answer an exception with allowed=false and so block the
+    """Decides from the namespace's policies as the API server has them now, not from the
+    index: every replica serves the webhook, but kopf pauses the watch streams of the
+    replicas that do not hold the lead (peering), so their index is empty or frozen (a
+    frozen one would still hold a deleted policy).  One namespaced list per pod CREATE.
+
+    Fails open: kopf would answer an exception with allowed=false and so block the
     pod, which failurePolicy Ignore does not cover; a pod without a sidecar is better."""
     try:
         namespace = body.get("metadata", {}).get("namespace")
-        candidates = list(policies.get(namespace, []))
+        candidates = [candidate(p) for p in await memo.ctx.kube.list_policies(namespace)]
         merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image)
     except Exception as exc:  # noqa: BLE001
         logger.exception("sidecar injection failed; the pod is admitted without it")

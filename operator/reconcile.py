@@ -72,6 +72,15 @@ def _spec_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
     return []
 
 
+def candidate(policy: Mapping[str, Any]) -> dict[str, Any]:
+    """A policy as ``admit()`` and the conflict check see it (the index's entries and the webhook's)."""
+    meta = policy.get("metadata") or {}
+    return {
+        "name": meta.get("name"), "spec": dict(policy.get("spec") or {}), "generation": meta.get("generation", 0),
+        "deletionTimestamp": meta.get("deletionTimestamp"),
+    }  # fmt: skip
+
+
 def deleting(meta: Mapping[str, Any]) -> bool:
     """A policy being deleted injects nothing: its ConfigMap is about to be collected."""
     return bool(meta.get("deletionTimestamp"))

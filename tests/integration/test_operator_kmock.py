@@ -504,12 +504,12 @@ async def test_the_charts_operator_command_runs_as_a_process(cluster: Any, tmp_p
     assert proc.returncode == 0, stderr.decode()[-2000:]
 
 
-def test_injection_fails_open() -> None:
+async def test_injection_fails_open() -> None:
     """An error inside the webhook handler admits the pod unchanged, with a warning."""
     patch, warnings = kopf.Patch(), []
     broken_memo = kopf.Memo()  # no ctx: as if start-up had not finished
-    binbatch_operator.main.inject_sidecar(
-        body=kopf.Body(controller_pod()), patch=patch, warnings=warnings, policies={}, memo=broken_memo,
+    await binbatch_operator.main.inject_sidecar(
+        body=kopf.Body(controller_pod()), patch=patch, warnings=warnings, memo=broken_memo,
         logger=logging.getLogger("test"),
     )  # fmt: skip
     assert dict(patch) == {}

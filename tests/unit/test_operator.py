@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+import kopf
 from cryptography import x509
 from kubernetes.client.exceptions import ApiException
 
@@ -370,6 +371,7 @@ class FakeKube:
     def __init__(self, pods=(), errors=None):
         self.children: dict[tuple[str, str], dict] = {}
         self.pods, self.errors, self.calls = list(pods), dict(errors or {}), []
+        self.policies: list[dict] = []
 
     def _maybe_fail(self, key):
         self.calls.append(key)
@@ -388,6 +390,10 @@ class FakeKube:
     async def list_pods(self, namespace, match_labels):
         self._maybe_fail(("list", "Pod"))
         return self.pods
+
+    async def list_policies(self, namespace):
+        self._maybe_fail(("list", "BatchingPolicy"))
+        return [p for p in self.policies if p["metadata"]["namespace"] == namespace]
 
 
 def _api_exception(code, message):
@@ -430,3 +436,25 @@ def test_failed_reconciles_back_off_doubling_up_to_a_cap():
     delays = [main.retry_delay(n) for n in range(4)]
     assert delays == [main.STATS_INTERVAL * 2**n for n in range(4)]
     assert main.retry_delay(1000) == main.MAX_RETRY_DELAY
+
+
+async def test_every_replica_injects_from_the_api_servers_policies_not_its_index():
+    """kopf pauses the watch streams of replicas without the lead, so their index is empty
+    (or frozen with deleted policies in it); the webhook each of them serves must not use it."""
+    from binbatch_operator import main
+
+    kube = FakeKube()
+    kube.policies = [policy_body("fast")]
+    memo = kopf.Memo()
+    memo.ctx = Context(kube=kube, sidecar_image=IMAGE)
+
+    async def inject(pod):
+        patch, warnings = kopf.Patch(), []
+        await main.inject_sidecar(body=kopf.Body(pod), patch=patch, warnings=warnings, memo=memo,
+                                  logger=logging.getLogger("t"), policies={})  # an empty index: a follower's
+        return dict(patch), warnings
+
+    patch, warnings = await inject(vllm_pod())
+    assert warnings == [] and patch["metadata"]["labels"] == {builders.POLICY_LABEL: "fast"}
+    kube.policies[0]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert await inject(vllm_pod()) == ({}, [])
