@@ -448,6 +448,12 @@ def is_watch(request: Any) -> bool:
     return request.params.get("watch") in ("true", "1", "True")
 
 
+def kopfs_own_read(request: Any) -> bool:
+    """kopf's watch machinery (lists, watches, discovery): not the per-tick cost.  Its
+    writes (status patches, Events) are made on our handlers' behalf, and do count."""
+    return request.method == kmock.method.GET and request.headers.get("User-Agent", "").startswith("kopf/")
+
+
 async def test_an_idle_policy_costs_three_reads_per_tick_and_no_writes(cluster: Any, operator: int) -> None:
     """Defect 7: each tick did create→409→patch for both children, a pod list, a policy list and a
     status patch (7 requests).  Now: a read of each child and the pod list, nothing written."""
@@ -464,7 +470,7 @@ async def test_an_idle_policy_costs_three_reads_per_tick_and_no_writes(cluster: 
     await until(lambda: len(ticks()) >= settled + measured + 1, f"{measured} idle ticks")
     marks = ticks()
     first, last = marks[settled].id, marks[settled + measured].id
-    window = [r for r in api if first < r.id <= last and not is_watch(r)]
+    window = [r for r in api if first < r.id <= last and not is_watch(r) and not kopfs_own_read(r)]
     per_tick = len(window) / measured
     print(f"idle policy: {per_tick:g} requests per tick")  # for the report; the assert holds the bound
     assert [r for r in window if r.method != kmock.method.GET] == [], [(r.method, r.url.path) for r in window]
