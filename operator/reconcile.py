@@ -114,7 +114,7 @@ async def reconcile(
         # The old ConfigMap stays: running sidecars keep their last good config.
         old_valid = _condition(body, "Valid")
         text = "; ".join(f"{p}: {m}" for p, m in problems)
-        if old_valid is None or old_valid.get("message") != text:  # once per change, not every tick
+        if text not in (old_valid or {}).get("message", ""):  # once per change (an Event), not every tick
             logger.warning("invalid spec, keeping the last good config: %s", text)
         for kind in CHILD_KINDS:
             try:

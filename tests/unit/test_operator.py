@@ -458,3 +458,13 @@ async def test_every_replica_injects_from_the_api_servers_policies_not_its_index
     assert warnings == [] and patch["metadata"]["labels"] == {builders.POLICY_LABEL: "fast"}
     kube.policies[0]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     assert await inject(vllm_pod()) == ({}, [])
+
+
+async def test_an_invalid_spec_is_warned_about_once_not_on_every_tick(caplog):
+    """With posting.loggers on, each warning is an Event: one per change, not one per 15 s."""
+    bad = {**SPEC, "batch": {"maxBatchSize": 0}}
+    ctx, log = Context(kube=FakeKube(), sidecar_image=IMAGE), logging.getLogger("t")
+    with caplog.at_level(logging.WARNING, logger="t"):
+        first = (await reconcile(ctx, policy_body(spec=bad), [], log)).status
+        await reconcile(ctx, policy_body(spec=bad, status=first), [], log)
+    assert len(caplog.records) == 1 and "spec.batch.maxBatchSize" in caplog.records[0].getMessage()
