@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -34,13 +35,55 @@ POLICY_LABEL = f"{GROUP}/policy"  # on injected pods; the Service selects it
 INJECTED_ANNOTATION = f"{GROUP}/injected"  # "<policy>@<generation>" of the config at injection
 SIDECAR_HASH_ANNOTATION = f"{GROUP}/sidecar-hash"  # of the injected container: tells outdated pods
 CONFLICT_ANNOTATION = f"{GROUP}/conflict"  # on pods two policies select: who they were
+INJECT_ANNOTATION = f"{GROUP}/inject"  # "false" on a pod: never inject it (per-pod opt-out)
 SIDECAR_UID = 10001
 MANAGED_LABELS = {"app.kubernetes.io/name": "binbatch-sidecar", "app.kubernetes.io/managed-by": "binbatch-operator"}
 
 
+CHILD_SUFFIX = "-binbatch"
+_DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_MAX_LABEL = 63  # DNS-1035 labels and label values alike
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
 def child_name(policy: str) -> str:
-    """The ConfigMap's and the Service's name for a policy (deterministic)."""
-    return f"{policy}-binbatch"
+    """The ConfigMap's and the Service's name for a policy: deterministic, and always valid.
+
+    A policy's name is a DNS-1123 subdomain (dots, up to 253 characters); a
+    Service's must be a DNS-1035 label (no dots, at most 63, starts with a
+    letter).  ``<policy>-binbatch`` is kept whenever it is such a label (the
+    common case, and the names existing installs already have); otherwise the
+    name is sanitised, truncated and given a digest of the whole policy name, so
+    two policies never share children (``a.b`` and ``a-b`` differ).
+    """
+    plain = f"{policy}{CHILD_SUFFIX}"
+    if len(plain) <= _MAX_LABEL and _DNS1035_LABEL.fullmatch(plain):
+        return plain
+    stem = re.sub(r"[^a-z0-9]+", "-", policy.lower()).strip("-")
+    if not stem[:1].isalpha():
+        stem = f"bb-{stem}"
+    room = _MAX_LABEL - len(CHILD_SUFFIX) - 11  # "-" + 10 hex digits
+    return f"{stem[:room].rstrip('-')}-{_digest(policy)}{CHILD_SUFFIX}"
+
+
+def policy_label(policy: str) -> str:
+    """The value of ``binbatch.io/policy`` for a policy (label values hold at most 63 characters).
+
+    A policy name fits as it is when short enough (its characters are all valid
+    in a label value); a longer one is truncated and given a digest of the whole.
+    """
+    if len(policy) <= _MAX_LABEL:
+        return policy
+    return f"{policy[:_MAX_LABEL - 11].rstrip('-.')}-{_digest(policy)}"
+
+
+def opted_out(pod_meta: Mapping[str, Any] | None) -> bool:
+    """The pod says ``binbatch.io/inject: "false"``: it never gets a sidecar."""
+    annotations = (pod_meta or {}).get("annotations") or {}
+    return str(annotations.get(INJECT_ANNOTATION, "")).strip().lower() == "false"
 
 
 def sidecar_settings(spec: Mapping[str, Any]) -> dict[str, int]:
@@ -69,7 +112,7 @@ def _spec_path(path: str) -> str:
 
 
 def _labels(policy: str) -> dict[str, str]:
-    return {**MANAGED_LABELS, POLICY_LABEL: policy}
+    return {**MANAGED_LABELS, POLICY_LABEL: policy_label(policy)}
 
 
 def build_configmap(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -96,13 +139,30 @@ def build_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[st
         "metadata": {"name": child_name(name), "namespace": namespace, "labels": _labels(name)},
         "spec": {
             "type": "ClusterIP",
-            "selector": {POLICY_LABEL: name},
+            "selector": {POLICY_LABEL: policy_label(name)},
             "ports": [
                 {"name": "grpc", "port": ports["grpcPort"], "targetPort": "bb-grpc", "protocol": "TCP", "appProtocol": "grpc"},
                 {"name": "metrics", "port": ports["metricsPort"], "targetPort": "bb-metrics", "protocol": "TCP"},
             ],
         },
     }
+
+
+def covers(current: Any, desired: Any) -> bool:
+    """Whether ``current`` already holds every field ``desired`` sets, with the same value.
+
+    Fields the API server adds (a Service's clusterIP, metadata bookkeeping) and
+    labels others put on the object do not count as a difference; lists must
+    match item by item.  So an unchanged child is never written again.
+    """
+    if isinstance(desired, Mapping):
+        return isinstance(current, Mapping) and all(covers(current.get(k), v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return (
+            isinstance(current, list) and len(current) == len(desired)
+            and all(covers(c, d) for c, d in zip(current, desired, strict=True))
+        )  # fmt: skip
+    return bool(current == desired)
 
 
 def selector_matches(match_labels: Mapping[str, str], labels: Mapping[str, str] | None) -> bool:
@@ -186,7 +246,7 @@ def build_pod_patch(
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
     patch: dict[str, Any] = {
         "metadata": {
-            "labels": {POLICY_LABEL: policy},
+            "labels": {POLICY_LABEL: policy_label(policy)},
             "annotations": {
                 INJECTED_ANNOTATION: f"{policy}@{generation}",
                 SIDECAR_HASH_ANNOTATION: sidecar_hash(spec, default_image),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -20,12 +21,21 @@ from typing import Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from .builders import selector_matches
+from .builders import covers, selector_matches
 from .crd import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 RESTART_ANNOTATION = f"{GROUP}/restartedAt"
+
+
+def api_error_message(exc: ApiException) -> str:
+    """The API server's own words for a failed call (its Status ``message``), with the code."""
+    try:
+        message = json.loads(exc.body or "{}").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return f"{exc.status} {message or exc.reason or 'error'}"
 
 
 class KubeApi:
@@ -63,23 +73,33 @@ class KubeApi:
 
     # -- the policy's children -------------------------------------------------
 
-    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Create ``obj`` (a ConfigMap or Service); if it exists, merge-patch it to match.
+    async def ensure(self, obj: Mapping[str, Any]) -> str:
+        """Make the ConfigMap or Service ``obj`` exist as built: ``"created"``, ``"updated"`` or ``"unchanged"``.
 
-        A merge patch replaces lists whole (a Service's ports), so the result is
-        exactly what the builder said, whatever was there before.
+        One read; a write only when the object is missing or differs from what
+        the builder says (``covers``).  Server-side apply would spend the same
+        one request, but a full apply (admission, managed-fields merge) on every
+        tick for every policy; a read is served cheaply and tells us what drifted.
+        A merge patch replaces lists whole (a Service's ports), so after an
+        update the object is exactly what the builder said.
         """
         kind, meta = obj["kind"], obj["metadata"]
         create, patch = {
             "ConfigMap": (self.core.create_namespaced_config_map, self.core.patch_namespaced_config_map),
             "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service),
         }[kind]
-        try:
-            return await self._call(create, meta["namespace"], dict(obj))  # type: ignore[no-any-return]
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-        return await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)  # type: ignore[no-any-return]
+        current = await self.read(kind, meta["name"], meta["namespace"])
+        if current is None:
+            try:
+                await self._call(create, meta["namespace"], dict(obj))
+                return "created"
+            except ApiException as exc:
+                if exc.status != 409:  # 409: created meanwhile; patch it below
+                    raise
+        elif covers(current, obj):
+            return "unchanged"
+        await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
+        return "updated"
 
     async def read(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
         read = {"ConfigMap": self.core.read_namespaced_config_map, "Service": self.core.read_namespaced_service}[kind]
@@ -100,13 +120,11 @@ class KubeApi:
         # keeps the meaning exact even behind an API that ignores it.
         return [p for p in found["items"] if selector_matches(match_labels, p["metadata"].get("labels"))]
 
-    def list_policies_blocking(self, namespace: str) -> list[dict[str, Any]]:
-        """``list_policies`` for a caller already in a worker thread (the webhook handler)."""
-        found = self._plain(self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL))
-        return list(found["items"])
-
     async def list_policies(self, namespace: str) -> list[dict[str, Any]]:
-        found = await self._call(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL)
+        """The namespace's BatchingPolicies as the API server has them now (the webhook's view, see main)."""
+        found = await self._call(
+            self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, _request_timeout=5
+        )
         return list(found["items"])
 
     # -- webhook and workloads -------------------------------------------------

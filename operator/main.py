@@ -37,11 +37,13 @@ import kopf
 from .crd import GROUP, PLURAL, VERSION
 from .kube import KubeApi
 from .builders import as_native_sidecar
-from .reconcile import Context, admit, cleanup, reconcile
+from .reconcile import Context, admit, candidate, cleanup, deleting, reconcile
+from .status import changed_fields
 from .webhook import WEBHOOK_PATH_ID, WebhookServer, service_hostnames, shared_certificate
 
 DEFAULT_IMAGE = "ghcr.io/binbatch/binbatch:0.1.0"
 STATS_INTERVAL = float(os.environ.get("BINBATCH_STATS_INTERVAL_SECONDS", "15"))
+MAX_RETRY_DELAY = 300.0  # seconds: a failing policy is retried at least every 5 minutes
 POLICY = (GROUP, VERSION, PLURAL)
 
 
@@ -53,6 +55,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.posting.level = 30  # events for warnings and errors only (logging.WARNING)
+    settings.posting.loggers = True  # handlers' log warnings/errors become Events (`kubectl describe bp`)
 
     if not settings.peering.standalone:
         # Equal priorities would pause every replica; the newest pod leads (a rollout hands over).
@@ -63,7 +66,6 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
             logger.info("created ClusterKopfPeering %s", settings.peering.name)
     memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE)
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
-    memo.policies_from_api = not settings.peering.standalone
 
     service = os.environ.get("BINBATCH_WEBHOOK_SERVICE")
     if not service:
@@ -118,20 +120,39 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
         memo.ctx.kube.close()
 
 
-@kopf.index(*POLICY)
-def policies(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> dict[str, Any]:
-    """Policies by namespace, for the webhook (which must answer from memory)."""
-    return {namespace: {"name": name, "spec": dict(spec), "generation": meta.get("generation", 0)}}
+def _not_deleting(meta: kopf.Meta, **_: Any) -> bool:
+    return not deleting(meta)
+
+
+# A policy being deleted leaves the index at once (kopf drops an object's entry
+# when the filter stops matching): the rollout restart its deletion starts must
+# bring pods back without its sidecar.
+@kopf.index(*POLICY, when=_not_deleting)
+def policies(namespace: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+    """Policies by namespace, for the conflict check of ``reconcile`` (which runs where the watch is live)."""
+    return {namespace: candidate(body)}
+
+
+def retry_delay(retry: int) -> float:
+    """Backoff for a reconcile whose API calls failed: the status interval, doubling, capped."""
+    return float(min(MAX_RETRY_DELAY, STATS_INTERVAL * 2 ** min(retry, 16)))
 
 
 @kopf.on.resume(*POLICY)
 @kopf.on.create(*POLICY)
 @kopf.on.update(*POLICY, field="spec")
 @kopf.timer(*POLICY, interval=STATS_INTERVAL, initial_delay=STATS_INTERVAL)
-async def reconcile_policy(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    status = await reconcile(memo.ctx, body, logger)
-    for key, value in status.items():
+async def reconcile_policy(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, policies: kopf.Index, retry: int, logger: Any, **_: Any
+) -> None:
+    """Writes only the status fields that changed (an idle policy's status is not patched);
+    API failures are in that status and the handler is retried with backoff."""
+    others = list(policies.get(body["metadata"]["namespace"], []))
+    outcome = await reconcile(memo.ctx, body, others, logger)
+    for key, value in changed_fields(body.get("status") or {}, outcome.status).items():
         patch.status[key] = value
+    if outcome.failures:
+        raise kopf.TemporaryError("; ".join(str(f) for f in outcome.failures), delay=retry_delay(retry))
 
 
 @kopf.on.delete(*POLICY)
@@ -142,18 +163,19 @@ async def delete_policy(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any)
 
 
 @kopf.on.mutate("v1", "pods", id=WEBHOOK_PATH_ID, operations=["CREATE"], ignore_failures=True, side_effects=False)
-def inject_sidecar(
-    body: kopf.Body, patch: kopf.Patch, warnings: list[str], policies: kopf.Index, memo: kopf.Memo, logger: Any,
-    **_: Any,
+async def inject_sidecar(
+    body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, logger: Any, **_: Any
 ) -> None:
-    """Fails open: kopf would answer an exception with allowed=false and so block the
+    """Decides from the namespace's policies as the API server has them now, not from the
+    index: every replica serves the webhook, but kopf pauses the watch streams of the
+    replicas that do not hold the lead (peering), so their index is empty or frozen (a
+    frozen one would still hold a deleted policy).  One namespaced list per pod CREATE.
+
+    Fails open: kopf would answer an exception with allowed=false and so block the
     pod, which failurePolicy Ignore does not cover; a pod without a sidecar is better."""
     try:
         namespace = body.get("metadata", {}).get("namespace")
-        if memo.get("policies_from_api"):
-            candidates = policies_of(memo.ctx.kube, namespace)
-        else:
-            candidates = list(policies.get(namespace, []))
+        candidates = [candidate(p) for p in await memo.ctx.kube.list_policies(namespace)]
         merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image)
         if memo.get("native_sidecar"):
             merge = as_native_sidecar(merge, body)
@@ -164,20 +186,3 @@ def inject_sidecar(
     patch.update(merge)
     warnings.extend(notes)
 
-
-def policies_of(kube: KubeApi, namespace: str) -> list[Any]:
-    """The namespace's policies read from the API, as the ``policies`` index holds them.
-
-    For replicas that kopf peering keeps paused (their index is frozen).  The
-    webhook handler is synchronous (kopf runs it in a worker thread), so is this.
-    """
-    entries = []
-    for item in kube.list_policies_blocking(namespace):
-        meta = item.get("metadata") or {}
-        spec = item.get("spec") or {}
-        found = policies(
-            namespace=namespace, name=meta.get("name"), spec=spec, meta=meta, body=item,
-            labels=meta.get("labels") or {}, annotations=meta.get("annotations") or {}, status=item.get("status") or {},
-        )  # fmt: skip
-        entries += list(found.values())
-    return entries

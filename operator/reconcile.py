@@ -14,33 +14,40 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+import urllib3
+from kubernetes.client.exceptions import ApiException
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_sidecar.config import ConfigError
 
 from .builders import (
     CONFLICT_ANNOTATION,
+    INJECTED_ANNOTATION,
     POLICY_LABEL,
+    SIDECAR_CONTAINER,
     SIDECAR_HASH_ANNOTATION,
     build_configmap,
     build_pod_patch,
     build_service,
     child_name,
     matching_policies,
+    opted_out,
+    policy_label,
     sidecar_config,
     sidecar_hash,
     sidecar_settings,
 )
 from .k8s_rules import policy_problems
-from .kube import KubeApi
+from .kube import KubeApi, api_error_message
 from .sidecar_stats import describe_error, get_stats
-from .status import PodReport, adjustments, aggregate, merge_conditions, now_iso
+from .status import ApiFailure, PodReport, adjustments, aggregate, merge_conditions, now_iso
 
 StatsFn = Callable[[str], Awaitable[pb.Stats]]
+CHILD_KINDS = ("ConfigMap", "Service")
 
 
 @dataclass
@@ -48,6 +55,14 @@ class Context:
     kube: KubeApi
     sidecar_image: str
     stats: StatsFn = get_stats
+
+
+@dataclass
+class Outcome:
+    """A reconcile's result: the status it saw, and the API calls that failed (to retry)."""
+
+    status: dict[str, Any]
+    failures: list[ApiFailure] = field(default_factory=list)
 
 
 def _spec_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -60,55 +75,120 @@ def _spec_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
-async def reconcile(ctx: Context, body: Mapping[str, Any], logger: Any) -> dict[str, Any]:
-    """Bring the policy's children in line with its spec; return its new status."""
+def candidate(policy: Mapping[str, Any]) -> dict[str, Any]:
+    """A policy as ``admit()`` and the conflict check see it (the index's entries and the webhook's)."""
+    meta = policy.get("metadata") or {}
+    return {
+        "name": meta.get("name"), "spec": dict(policy.get("spec") or {}), "generation": meta.get("generation", 0),
+        "deletionTimestamp": meta.get("deletionTimestamp"),
+    }  # fmt: skip
+
+
+def deleting(meta: Mapping[str, Any]) -> bool:
+    """A policy being deleted injects nothing: its ConfigMap is about to be collected."""
+    return bool(meta.get("deletionTimestamp"))
+
+
+def _failure(what: str, exc: Exception) -> ApiFailure:
+    if isinstance(exc, ApiException):
+        return ApiFailure(what, int(exc.status or 0), api_error_message(exc))
+    return ApiFailure(what, 0, f"no answer ({type(exc).__name__}: {exc})")
+
+
+# The errors an API call can end in: the server's answer, or none (connection, timeout).
+API_ERRORS = (ApiException, urllib3.exceptions.HTTPError, OSError)
+
+
+async def reconcile(
+    ctx: Context, body: Mapping[str, Any], others: Sequence[Mapping[str, Any]], logger: Any
+) -> Outcome:
+    """Bring the policy's children in line with its spec; return its new status.
+
+    ``others`` are the other policies of the namespace (``{"name", "spec"}``,
+    from the operator's index) for the conflict check.  Every API failure is
+    reported in status (the server's message), never only raised.
+    """
     meta, spec = body["metadata"], body.get("spec") or {}
     name, namespace = meta["name"], meta["namespace"]
     problems = _spec_problems(spec)
+    failures: list[ApiFailure] = []
+    children_ready = True
     if problems:
         # The old ConfigMap stays: running sidecars keep their last good config.
-        logger.warning("invalid spec, keeping the last good config: %s", "; ".join(f"{p}: {m}" for p, m in problems))
-        children_ready = await _children_exist(ctx, name, namespace)
+        old_valid = _condition(body, "Valid")
+        text = "; ".join(f"{p}: {m}" for p, m in problems)
+        if text not in (old_valid or {}).get("message", ""):  # once per change (an Event), not every tick
+            logger.warning("invalid spec, keeping the last good config: %s", text)
+        for kind in CHILD_KINDS:
+            try:
+                children_ready &= await ctx.kube.read(kind, child_name(name), namespace) is not None
+            except API_ERRORS as exc:
+                failures.append(_failure(f"reading {kind} {child_name(name)}", exc))
+                children_ready = False
     else:
         for obj in (build_configmap(name, namespace, spec), build_service(name, namespace, spec)):
             kopf.adopt(obj, owner=dict(body))  # owner reference: deleted with the policy
-            await ctx.kube.apply(obj)
-        children_ready = True
-    return await observe(ctx, body, problems, children_ready)
+            what = f"{obj['kind']} {obj['metadata']['name']}"
+            try:
+                done = await ctx.kube.ensure(obj)
+            except API_ERRORS as exc:
+                failures.append(_failure(what, exc))
+                children_ready = False
+                continue
+            if done != "unchanged":
+                logger.info("%s %s", what, done)
+    return await observe(ctx, body, others, problems, children_ready, failures)
 
 
-async def _children_exist(ctx: Context, name: str, namespace: str) -> bool:
-    found = [await ctx.kube.read(kind, child_name(name), namespace) for kind in ("ConfigMap", "Service")]
-    return all(obj is not None for obj in found)
+def _condition(body: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == kind), None)
+
+
+def _sidecar_of(pod: Mapping[str, Any]) -> str | None:
+    """The policy whose sidecar the pod runs ("" if it does not say); None: no sidecar."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    if not any(c.get("name") == SIDECAR_CONTAINER for c in containers):
+        return None
+    injected = ((pod.get("metadata") or {}).get("annotations") or {}).get(INJECTED_ANNOTATION, "")
+    return str(injected).rpartition("@")[0]
 
 
 async def observe(
-    ctx: Context, body: Mapping[str, Any], problems: Sequence[tuple[str, str]], children_ready: bool
-) -> dict[str, Any]:
+    ctx: Context,
+    body: Mapping[str, Any],
+    others: Sequence[Mapping[str, Any]],
+    problems: Sequence[tuple[str, str]],
+    children_ready: bool,
+    failures: list[ApiFailure],
+) -> Outcome:
     meta, spec = body["metadata"], body.get("spec") or {}
     name, namespace = meta["name"], meta["namespace"]
     generation = int(meta.get("generation") or 0)
     old = body.get("status") or {}
 
     match_labels = (spec.get("selector") or {}).get("matchLabels") or {}
-    bad_selector = any(path.startswith("spec.selector") for path, _ in problems)
-    pods = [] if bad_selector else await ctx.kube.list_pods(namespace, match_labels)  # the API server would answer 400
-    others = [
-        {"name": p["metadata"]["name"], "spec": p.get("spec") or {}}
-        for p in await ctx.kube.list_policies(namespace)
-        if p["metadata"]["name"] != name
-    ]
+    pods: list[dict[str, Any]] | None = []
+    if not any(path.startswith("spec.selector") for path, _ in problems):  # else the API server would answer 400
+        try:
+            pods = await ctx.kube.list_pods(namespace, match_labels)
+        except API_ERRORS as exc:
+            failures.append(_failure("listing pods", exc))
+            pods = None
+    others = [o for o in others if o["name"] != name]
     current = sidecar_hash(spec, ctx.sidecar_image)
     port = sidecar_settings(spec)["grpcPort"]
+    label = policy_label(name)
     reports, asks = [], []
-    for pod in pods:
+    for pod in pods or []:
         pod_meta, state = pod["metadata"], pod.get("status") or {}
-        injected = (pod_meta.get("labels") or {}).get(POLICY_LABEL) == name
+        injected = (pod_meta.get("labels") or {}).get(POLICY_LABEL) == label
         digest = (pod_meta.get("annotations") or {}).get(SIDECAR_HASH_ANNOTATION)
         report = PodReport(
             name=pod_meta["name"], injected=injected,
             conflict=matching_policies(others, pod_meta.get("labels")),
             outdated=injected and digest is not None and digest != current,
+            opted_out=opted_out(pod_meta), sidecar_of=_sidecar_of(pod),
         )  # fmt: skip
         reports.append(report)
         if not injected:
@@ -119,13 +199,15 @@ async def observe(
             report.error = f"pod is {state.get('phase', 'Pending')}"
     await asyncio.gather(*asks)
 
-    conditions, fields = aggregate(reports, problems, children_ready)
-    return {
+    conditions, fields = aggregate(None if pods is None else reports, problems, children_ready, failures)
+    status = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions"), conditions, generation, now_iso()),
         **fields,
-        "adjustments": adjustments(reports, old.get("adjustments")),
     }
+    if pods is not None:
+        status["adjustments"] = adjustments(reports, old.get("adjustments"))
+    return Outcome(status, failures)
 
 
 async def _ask(ctx: Context, report: PodReport, address: str) -> None:
@@ -143,7 +225,7 @@ async def cleanup(ctx: Context, body: Mapping[str, Any], logger: Any) -> list[st
     recreated through their Deployment or StatefulSet, and come back without it.
     """
     meta = body["metadata"]
-    pods = await ctx.kube.list_pods(meta["namespace"], {POLICY_LABEL: meta["name"]})
+    pods = await ctx.kube.list_pods(meta["namespace"], {POLICY_LABEL: policy_label(meta["name"])})
     restarted: list[str] = []
     for pod in pods:
         owner = await ctx.kube.restart_owner(pod)
@@ -161,12 +243,18 @@ def admit(
     """The merge patch for a new pod and the warnings for whoever created it.
 
     ``candidates`` are the policies of the pod's namespace as ``{"name", "spec",
-    "generation"}``.  No policy: nothing.  Two or more: no sidecar, and an
-    annotation that names them (never a silent merge).  An invalid policy:
-    nothing, with a warning (its status says why).
+    "generation", "deletionTimestamp"}``.  No policy: nothing.  Two or more: no
+    sidecar, and an annotation that names them (never a silent merge).  An
+    invalid policy: nothing, with a warning (its status says why).  A policy
+    being deleted counts as gone (its rollout restart must bring pods back
+    without it), and a pod annotated ``binbatch.io/inject: "false"`` is never
+    touched.
     """
-    labels = (pod.get("metadata") or {}).get("labels")
-    names = matching_policies(candidates, labels)
+    pod_meta = pod.get("metadata") or {}
+    if opted_out(pod_meta):
+        return {}, []
+    candidates = [c for c in candidates if not c.get("deletionTimestamp")]
+    names = matching_policies(candidates, pod_meta.get("labels"))
     if not names:
         return {}, []
     if len(names) > 1:

@@ -56,37 +56,83 @@ class PodReport:
     """What the operator saw of one selected pod."""
 
     name: str
-    injected: bool  # carries the sidecar (label set by the webhook)
+    injected: bool  # carries this policy's sidecar (label set by the webhook)
     conflict: list[str] = field(default_factory=list)  # other policies that select it too
     outdated: bool = False  # its sidecar container is from an older spec.sidecar
     stats: pb.Stats | None = None  # None: not asked (not running) or no answer
     error: str = ""  # why there are no stats
+    opted_out: bool = False  # binbatch.io/inject: "false": never injected, nothing to report
+    sidecar_of: str | None = None  # a sidecar container it runs: the injecting policy ("" unknown); None: none
 
 
-def valid_condition(problems: Sequence[tuple[str, str]]) -> Condition:
-    if not problems:
+@dataclass(frozen=True)
+class ApiFailure:
+    """A Kubernetes API call of the reconcile that failed: what it was for and the server's answer."""
+
+    what: str  # e.g. "Service fast-binbatch", "listing pods"
+    code: int  # HTTP status; 0 when no answer came
+    message: str
+
+    @property
+    def rejected(self) -> bool:
+        """The server refused what the spec made us send (bad request, invalid object)."""
+        return self.code in (400, 422)
+
+    def __str__(self) -> str:
+        return f"{self.what}: {self.message}"
+
+
+def valid_condition(problems: Sequence[tuple[str, str]], rejected: Sequence[ApiFailure] = ()) -> Condition:
+    if not problems and not rejected:
         return Condition("Valid", "True", "SpecValid", "The spec renders a valid sidecar config.")
-    text = "; ".join(f"{path}: {message}" for path, message in problems)
-    return Condition("Valid", "False", "InvalidSpec", text)
+    text = "; ".join([*(f"{path}: {message}" for path, message in problems), *(str(f) for f in rejected)])
+    return Condition("Valid", "False", "InvalidSpec" if problems else "RejectedByApiServer", text)
+
+
+def _conflict_entry(pod: PodReport) -> str:
+    """One conflicting pod, worded by its actual state (with or without a sidecar)."""
+    if pod.sidecar_of is None:
+        state = "has no sidecar"
+    elif pod.sidecar_of:
+        state = f"runs the sidecar of {pod.sidecar_of}"
+    else:
+        state = "runs a binbatch sidecar"
+    return f"{pod.name} (also {', '.join(pod.conflict)}; {state})"
 
 
 def aggregate(
-    pods: Sequence[PodReport], problems: Sequence[tuple[str, str]], children_ready: bool
+    pods: Sequence[PodReport] | None,
+    problems: Sequence[tuple[str, str]],
+    children_ready: bool,
+    failures: Sequence[ApiFailure] = (),
 ) -> tuple[list[Condition], dict[str, Any]]:
-    """Conditions and the status fields for a policy from what its pods report."""
-    valid = valid_condition(problems)
+    """Conditions and the status fields for a policy from what its pods report.
+
+    ``pods`` is None when they could not be listed (the failure is in
+    ``failures``): what they would say is then Unknown, and the pod fields are
+    left as they were.
+    """
+    valid = valid_condition(problems, [f for f in failures if f.rejected])
+    if pods is None:
+        unknown = "Pods could not be listed: " + "; ".join(str(f) for f in failures)
+        sidecars = Condition("SidecarsInjected", "Unknown", "PodsUnknown", unknown)
+        metrics = Condition("MetricsAvailable", "Unknown", "PodsUnknown", unknown)
+        return [_ready(valid, sidecars, metrics, children_ready, failures, 0), valid, sidecars, metrics], {}
+    pods = [p for p in pods if not p.opted_out]
     injected = [p for p in pods if p.injected]
-    missing = sorted(p.name for p in pods if not p.injected and not p.conflict)
-    conflicts = sorted(f"{p.name} (also {', '.join(p.conflict)})" for p in pods if p.conflict)
+    missing = sorted(p.name for p in pods if not p.injected and p.sidecar_of is None and not p.conflict)
+    conflicts = sorted(_conflict_entry(p) for p in pods if p.conflict)
     outdated = sorted(p.name for p in injected if p.outdated)
 
     if conflicts:
         sidecars = Condition("SidecarsInjected", "False", "SelectorConflict",
-                             "Pods selected by more than one policy get no sidecar: " + "; ".join(conflicts[:10]))  # fmt: skip
+                             "More than one policy selects these pods, so none is injected into them when they "
+                             "are (re)created: " + "; ".join(conflicts[:10]))  # fmt: skip
     elif missing:
         sidecars = Condition("SidecarsInjected", "False", "PodsNeedRestart",
-                             f"{len(missing)} selected pod(s) were created before the policy and have no sidecar "
-                             f"(recreate them, e.g. kubectl rollout restart): {', '.join(missing[:10])}")  # fmt: skip
+                             f"{len(missing)} selected pod(s) have no sidecar: none was injected when they were "
+                             f"created (before the policy existed, or while the webhook was unavailable); "
+                             f"recreate them, e.g. kubectl rollout restart: {', '.join(missing[:10])}")  # fmt: skip
     elif outdated:
         sidecars = Condition("SidecarsInjected", "False", "SidecarOutdated",
                              f"{len(outdated)} pod(s) run a sidecar from an older spec.sidecar (image, ports, "
@@ -109,13 +155,7 @@ def aggregate(
     else:
         metrics = Condition("MetricsAvailable", "True", "MetricsFresh", f"{len(reporting)} sidecar(s) report.")
 
-    blockers = [c for c in (valid, sidecars, metrics) if c.status == "False"]
-    if not children_ready and not blockers:
-        blockers.append(Condition("Ready", "False", "Reconciling", "ConfigMap and Service not in place yet."))
-    if blockers:
-        ready = Condition("Ready", "False", blockers[0].reason, blockers[0].message)
-    else:
-        ready = Condition("Ready", "True", "Ready", f"ConfigMap and Service in place; {len(injected)} sidecar(s).")
+    ready = _ready(valid, sidecars, metrics, children_ready, failures, len(injected))
 
     # None deletes a field in the merge patch: no reporting sidecar, no stale aggregate.
     fields: dict[str, Any] = {"pods": len(injected), "batchSize": None, "bins": None, "throughputRequestsPerSecond": None}
@@ -126,6 +166,31 @@ def aggregate(
         fields["bins"] = ", ".join(f"{b:g}" for b in bounds) if bounds else "one bin"
         fields["throughputRequestsPerSecond"] = f"{sum(s.throughput.requests_per_second for s in stats):.3g}"  # type: ignore[union-attr]
     return [ready, valid, sidecars, metrics], fields
+
+
+def _ready(
+    valid: Condition, sidecars: Condition, metrics: Condition, children_ready: bool,
+    failures: Sequence[ApiFailure], injected: int,
+) -> Condition:  # fmt: skip
+    """Ready=True only when nothing blocks; otherwise the first blocker's reason and message."""
+    blockers = [c for c in (valid, sidecars, metrics) if c.status == "False"]
+    errors = [f for f in failures if not f.rejected]
+    if errors:
+        blockers.append(Condition("Ready", "False", "ApiError", "; ".join(str(f) for f in errors)))
+    if not children_ready and not blockers:
+        blockers.append(Condition("Ready", "False", "Reconciling", "ConfigMap and Service not in place yet."))
+    if blockers:
+        return Condition("Ready", "False", blockers[0].reason, blockers[0].message)
+    return Condition("Ready", "True", "Ready", f"ConfigMap and Service in place; {injected} sidecar(s).")
+
+
+def changed_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of ``new`` status that differs from ``old``: all a status patch should carry.
+
+    An idle policy's status is then not written at all; ``None`` (delete the
+    field) is kept only where the field is there to delete.
+    """
+    return {key: value for key, value in new.items() if old.get(key) != value}
 
 
 def adjustments(pods: Sequence[PodReport], previous: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:

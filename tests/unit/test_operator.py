@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import ssl
+import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+import kopf
 from cryptography import x509
+from kubernetes.client.exceptions import ApiException
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_operator import builders
-from binbatch_operator.reconcile import admit
-from binbatch_operator.status import PodReport, adjustments, aggregate, merge_conditions, Condition
+from binbatch_operator.reconcile import Context, admit, reconcile
+from binbatch_operator.status import (
+    ApiFailure,
+    Condition,
+    PodReport,
+    adjustments,
+    aggregate,
+    changed_fields,
+    merge_conditions,
+)
 from binbatch_operator.webhook import fill_namespace, self_signed_certificate, service_hostnames
 from binbatch_sidecar.config import parse_config
 
@@ -179,7 +192,8 @@ def test_pods_without_sidecar_and_conflicts_are_reported():
     assert c["SidecarsInjected"].reason == "PodsNeedRestart" and "old-pod" in c["SidecarsInjected"].message
     both = PodReport("shared", injected=False, conflict=["slow"])
     c = by_type(aggregate([both], [], True)[0])
-    assert c["SidecarsInjected"].reason == "SelectorConflict" and "shared (also slow)" in c["SidecarsInjected"].message
+    assert c["SidecarsInjected"].reason == "SelectorConflict"
+    assert "shared (also slow; has no sidecar)" in c["SidecarsInjected"].message
     assert c["Ready"].status == "False"
 
 
@@ -257,3 +271,200 @@ def test_pods_with_an_older_sidecar_container_are_reported():
     c = by_type(aggregate(pods, [], True)[0])
     assert c["SidecarsInjected"].reason == "SidecarOutdated" and c["SidecarsInjected"].message.endswith(": old")
     assert c["Ready"].status == "False"
+
+
+# -- child names (defect 5) --------------------------------------------------------------
+
+DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Service names (k8s validation.IsDNS1035Label)
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")  # k8s IsValidLabelValue
+DOTTED = "llama-3.1.8b.prod"
+LONGEST = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])  # a valid DNS-1123 subdomain of 253
+
+
+def valid_service_name(name: str) -> bool:
+    return len(name) <= 63 and DNS1035_LABEL.fullmatch(name) is not None
+
+
+@pytest.mark.parametrize("policy_name", [DOTTED, LONGEST, "x" * 60, "7b-model", "fast"])
+def test_child_names_are_valid_service_names_for_any_valid_policy_name(policy_name):
+    name = builders.child_name(policy_name)
+    assert valid_service_name(name), name
+    assert name == builders.child_name(policy_name)  # deterministic: found again on every reconcile
+    label = builders.policy_label(policy_name)
+    assert len(label) <= 63 and LABEL_VALUE.fullmatch(label), label
+    # Every place names the children and labels the pods the same way.
+    cm, svc = builders.build_configmap(policy_name, "llm", SPEC), builders.build_service(policy_name, "llm", SPEC)
+    assert cm["metadata"]["name"] == svc["metadata"]["name"] == name
+    patch = builders.build_pod_patch(vllm_pod(), policy_name, 1, SPEC, IMAGE)
+    config_volume = next(v for v in patch["spec"]["volumes"] if v["name"] == builders.CONFIG_VOLUME)
+    assert config_volume["configMap"]["name"] == name
+    assert patch["metadata"]["labels"][builders.POLICY_LABEL] == svc["spec"]["selector"][builders.POLICY_LABEL] == label
+    assert cm["metadata"]["labels"][builders.POLICY_LABEL] == label
+
+
+def test_child_names_keep_the_plain_form_and_never_collide():
+    assert builders.child_name("fast") == "fast-binbatch"  # what existing installs already have
+    names = {builders.child_name(n) for n in ("a.b", "a-b", "a--b", LONGEST, LONGEST[:-1] + "e", "1a", "a1")}
+    assert len(names) == 7
+    assert builders.policy_label(LONGEST) != builders.policy_label(LONGEST[:-1] + "e")
+
+
+# -- policies being deleted, opt-out (defects 2 and 7) -----------------------------------------
+
+
+def test_admit_ignores_a_policy_being_deleted():
+    going = {**policy("fast"), "deletionTimestamp": "2026-01-01T00:00:00Z"}
+    assert admit(vllm_pod(), [going], IMAGE) == ({}, [])
+    # Nor does it count as a conflict for the policy that stays.
+    patch, warnings = admit(vllm_pod(), [going, policy("slow")], IMAGE)
+    assert warnings == [] and patch["metadata"]["labels"] == {builders.POLICY_LABEL: "slow"}
+
+
+def test_a_pod_that_opts_out_gets_no_sidecar_and_is_not_reported():
+    pod = vllm_pod()
+    pod["metadata"]["annotations"] = {builders.INJECT_ANNOTATION: "false"}
+    assert admit(pod, [policy("fast")], IMAGE) == ({}, [])
+    assert admit(pod, [policy("fast"), policy("slow")], IMAGE) == ({}, [])  # no conflict annotation either
+    pod["metadata"]["annotations"] = {builders.INJECT_ANNOTATION: "true"}
+    assert admit(pod, [policy("fast")], IMAGE)[0]["spec"]["containers"][-1]["name"] == builders.SIDECAR_CONTAINER
+    c = by_type(aggregate([PodReport("quiet", injected=False, opted_out=True)], [], True)[0])
+    assert c["SidecarsInjected"].status == "True" and c["Ready"].status == "True"
+
+
+# -- messages say what is known (defect 8) ------------------------------------------------------
+
+
+def test_pods_need_restart_message_does_not_claim_they_predate_the_policy():
+    message = by_type(aggregate([PodReport("p", injected=False)], [], True)[0])["SidecarsInjected"].message
+    assert "were created before the policy" not in message
+    assert "while the webhook was unavailable" in message and message.endswith(": p")
+
+
+def test_conflict_message_follows_whether_the_pod_runs_a_sidecar():
+    pods = [PodReport("with", True, conflict=["slow"], sidecar_of="fast", stats=stats()),
+            PodReport("without", False, conflict=["slow"])]  # fmt: skip
+    message = by_type(aggregate(pods, [], True)[0])["SidecarsInjected"].message
+    assert "with (also slow; runs the sidecar of fast)" in message
+    assert "without (also slow; has no sidecar)" in message
+    assert "get no sidecar" not in message
+
+
+# -- API failures are reported in status (defect 4) ------------------------------------------
+
+
+def test_a_request_the_api_server_rejects_makes_the_policy_invalid_with_its_message():
+    failure = ApiFailure("listing pods", 400, "400 unable to parse requirement: invalid label key")
+    conditions, fields = aggregate(None, [], True, [failure])
+    c = by_type(conditions)
+    assert (c["Valid"].status, c["Valid"].reason) == ("False", "RejectedByApiServer")
+    assert "listing pods: 400 unable to parse requirement" in c["Valid"].message
+    assert (c["Ready"].status, c["Ready"].reason) == ("False", "RejectedByApiServer")
+    assert c["SidecarsInjected"].status == "Unknown" and fields == {}  # pod fields kept as they were
+    c = by_type(aggregate([], [], False, [ApiFailure("Service x-binbatch", 503, "503 etcd unavailable")])[0])
+    assert c["Valid"].status == "True"
+    assert (c["Ready"].reason, c["Ready"].message) == ("ApiError", "Service x-binbatch: 503 etcd unavailable")
+
+
+class FakeKube:
+    """The API seam with canned answers: children by (kind, name), pods, and errors to raise."""
+
+    def __init__(self, pods=(), errors=None):
+        self.children: dict[tuple[str, str], dict] = {}
+        self.pods, self.errors, self.calls = list(pods), dict(errors or {}), []
+        self.policies: list[dict] = []
+
+    def _maybe_fail(self, key):
+        self.calls.append(key)
+        if key in self.errors:
+            raise _api_exception(*self.errors[key])
+
+    async def read(self, kind, name, namespace):
+        self._maybe_fail(("read", kind))
+        return self.children.get((kind, name))
+
+    async def ensure(self, obj):
+        self._maybe_fail(("ensure", obj["kind"]))
+        self.children[(obj["kind"], obj["metadata"]["name"])] = obj
+        return "created"
+
+    async def list_pods(self, namespace, match_labels):
+        self._maybe_fail(("list", "Pod"))
+        return self.pods
+
+    async def list_policies(self, namespace):
+        self._maybe_fail(("list", "BatchingPolicy"))
+        return [p for p in self.policies if p["metadata"]["namespace"] == namespace]
+
+
+def _api_exception(code, message):
+    exc = ApiException(status=code, reason="Err")
+    exc.body = json.dumps({"kind": "Status", "code": code, "message": message})
+    return exc
+
+
+def policy_body(name="fast", spec=SPEC, status=None):
+    return {"apiVersion": "binbatch.io/v1alpha1", "kind": "BatchingPolicy",
+            "metadata": {"name": name, "namespace": "llm", "uid": "u1", "generation": 2},
+            "spec": spec, "status": status or {}}  # fmt: skip
+
+
+async def test_reconcile_reports_a_refused_child_and_a_failed_pod_list_in_status():
+    errors = {("ensure", "Service"): (422, 'Service "x" is invalid: metadata.name: Invalid value'),
+              ("list", "Pod"): (400, "unable to parse requirement")}  # fmt: skip
+    kube = FakeKube(errors=errors)
+    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(), [], logging.getLogger("t"))
+    assert [f.what for f in outcome.failures] == ["Service fast-binbatch", "listing pods"]
+    valid = next(c for c in outcome.status["conditions"] if c["type"] == "Valid")
+    assert valid["status"] == "False" and valid["reason"] == "RejectedByApiServer"
+    assert "Service fast-binbatch: 422 Service \"x\" is invalid" in valid["message"]
+    assert "listing pods: 400 unable to parse requirement" in valid["message"]
+    assert ("ConfigMap", "fast-binbatch") in kube.children  # the other child is still made
+
+
+async def test_an_unchanged_status_is_not_written_again():
+    kube = FakeKube()
+    ctx, log = Context(kube=kube, sidecar_image=IMAGE), logging.getLogger("t")
+    first = (await reconcile(ctx, policy_body(), [], log)).status
+    again = (await reconcile(ctx, policy_body(status=first), [], log)).status
+    assert changed_fields(first, again) == {}
+    assert changed_fields({"pods": 1}, {"pods": 2, "bins": None}) == {"pods": 2}
+
+
+def test_failed_reconciles_back_off_doubling_up_to_a_cap():
+    from binbatch_operator import main
+
+    delays = [main.retry_delay(n) for n in range(4)]
+    assert delays == [main.STATS_INTERVAL * 2**n for n in range(4)]
+    assert main.retry_delay(1000) == main.MAX_RETRY_DELAY
+
+
+async def test_every_replica_injects_from_the_api_servers_policies_not_its_index():
+    """kopf pauses the watch streams of replicas without the lead, so their index is empty
+    (or frozen with deleted policies in it); the webhook each of them serves must not use it."""
+    from binbatch_operator import main
+
+    kube = FakeKube()
+    kube.policies = [policy_body("fast")]
+    memo = kopf.Memo()
+    memo.ctx = Context(kube=kube, sidecar_image=IMAGE)
+
+    async def inject(pod):
+        patch, warnings = kopf.Patch(), []
+        await main.inject_sidecar(body=kopf.Body(pod), patch=patch, warnings=warnings, memo=memo,
+                                  logger=logging.getLogger("t"), policies={})  # an empty index: a follower's
+        return dict(patch), warnings
+
+    patch, warnings = await inject(vllm_pod())
+    assert warnings == [] and patch["metadata"]["labels"] == {builders.POLICY_LABEL: "fast"}
+    kube.policies[0]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert await inject(vllm_pod()) == ({}, [])
+
+
+async def test_an_invalid_spec_is_warned_about_once_not_on_every_tick(caplog):
+    """With posting.loggers on, each warning is an Event: one per change, not one per 15 s."""
+    bad = {**SPEC, "batch": {"maxBatchSize": 0}}
+    ctx, log = Context(kube=FakeKube(), sidecar_image=IMAGE), logging.getLogger("t")
+    with caplog.at_level(logging.WARNING, logger="t"):
+        first = (await reconcile(ctx, policy_body(spec=bad), [], log)).status
+        await reconcile(ctx, policy_body(spec=bad, status=first), [], log)
+    assert len(caplog.records) == 1 and "spec.batch.maxBatchSize" in caplog.records[0].getMessage()

@@ -128,7 +128,7 @@ class FakeKube:
         self.peerings.add(name)
         return made
 
-    def list_policies_blocking(self, namespace: str) -> list[dict[str, Any]]:
+    async def list_policies(self, namespace: str) -> list[dict[str, Any]]:
         self.listed.append(namespace)
         return [p for p in self.policies if p["metadata"]["namespace"] == namespace]
 
@@ -219,39 +219,35 @@ def _policy(name: str, namespace: str = "ml") -> dict[str, Any]:
             "metadata": {"name": name, "namespace": namespace, "generation": 3}, "spec": POLICY_SPEC}  # fmt: skip
 
 
-def _inject(memo: kopf.Memo, index: dict[str, list[Any]]) -> dict[str, Any]:
+async def _inject(memo: kopf.Memo) -> dict[str, Any]:
     patch: kopf.Patch = kopf.Patch()
     warnings: list[str] = []
-    main.inject_sidecar(body=kopf.Body(_pod()), patch=patch, warnings=warnings, policies=index, memo=memo,
-                        logger=logging.getLogger("test"))  # fmt: skip
+    await main.inject_sidecar(body=kopf.Body(_pod()), patch=patch, warnings=warnings, memo=memo,
+                              logger=logging.getLogger("test"))  # fmt: skip
     assert warnings == []
     return dict(patch)
 
 
-def test_the_webhook_injects_a_native_sidecar_when_the_chart_asks():
-    memo = kopf.Memo(ctx=main.Context(kube=FakeKube(), sidecar_image="img"), native_sidecar=True)
-    index = {"ml": [{"name": "fast", "spec": POLICY_SPEC, "generation": 3}]}
-    patch = _inject(memo, index)
+async def test_the_webhook_injects_a_native_sidecar_when_the_chart_asks():
+    memo = kopf.Memo(ctx=main.Context(kube=FakeKube(policies=[_policy("fast")]), sidecar_image="img"),
+                     native_sidecar=True)  # fmt: skip
+    patch = await _inject(memo)
     assert [c["name"] for c in patch["spec"]["initContainers"]] == [SIDECAR_CONTAINER]
 
 
 # ------------------------------------------------------------------ paused (non-leader) replicas
 
 
-def test_a_peering_replica_answers_from_the_api_not_from_its_frozen_index():
-    """A paused kopf stops every watch, so its index misses a policy created meanwhile."""
+async def test_every_replica_answers_from_the_api_not_from_an_index():
+    """A paused kopf stops every watch, so a non-leader's index would miss a policy created meanwhile."""
     kube = FakeKube(policies=[_policy("fast"), _policy("other", namespace="web")])
-    frozen_index: dict[str, list[Any]] = {}  # what a non-leader still holds
-    memo = kopf.Memo(ctx=main.Context(kube=kube, sidecar_image="img"), policies_from_api=True)
-    patch = _inject(memo, frozen_index)
+    memo = kopf.Memo(ctx=main.Context(kube=kube, sidecar_image="img"))
+    patch = await _inject(memo)
     assert patch["metadata"]["annotations"]["binbatch.io/injected"] == "fast@3"
     assert kube.listed == ["ml"]
-    standalone = kopf.Memo(ctx=main.Context(kube=kube, sidecar_image="img"), policies_from_api=False)
-    assert _inject(standalone, frozen_index) == {}  # standalone trusts its (live) index
-    assert kube.listed == ["ml"]
 
 
-async def test_each_peering_replica_gets_its_own_priority_and_reads_policies_from_the_api(monkeypatch):
+async def test_each_peering_replica_gets_its_own_priority(monkeypatch):
     """Equal priorities make kopf pause every replica ("possibly conflicting operators")."""
     monkeypatch.delenv("BINBATCH_WEBHOOK_SERVICE", raising=False)
     kube = FakeKube()
@@ -263,10 +259,10 @@ async def test_each_peering_replica_gets_its_own_priority_and_reads_policies_fro
         settings, memo = kopf.OperatorSettings(), kopf.Memo()
         settings.peering.standalone, settings.peering.name = False, "binbatch"
         await main.configure(settings=settings, memo=memo, logger=logging.getLogger("test"))
-        replicas.append((settings.peering.priority, memo.policies_from_api))
-    assert replicas[0][0] != replicas[1][0] and all(from_api for _, from_api in replicas)
+        replicas.append(settings.peering.priority)
+    assert replicas[0] != replicas[1]
     assert kube.peerings == {"binbatch"}  # kopf would wait paused forever without its peering object
     settings, memo = kopf.OperatorSettings(), kopf.Memo()
     settings.peering.standalone = True
     await main.configure(settings=settings, memo=memo, logger=logging.getLogger("test"))
-    assert (settings.peering.priority, memo.policies_from_api) == (0, False)
+    assert settings.peering.priority == 0
