@@ -159,7 +159,7 @@ class Logger:
 async def test_reconcile_reports_valid_false_naming_the_field_and_creates_nothing(spec: dict[str, Any], field: str) -> None:
     kube = FakeKube()
     body = {"metadata": {"name": "fast", "namespace": "llm", "generation": 2, "uid": "u1"}, "spec": spec}
-    status = await reconcile(Context(kube=kube, sidecar_image="img"), body, Logger())  # type: ignore[arg-type]
-    valid = next(c for c in status["conditions"] if c["type"] == "Valid")
+    outcome = await reconcile(Context(kube=kube, sidecar_image="img"), body, [], Logger())  # type: ignore[arg-type]
+    valid = next(c for c in outcome.status["conditions"] if c["type"] == "Valid")
     assert valid["status"] == "False" and field in valid["message"]
     assert kube.applied == []
