@@ -494,6 +494,7 @@ class Dispatcher:
     def _publish_queue(self) -> None:
         for i, depth in enumerate(self.core.former.bin_depths()):
             self.metrics.queue_depth.labels(str(i)).set(depth)
+        self.metrics.pending_requests.set(self.pending_requests())
 
     def _publish_inflight(self) -> None:
         self.metrics.inflight_requests.set(self.inflight_requests)

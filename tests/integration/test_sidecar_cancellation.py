@@ -81,6 +81,8 @@ async def test_every_outstanding_request_is_in_exactly_one_figure_of_getstats(tm
                 pass
         queued = sum(b.queue_depth for b in stats.bins)
         assert (queued, stats.pending_requests, stats.inflight_requests) == (2, 16, 4)
+        fams = await sc.scrape()
+        assert fams["binbatch_pending_requests"].samples[0].value == 16
         for call in calls:
             call.cancel()
         for call in calls:
