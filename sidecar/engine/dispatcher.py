@@ -44,6 +44,7 @@ log = logging.getLogger("binbatch.dispatcher")
 
 Mode = Literal["gang", "continuous"]
 MAX_ADJUSTMENTS = 32
+STOPPED = "the sidecar stopped before the engine answered"
 ADJUSTMENT_LOG_SECONDS = 30.0  # at most one INFO line per field this often, unless the reason changes
 
 
@@ -129,7 +130,7 @@ class Dispatcher:
         self.ledger = InflightLedger(clock.now())  # what holds engine capacity, per bin
         self.last_decision: SizeDecision | None = None
         self.adjustments: deque[Adjustment] = deque(maxlen=MAX_ADJUSTMENTS)
-        self._logged: dict[str, tuple[float, str, int]] = {}  # field -> (last INFO time, its reason kind, changes since)
+        self._logged: dict[str, tuple[float, str, int]] = {}  # field -> (last INFO time, reason kind, changes since)
         self._wall_time = wall_time
         self._pending: deque[tuple[Batch, Request]] = deque()  # continuous: taken, not yet admitted
         self._tasks: set[asyncio.Task[None]] = set()
@@ -273,7 +274,7 @@ class Dispatcher:
             log.error("engine call failed in dispatch", exc_info=error)
         for req in slot.requests:
             if task.cancelled():
-                self._finish(req, "unavailable", exc=Rejected("unavailable", "the sidecar stopped before the engine answered"))
+                self._finish(req, "unavailable", exc=Rejected("unavailable", STOPPED))
             else:
                 why = f"dispatch failed: {error}" if error else "the engine call ended without an answer"
                 self._finish(req, "failed", exc=EngineError("internal", None, why))
@@ -480,7 +481,7 @@ class Dispatcher:
             task.cancel()
         for slot in self.ledger.held():
             for req in slot.requests:
-                cut += self._finish(req, "unavailable", exc=Rejected("unavailable", "the sidecar stopped before the engine answered"))
+                cut += self._finish(req, "unavailable", exc=Rejected("unavailable", STOPPED))
         await asyncio.gather(*tasks, return_exceptions=True)
         return cut
 

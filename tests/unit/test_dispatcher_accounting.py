@@ -89,13 +89,14 @@ async def settle() -> None:
         await asyncio.sleep(0)  # ok-sleep: bare yields so engine tasks reach their next await
 
 
-async def scenario(mode: str, k: int, size: int, inflight: int, program: list[tuple]) -> None:
+async def scenario(mode: str, k: int, size: int, inflight: int, program: list[tuple], drain: bool = False) -> None:
     clock = ManualClock()
     binner = FixedBinner.uniform(k, 1, 100) if k > 1 else FixedBinner(())
     former = BatchFormer(binner, clock, target_size=size, max_wait=1.0, max_queue=20)
     core = Core(HintPredictor(), binner, former, BatchSizer(mode="static", static_size=size))
     engine = FakeEngine()
-    d = Dispatcher(core, engine, clock, SidecarMetrics(), mode=mode, max_inflight_batches=inflight)  # type: ignore[arg-type]
+    metrics = SidecarMetrics()
+    d = Dispatcher(core, engine, clock, metrics, mode=mode, max_inflight_batches=inflight)  # type: ignore[arg-type]
     loop = asyncio.get_running_loop()
     callers: list[tuple[Request, Call]] = []
     refused = 0  # submits answered "queue full" at once (counted as rejected, never accepted)
@@ -135,6 +136,11 @@ async def scenario(mode: str, k: int, size: int, inflight: int, program: list[tu
             case ("resize", n):
                 former.set_target_sizes(n)
 
+    if drain:  # SIGTERM with no grace left: every caller is answered; "cut off" counts those the drain answered
+        before = d.totals["unavailable"]
+        cut = await d.drain(grace=0.0)
+        assert all(call.future.done() for _, call in callers)
+        assert cut == d.totals["unavailable"] - before
     for _ in range(200):  # everything settles: the engine answers, max_wait passes, the loop steps
         await settle()
         for i in range(len(engine.calls)):
@@ -163,6 +169,7 @@ async def scenario(mode: str, k: int, size: int, inflight: int, program: list[tu
     size=st.integers(1, 3),
     inflight=st.integers(1, 3),
     program=st.lists(ops, min_size=20, max_size=80),
+    drain=st.booleans(),
 )
-def test_every_request_ends_once_and_in_flight_counts_return_to_zero(mode, k, size, inflight, program):
-    asyncio.run(scenario(mode, k, size, inflight, program))
+def test_every_request_ends_once_and_in_flight_counts_return_to_zero(mode, k, size, inflight, program, drain):
+    asyncio.run(scenario(mode, k, size, inflight, program, drain))
