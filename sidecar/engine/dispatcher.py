@@ -33,6 +33,7 @@ from typing import Literal
 from ..core.binner import AdaptiveBinner, Binner, n_max_from_memory
 from ..core.clock import Clock
 from ..core.former import Batch, BatchFormer, QueueFull
+from ..core.inflight import InflightLedger, Slot
 from ..core.predictor import AccuracyTracker, LengthPredictor
 from ..core.request import Request
 from ..core.sizer import BatchSizer, EngineSnapshot, SizeDecision
@@ -43,6 +44,8 @@ log = logging.getLogger("binbatch.dispatcher")
 
 Mode = Literal["gang", "continuous"]
 MAX_ADJUSTMENTS = 32
+STOPPED = "the sidecar stopped before the engine answered"
+ADJUSTMENT_LOG_SECONDS = 30.0  # at most one INFO line per field this often, unless the reason changes
 
 
 class Rejected(Exception):
@@ -124,22 +127,37 @@ class Dispatcher:
         self.engine_timeout = engine_timeout
         self.accepting = True
         self.totals: Counter[str] = Counter()  # accepted, and each outcome
-        self.inflight_batches = 0
-        self.inflight_requests = 0
+        self.ledger = InflightLedger(clock.now())  # what holds engine capacity, per bin
         self.last_decision: SizeDecision | None = None
         self.adjustments: deque[Adjustment] = deque(maxlen=MAX_ADJUSTMENTS)
+        self._logged: dict[str, tuple[float, str, int]] = {}  # field -> (last INFO time, reason kind, changes since)
         self._wall_time = wall_time
         self._pending: deque[tuple[Batch, Request]] = deque()  # continuous: taken, not yet admitted
         self._tasks: set[asyncio.Task[None]] = set()
-        self._inflight: set[Request] = set()  # counted in flight, not yet finished by their task
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._area = 0.0  # ∫ inflight_requests dt since the last size update
-        self._area_since = clock.now()
-        self._area_mark = clock.now()
         self._binner_version = core.binner.version
         self._publish_sizes()
+
+    @property
+    def inflight_requests(self) -> int:
+        """Requests in the engine now (their calls not yet ended)."""
+        return self.ledger.requests
+
+    @property
+    def inflight_batches(self) -> int:
+        """Gang batches in the engine now (0 in continuous mode)."""
+        return self.ledger.batches
+
+    def pending_requests(self) -> int:
+        """Requests out of their bins but not yet sent: in formed batches the former
+        still holds, or taken and waiting for an admission slot (continuous mode).
+        With the bins' depths and ``inflight_requests`` this counts every request
+        accepted and not yet ended."""
+        former = self.core.former
+        formed = former.queued() - sum(former.bin_depths())
+        return formed + sum(1 for _, r in self._pending if not r.payload.future.done())
 
     # -- intake ---------------------------------------------------------------------
 
@@ -162,14 +180,23 @@ class Dispatcher:
         return bin_
 
     def cancel(self, req: Request) -> None:
-        """The caller went away (cancelled or its deadline passed): drop or abort it."""
+        """The caller went away (cancelled or its deadline passed): drop or abort it.
+
+        A request still queued leaves its bin; one taken but not admitted is skipped
+        at admission (``req.cancelled``); one in the engine has its task cancelled,
+        which closes the HTTP request (vLLM aborts it).  Its slot is released by the
+        task's done-callback, which runs even if the task never started.
+        """
         call: Call = req.payload
         if req.cancelled and call.future.done():
             return
-        self.core.former.cancel(req)  # marks req.cancelled; no-op if already taken
+        self.core.former.cancel(req)  # marks req.cancelled; leaves the bin if still there
         if call.task is not None and not call.task.done():
-            call.task.cancel()  # closes the HTTP request; vLLM aborts it
-        self._finish(req, "cancelled", exc=Rejected("cancelled", "the caller cancelled the request"))
+            call.task.cancel()
+        if req.expired(self.clock.now()):
+            self._finish(req, "expired", exc=Rejected("deadline", "the deadline passed"))
+        else:
+            self._finish(req, "cancelled", exc=Rejected("cancelled", "the caller cancelled the request"))
         self._wake.set()
 
     # -- the loop ------------------------------------------------------------------
@@ -197,8 +224,8 @@ class Dispatcher:
                     break
                 self._count_batch(batch)
                 live = [r for r in batch.requests if not r.cancelled]
-                self._enter(live, batches=1)  # counted now, so this loop sees the slot taken
-                self._spawn(self._run_gang(live))
+                slot = self._enter(batch.bin, live, batch=True)  # counted now: this loop sees it taken
+                self._spawn(self._run_gang(live), slot)
         else:
             self._admit_continuous()
         self._publish_queue()
@@ -215,30 +242,50 @@ class Dispatcher:
                 self._count_batch(batch)
                 self._pending.extend((batch, r) for r in batch.requests)
             batch, req = self._pending[0]
+            if req.payload.future.done():  # cancelled while waiting: finished already
+                self._pending.popleft()
+                continue
             sizes = former.target_sizes
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
             if self.inflight_requests >= limit:
                 return
             self._pending.popleft()
-            if req.cancelled:
-                continue  # already finished by cancel()
             if req.expired(self.clock.now()):
                 self._finish(req, "expired", exc=Rejected("deadline", "deadline passed while queued"))
                 continue
             call: Call = req.payload
-            self._enter([req], batches=0)
-            call.task = self._spawn(self._run_single(req, batch.size))
+            slot = self._enter(batch.bin, [req], batch=False)
+            call.task = self._spawn(self._run_single(req, batch.size), slot)
 
-    def _spawn(self, coro) -> asyncio.Task[None]:
+    def _spawn(self, coro, slot: Slot) -> asyncio.Task[None]:
+        """Run one engine call holding ``slot``; ``_ended`` releases it when the task
+        ends, however it ends (a task cancelled before its first step never runs its
+        body, but its done-callbacks do run)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: self._ended(t, slot))
         return task
+
+    def _ended(self, task: asyncio.Task[None], slot: Slot) -> None:
+        """An engine call's task ended: end what it left unanswered, release its slot."""
+        self._tasks.discard(task)
+        error = None if task.cancelled() else task.exception()
+        if error is not None:  # a bug, not an engine answer
+            log.error("engine call failed in dispatch", exc_info=error)
+        for req in slot.requests:
+            if task.cancelled():
+                self._finish(req, "unavailable", exc=Rejected("unavailable", STOPPED))
+            else:
+                why = f"dispatch failed: {error}" if error else "the engine call ended without an answer"
+                self._finish(req, "failed", exc=EngineError("internal", None, why))
+        if self.ledger.release(slot, self.clock.now()):
+            self._publish_inflight()
+            self._wake.set()
 
     # -- engine calls ----------------------------------------------------------------
 
     async def _run_gang(self, live: list[Request]) -> None:
-        """One gang batch; the caller has already counted it in flight (``_enter``)."""
+        """One gang batch; it holds a slot (``_enter``) that ``_ended`` releases."""
         try:
             requests = [r.payload.engine_request for r in live]
             results = await self.client.complete_batch(requests, timeout=self.engine_timeout)
@@ -252,11 +299,9 @@ class Dispatcher:
             log.exception("batch of %d failed", len(live))
             for req in live:
                 self._finish(req, "failed", exc=EngineError("internal", None, f"dispatch failed: {exc}"))
-        finally:
-            self._leave(live, batches=1)
 
     async def _run_single(self, req: Request, batch_size: int) -> None:
-        """One request's own engine call (continuous mode); already counted in flight."""
+        """One request's own engine call (continuous mode); it holds a slot that ``_ended`` releases."""
         call: Call = req.payload
         try:
             if call.deltas is not None:
@@ -282,27 +327,15 @@ class Dispatcher:
         except Exception as exc:
             log.exception("request failed in dispatch")
             self._finish(req, "failed", exc=EngineError("internal", None, f"dispatch failed: {exc}"))
-        finally:
-            self._leave([req], batches=0)
 
-    def _enter(self, reqs: list[Request], batches: int) -> None:
+    def _enter(self, bin_: int, reqs: list[Request], *, batch: bool) -> Slot:
         now = self.clock.now()
-        self._account(now)
-        self.inflight_batches += batches
-        self.inflight_requests += len(reqs)
+        slot = self.ledger.acquire(bin_, reqs, batch=batch, now=now)
         for req in reqs:
-            self._inflight.add(req)
             req.payload.dispatched_at = now
             self.metrics.wait.observe(max(0.0, now - req.arrival))
         self._publish_inflight()
-
-    def _leave(self, reqs: list[Request], batches: int) -> None:
-        self._account(self.clock.now())
-        self.inflight_batches -= batches
-        self.inflight_requests -= len(reqs)
-        self._inflight.difference_update(reqs)
-        self._publish_inflight()
-        self._wake.set()
+        return slot
 
     def _complete(self, req: Request, result: EngineResult | EngineError, batch_size: int) -> None:
         if isinstance(result, EngineError):
@@ -335,11 +368,11 @@ class Dispatcher:
 
     def _finish(
         self, req: Request, outcome: str, *, result: Completion | None = None, exc: BaseException | None = None
-    ) -> None:
-        """End ``req`` exactly once; later calls for the same request do nothing."""
+    ) -> bool:
+        """End ``req`` exactly once; later calls for the same request do nothing (False)."""
         fut = req.payload.future
         if fut.done():
-            return
+            return False
         if exc is not None:
             fut.set_exception(exc)
             fut.exception()  # mark it retrieved: a caller that left must not log "never retrieved"
@@ -349,6 +382,7 @@ class Dispatcher:
         self.totals[outcome] += 1
         if req.payload.deltas is not None:
             req.payload.deltas.put_nowait("")  # wakes a streaming reader to see the end
+        return True
 
     # -- sizing ----------------------------------------------------------------------
 
@@ -356,10 +390,7 @@ class Dispatcher:
         """Recompute B_t from a metrics snapshot (None: no metrics source)."""
         core = self.core
         now = self.clock.now()
-        self._account(now)
-        span = now - self._area_since
-        observed = self._area / span if span > 0 and self._area > 0 else None  # mean requests in flight
-        self._area, self._area_since = 0.0, now
+        observed = self.ledger.mean_requests(now)
         if isinstance(core.binner, AdaptiveBinner) and snapshot is not None and snapshot.kv_capacity_tokens:
             mu = core.sizer.overall.mu
             if mu:
@@ -368,7 +399,7 @@ class Dispatcher:
         if core.binner.version != self._binner_version:
             self._binner_version = core.binner.version
             core.sizer.reset_bins()
-            self._adjust("binBoundaries", "", _fmt(core.binner.boundaries), "binner moved its boundaries")
+            self._adjust("binBoundaries", "", _fmt(core.binner.boundaries), "binner moved its boundaries", "binner")
         core.former.poll()  # re-bins the queue if the binner moved, before sizes are set
         old = list(core.former.target_sizes)
         decision = core.sizer.update(snapshot, core.binner.k, observed_batch=observed)
@@ -376,19 +407,29 @@ class Dispatcher:
         self.last_decision = decision
         if decision.sizes != old:
             self.metrics.size_changes.labels(decision.reason).inc()
-            self._adjust("batchSize", _fmt(old), _fmt(decision.sizes), f"{decision.reason}: {decision.detail}")
+            self._adjust(
+                "batchSize", _fmt(old), _fmt(decision.sizes), f"{decision.reason}: {decision.detail}", decision.reason
+            )
         self._publish_sizes()
         self._wake.set()
         return decision
 
-    def _account(self, now: float) -> None:
-        self._area += self.inflight_requests * (now - self._area_mark)
-        self._area_mark = now
-
-    def _adjust(self, field_: str, old: str, new: str, reason: str) -> None:
+    def _adjust(self, field_: str, old: str, new: str, reason: str, kind: str) -> None:
+        """Record an adjustment (Stats keeps every one).  The log gets an INFO line when
+        the kind of reason changes, else at most one per ``ADJUSTMENT_LOG_SECONDS``
+        per field: under load the memory-bound size moves by a request or two on
+        every scrape, which is news in Stats and metrics but noise in the log."""
         t = self._wall_time() if self._wall_time else self.clock.now()
         self.adjustments.append(Adjustment(t, field_, old, new, reason))
-        log.info("adjusted %s: %s -> %s (%s)", field_, old, new, reason)
+        now = self.clock.now()
+        last = self._logged.get(field_)
+        if last is None or last[1] != kind or now - last[0] >= ADJUSTMENT_LOG_SECONDS:
+            quiet = f"; {last[2]} more changes since the last report" if last and last[2] else ""
+            log.info("adjusted %s: %s -> %s (%s%s)", field_, old, new, reason, quiet)
+            self._logged[field_] = (now, kind, 0)
+        else:
+            log.debug("adjusted %s: %s -> %s (%s)", field_, old, new, reason)
+            self._logged[field_] = (last[0], kind, last[2] + 1)
 
     # -- reload and shutdown -----------------------------------------------------------
 
@@ -432,24 +473,23 @@ class Dispatcher:
             return 0
         except TimeoutError:
             pass
+        # Count only requests this drain itself ends: a caller already answered (or a
+        # slot already released) is not "cut off".
         cut = 0
         former = self.core.former
         while (batch := former.take()) is not None:
             for req in batch.requests:
-                cut += 1
-                self._finish(req, "unavailable", exc=Rejected("unavailable", "shut down before dispatch"))
+                cut += self._finish(req, "unavailable", exc=Rejected("unavailable", "shut down before dispatch"))
         while self._pending:
             _, req = self._pending.popleft()
-            cut += 1
-            self._finish(req, "unavailable", exc=Rejected("unavailable", "shut down before dispatch"))
+            cut += self._finish(req, "unavailable", exc=Rejected("unavailable", "shut down before dispatch"))
         tasks = list(self._tasks)
-        cut += self.inflight_requests
         for task in tasks:
             task.cancel()
+        for slot in self.ledger.held():
+            for req in slot.requests:
+                cut += self._finish(req, "unavailable", exc=Rejected("unavailable", STOPPED))
         await asyncio.gather(*tasks, return_exceptions=True)
-        for req in list(self._inflight):  # tasks cancelled before they first ran
-            self._finish(req, "unavailable", exc=Rejected("unavailable", "the sidecar stopped before the engine answered"))
-        self._inflight.clear()
         return cut
 
     # -- observability -----------------------------------------------------------------
@@ -462,6 +502,7 @@ class Dispatcher:
     def _publish_queue(self) -> None:
         for i, depth in enumerate(self.core.former.bin_depths()):
             self.metrics.queue_depth.labels(str(i)).set(depth)
+        self.metrics.pending_requests.set(self.pending_requests())
 
     def _publish_inflight(self) -> None:
         self.metrics.inflight_requests.set(self.inflight_requests)

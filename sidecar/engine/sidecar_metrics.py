@@ -54,6 +54,9 @@ class SidecarMetrics:
         self.b_sla = Gauge("binbatch_b_sla", "SLA-constrained batch size (-1: not computed)", registry=r)
         self.inflight_requests = Gauge("binbatch_inflight_requests", "Requests in the engine", registry=r)
         self.inflight_batches = Gauge("binbatch_inflight_batches", "Batches in the engine", registry=r)
+        self.pending_requests = Gauge(
+            "binbatch_pending_requests", "Requests out of their bins, not yet sent to the engine", registry=r
+        )
         self.predicted_tokens = Histogram(
             "binbatch_predicted_output_tokens", "Predicted output length of completed requests",
             buckets=TOKEN_BUCKETS, registry=r,

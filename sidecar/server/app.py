@@ -345,6 +345,7 @@ class Sidecar:
             bins=bins,
             inflight_batches=d.inflight_batches,
             inflight_requests=d.inflight_requests,
+            pending_requests=d.pending_requests(),
             totals=pb.RequestTotals(
                 accepted=counts["accepted"],
                 completed=counts["completed"],

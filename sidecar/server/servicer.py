@@ -3,8 +3,12 @@
 Thin by design: translate a ``GenerateRequest`` into a core ``Request`` plus an
 engine request, hand it to the dispatcher, await the outcome, translate back.
 Every error becomes a gRPC status in one place, ``_status_of``.  The gRPC deadline
-becomes the request's deadline (it leaves its bin when it passes); a cancelled
-call is withdrawn from its bin or its engine call is aborted.
+becomes the request's deadline (it leaves its bin when it passes).  When an RPC
+ends for any reason (the caller cancelled, its deadline passed, the stream was
+dropped while gRPC was sending a chunk) a done-callback on the RPC withdraws the
+request: from its bin, or by aborting its engine call.  Reacting only to
+``CancelledError`` in the handler missed the dropped streams, whose engine
+requests then ran to ``max_tokens``.
 
 Input is parsed strictly, within the bounds the proto documents: every bad input
 (a field, a metadata value, or a body that is not a GenerateRequest at all) is
@@ -235,35 +239,50 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         call = Call(engine_request, loop.create_future(), asyncio.Queue() if stream else None)
         return req, call
 
-    async def _accept(self, msg, context, stream: bool) -> tuple[Request, Call]:
+    async def _accept(self, msg, context, stream: bool) -> tuple[Request, Call] | None:
+        """Submit the request; None if it was refused (the RPC is aborted then)."""
         try:
             req, call = self._build(msg, context, stream)
             self.sidecar.dispatcher.submit(req, call)
         except (InvalidRequest, Rejected) as exc:
-            code, text = _status_of(exc)
-            log.debug("refused: %s: %s", code.name, text)
-            await context.abort(code, text)
+            log.debug("refused: %s", exc)
+            await _abort(context, exc)
+            return None
+        context.add_done_callback(lambda _: self._withdraw(req, call))
         return req, call
+
+    def _withdraw(self, req: Request, call: Call) -> None:
+        """The RPC ended: a request still unanswered has nobody waiting for it."""
+        if not call.future.done():
+            self.sidecar.dispatcher.cancel(req)
 
     def _log_completion(self, req: Request, completion: Completion) -> None:
         if self.sidecar.config.logging.log_prompts:
             prompt_log.info("request %s completion: %s", req.id, completion.result.text)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        req, call = await self._accept(request, context, stream=False)
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse | None:
+        accepted = await self._accept(request, context, stream=False)
+        if accepted is None:
+            return None
+        req, call = accepted
         try:
             completion = await asyncio.shield(call.future)
         except asyncio.CancelledError:
             self.sidecar.dispatcher.cancel(req)
             raise
         except Exception as exc:  # noqa: BLE001 - every outcome becomes a status
-            code, text = _status_of(exc)
-            await context.abort(code, text)
+            await _abort(context, exc)
+            return None
         self._log_completion(req, completion)
         return _response(req, completion)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        req, call = await self._accept(request, context, stream=True)
+        accepted = await self._accept(request, context, stream=True)
+        if accepted is None:
+            return
+        req, call = accepted
         assert call.deltas is not None
         index = 0
         try:
@@ -273,16 +292,33 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     yield pb.GenerateChunk(text=piece, index=index)
                     index += 1
             completion = call.future.result()
-        except asyncio.CancelledError:
-            self.sidecar.dispatcher.cancel(req)
-            raise
         except Exception as exc:  # noqa: BLE001
-            code, text = _status_of(exc)
-            await context.abort(code, text)
+            await _abort(context, exc)
+            return
+        finally:
+            self._withdraw(req, call)  # cancelled, or closed while gRPC sent a chunk (GeneratorExit)
         self._log_completion(req, completion)
         if index == 0 and completion.result.text:
             yield pb.GenerateChunk(text=completion.result.text, index=0)  # gang mode: one chunk
         yield pb.GenerateChunk(final=_response(req, completion))
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the RPC with ``exc``'s status.
+
+    If the RPC has already ended (its deadline passed, or the caller left, just as
+    the sidecar gave up on the request) gRPC cannot send the status and
+    ``abort`` raises an internal batch error, which the server would log as an
+    ERROR with a traceback; the caller already has its status, so this is logged
+    at DEBUG and the handler returns (gRPC then ends it as aborted, quietly).
+    """
+    code, text = _status_of(exc)
+    try:
+        await context.abort(code, text)
+    except grpc.aio.AbortError:
+        raise  # the normal way abort ends a handler
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        log.debug("RPC ended before its status %s (%s) could be sent: %r", code.name, text, err)
 
 
 def _response(req: Request, c: Completion) -> pb.GenerateResponse:

@@ -15,7 +15,7 @@ from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
 from binbatch_sidecar.core.predictor import HintPredictor
 from binbatch_sidecar.core.request import Request
-from binbatch_sidecar.core.sizer import BatchSizer, EngineSnapshot
+from binbatch_sidecar.core.sizer import BatchSizer, EngineSnapshot, SizeDecision
 from binbatch_sidecar.engine.dispatcher import Call, Core, Dispatcher, Rejected
 from binbatch_sidecar.engine.engine_client import EngineError, EngineRequest, EngineResult, SamplingParams
 from binbatch_sidecar.engine.sidecar_metrics import SidecarMetrics
@@ -217,3 +217,91 @@ async def test_replace_core_keeps_queued_requests():
     assert len(client.calls) == 1 and len(client.calls[0][0]) == 3  # full under the new size
     client.answer(0)
     assert [(await c.future).batch_size for c in calls] == [3, 3, 3]
+
+
+async def test_request_cancelled_after_admission_before_its_first_step_releases_its_slot():
+    """Defect 1: the engine task was cancelled before it ever ran, so its ``finally``
+    never released the slot; with B = 1 the sidecar then served nothing more."""
+    d, client, _ = make(mode="continuous", static=1, max_wait=0.0)
+    req, call = submit(d, 1)
+    d._step()  # admitted: its engine task exists but has not run a single step
+    assert d.inflight_requests == 1 and client.calls == []
+    d.cancel(req)
+    await settle()
+    assert d.inflight_requests == 0
+    assert (d.ledger.requests_in(0), d.ledger.held()) == (0, [])
+    with pytest.raises(Rejected):
+        await call.future
+    _, nxt = submit(d, 2)
+    d._step()
+    await settle()
+    assert len(client.calls) == 1  # the one slot is free again: the next request is served
+    client.answer(0)
+    assert (await nxt.future).result.completion_tokens == 10
+
+
+async def test_drain_after_an_early_cancel_finishes_at_once_and_cuts_nothing():
+    """Defect 1's consequence: a leaked slot made SIGTERM wait the whole grace and
+    report a request "cut off" that no caller was waiting for (exit code 1)."""
+    d, client, _ = make(mode="continuous", static=1, max_wait=0.0)
+    req, _ = submit(d, 1)
+    d._step()
+    d.cancel(req)  # before the admitted task's first step
+    runner = asyncio.ensure_future(d.run())
+    cut = await asyncio.wait_for(d.drain(grace=30.0), timeout=5.0)
+    assert cut == 0 and client.calls == []
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+
+
+async def test_drain_counts_only_requests_it_ended():
+    d, client, _ = make(mode="continuous", static=1, max_wait=0.0)
+    runner = asyncio.ensure_future(d.run())
+    (_, first), (late, second) = submit(d, 1), submit(d, 2)
+    await client.called.wait()
+    d.cancel(late)  # waiting for admission; its caller already has its answer
+    cut = await d.drain(grace=0.01)
+    assert cut == 1
+    assert isinstance(first.future.exception(), Rejected) and second.future.exception().kind == "cancelled"
+    assert (d.inflight_requests, d.pending_requests()) == (0, 0)
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+
+
+@pytest.mark.parametrize("mode", ["continuous", "gang"])
+async def test_every_outstanding_request_is_counted_queued_pending_or_in_flight(mode):
+    """Defect 11: requests taken from their bins but not yet admitted were in no
+    figure (500 outstanding showed 256 in flight and 0 queued)."""
+    d, client, _ = make(mode=mode, static=4, k=2, max_wait=10.0, max_inflight=1)
+    calls = [submit(d, i, max_tokens=10 if i % 3 else 90)[1] for i in range(15)]
+    d._step()
+    await settle()
+    queued = sum(d.core.former.bin_depths())
+    pending = d.pending_requests()
+    assert client.calls and queued and pending  # each place holds some
+    assert queued + pending + d.inflight_requests == len(calls)
+
+
+async def test_batch_size_changes_are_logged_once_per_interval_unless_the_reason_changes(caplog):
+    """Defect 12: under load the size moved on every scrape and each move was an INFO line."""
+    d, _, clock = make(static=8, sizing="static")
+    sizes = iter(range(2, 200))
+
+    def update(snapshot, k, observed_batch=None):
+        return SizeDecision(sizes=[next(sizes)] * k, reason=reason, detail="test", b_mem=[None] * k, b_sla=None)
+
+    d.core.sizer.update = update  # type: ignore[method-assign]
+    reason = "memory"
+    with caplog.at_level("DEBUG", logger="binbatch.dispatcher"):
+        for _ in range(40):  # 20 s of scrapes every 0.5 s, each a new size
+            d.on_snapshot(None)
+            clock.advance(0.5)
+        reason = "stale-metrics"
+        d.on_snapshot(None)
+    info = [r for r in caplog.records if r.levelname == "INFO" and "batchSize" in r.getMessage()]
+    debug = [r for r in caplog.records if r.levelname == "DEBUG" and "batchSize" in r.getMessage()]
+    assert len(info) == 2 and "stale-metrics" in info[-1].getMessage()
+    assert "39 more changes" in info[-1].getMessage() and len(debug) == 39
+    assert len(d.adjustments) == 32  # Stats still keeps every recent change

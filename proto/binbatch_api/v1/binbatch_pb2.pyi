@@ -745,6 +745,7 @@ class Stats(_message.Message):
     RECENT_ADJUSTMENTS_FIELD_NUMBER: _builtins.int
     CONFIG_GENERATION_FIELD_NUMBER: _builtins.int
     UPTIME_SECONDS_FIELD_NUMBER: _builtins.int
+    PENDING_REQUESTS_FIELD_NUMBER: _builtins.int
     sidecar_version: _builtins.str
     """Version of the sidecar software."""
     engine_health: Global___EngineHealth.ValueType
@@ -770,11 +771,20 @@ class Stats(_message.Message):
     inflight_batches: _builtins.int
     """Batches in the engine now (at most maxInflightBatches)."""
     inflight_requests: _builtins.int
-    """Requests in the engine now."""
+    """Requests in the engine now: their engine calls have not ended yet."""
     config_generation: _builtins.int
     """Generation of the config in use (see `ConfigView.generation`)."""
     uptime_seconds: _builtins.float
     """Seconds since the sidecar started."""
+    pending_requests: _builtins.int
+    """Requests out of their bins but not yet sent to the engine: in batches
+    already formed (gang mode: waiting for a batch slot) or taken and waiting
+    for an admission slot (continuous mode: the engine holds B_t already).
+    Every request accepted and not yet answered is counted exactly once in
+    the sum of `bins.queue_depth`, `pending_requests` and `inflight_requests`
+    (a request whose caller left may stay in `inflight_requests` until its
+    engine call has closed).
+    """
     @_builtins.property
     def bin_boundaries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Bin boundaries in predicted output tokens: k-1 increasing values that
@@ -828,10 +838,11 @@ class Stats(_message.Message):
         recent_adjustments: _abc.Iterable[Global___Adjustment] | None = ...,
         config_generation: _builtins.int = ...,
         uptime_seconds: _builtins.float = ...,
+        pending_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "metrics_source", b"metrics_source", "predictor", b"predictor", "throughput", b"throughput", "totals", b"totals"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "bin_boundaries", b"bin_boundaries", "bins", b"bins", "config_generation", b"config_generation", "draining", b"draining", "engine_health", b"engine_health", "inflight_batches", b"inflight_batches", "inflight_requests", b"inflight_requests", "metrics_source", b"metrics_source", "predictor", b"predictor", "recent_adjustments", b"recent_adjustments", "sidecar_version", b"sidecar_version", "sizer_reason", b"sizer_reason", "target_batch_size", b"target_batch_size", "throughput", b"throughput", "totals", b"totals", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "bin_boundaries", b"bin_boundaries", "bins", b"bins", "config_generation", b"config_generation", "draining", b"draining", "engine_health", b"engine_health", "inflight_batches", b"inflight_batches", "inflight_requests", b"inflight_requests", "metrics_source", b"metrics_source", "pending_requests", b"pending_requests", "predictor", b"predictor", "recent_adjustments", b"recent_adjustments", "sidecar_version", b"sidecar_version", "sizer_reason", b"sizer_reason", "target_batch_size", b"target_batch_size", "throughput", b"throughput", "totals", b"totals", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__b_mem: _TypeAlias = _typing.Literal["b_mem"]  # noqa: Y015
     _WhichOneofArgType__b_mem: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem"]  # noqa: Y015
