@@ -17,7 +17,6 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 
@@ -32,6 +31,7 @@ from ..engine.engine_client import EngineClient
 from ..engine.metrics_feed import MetricsFeed, PromQLSource, ScrapeSource
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs
+from .reflection import enable_reflection
 from .servicer import AdminServicer, InferenceServicer, add_servicers
 
 log = logging.getLogger("binbatch.sidecar")
@@ -160,10 +160,7 @@ class Sidecar:
         self.server = grpc.aio.server()
         add_servicers(self.server, InferenceServicer(self), AdminServicer(self))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
         self.grpc_port = self.server.add_insecure_port(f"{self.host}:{self._grpc_port_req}")
         await self._set_health(False)
         await self.server.start()
