@@ -28,7 +28,7 @@ import asyncio
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from ..core.binner import AdaptiveBinner, Binner, n_max_from_memory
 from ..core.clock import Clock
@@ -43,6 +43,12 @@ log = logging.getLogger("binbatch.dispatcher")
 
 Mode = Literal["gang", "continuous"]
 MAX_ADJUSTMENTS = 32
+# Adjustment.field values (binbatch.proto lists them).  Adjustment.reason is
+# "<reason>: <detail>": for a batch size the sizer's reason (sizer.REASONS), for
+# bin boundaries REBALANCE_REASON.
+AdjustmentField = Literal["batchSize", "binBoundaries"]
+ADJUSTMENT_FIELDS: tuple[AdjustmentField, ...] = get_args(AdjustmentField)
+REBALANCE_REASON = "rebalance"
 
 
 class Rejected(Exception):
@@ -368,7 +374,8 @@ class Dispatcher:
         if core.binner.version != self._binner_version:
             self._binner_version = core.binner.version
             core.sizer.reset_bins()
-            self._adjust("binBoundaries", "", _fmt(core.binner.boundaries), "binner moved its boundaries")
+            why = f"{REBALANCE_REASON}: the binner moved its boundaries"
+            self._adjust("binBoundaries", "", _fmt(core.binner.boundaries), why)
         core.former.poll()  # re-bins the queue if the binner moved, before sizes are set
         old = list(core.former.target_sizes)
         decision = core.sizer.update(snapshot, core.binner.k, observed_batch=observed)
@@ -385,7 +392,7 @@ class Dispatcher:
         self._area += self.inflight_requests * (now - self._area_mark)
         self._area_mark = now
 
-    def _adjust(self, field_: str, old: str, new: str, reason: str) -> None:
+    def _adjust(self, field_: AdjustmentField, old: str, new: str, reason: str) -> None:
         t = self._wall_time() if self._wall_time else self.clock.now()
         self.adjustments.append(Adjustment(t, field_, old, new, reason))
         log.info("adjusted %s: %s -> %s (%s)", field_, old, new, reason)

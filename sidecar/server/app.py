@@ -25,10 +25,10 @@ from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock, MonotonicClock
 from ..core.former import BatchFormer
 from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
-from ..core.sizer import BatchSizer
+from ..core.sizer import INITIAL_REASON, BatchSizer
 from ..engine.dispatcher import Core, Dispatcher
 from ..engine.engine_client import EngineClient
-from ..engine.metrics_feed import MetricsFeed, PromQLSource, ScrapeSource
+from ..engine.metrics_feed import NO_SOURCE_KIND, MetricsFeed, PromQLSource, ScrapeSource
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs
 from .reflection import enable_reflection
@@ -337,7 +337,7 @@ class Sidecar:
             engine_health=pb.ENGINE_HEALTH_SERVING if self.engine_serving else pb.ENGINE_HEALTH_NOT_SERVING,
             draining=not d.accepting,
             target_batch_size=max(former.target_sizes),
-            sizer_reason=decision.reason if decision else "initial",
+            sizer_reason=decision.reason if decision else INITIAL_REASON,
             bin_boundaries=bounds,
             bins=bins,
             inflight_batches=d.inflight_batches,
@@ -386,7 +386,7 @@ class Sidecar:
         )
         src = feed.source
         out = pb.MetricsSourceStatus(
-            kind=src.kind if src else "none", url=src.url if src else "", state=state, last_error=feed.last_error or ""
+            kind=src.kind if src else NO_SOURCE_KIND, url=src.url if src else "", state=state, last_error=feed.last_error or ""
         )
         age = feed.last_success_age()
         if age is not None:

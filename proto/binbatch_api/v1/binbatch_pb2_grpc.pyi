@@ -14,6 +14,11 @@ They reach gRPC server reflection (grpcurl describe) through the generated
 descriptor set `binbatch_descriptor_set.binpb`, which keeps them; the
 descriptors compiled into `binbatch_pb2.py` do not.
 
+A string field with a closed set of values lists them on a line of its
+comment that starts with `values:`, separated by `|` (the list may continue
+on lines starting with `|`). tests/unit/test_proto_docs.py checks each list
+against the values the sidecar's code produces.
+
 Generated code lives next to this file; regenerate it with
   .venv/bin/python proto/generate.py
 and never edit the generated files by hand.
