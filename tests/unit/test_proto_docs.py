@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from typing import get_args
 
 import pytest
@@ -22,9 +23,11 @@ from binbatch_operator.builders import CONFIG_KEY, build_configmap
 from binbatch_sidecar.config import MetricsSource, PredictorKind, config_json, load_config, parse_config
 from binbatch_sidecar.core.predictor import SOURCES
 from binbatch_sidecar.core.sizer import INITIAL_REASON, REASONS, BatchSizer, EngineSnapshot
-from binbatch_sidecar.engine.dispatcher import ADJUSTMENT_FIELDS, REBALANCE_REASON
+from binbatch_sidecar.engine.dispatcher import ADJUSTMENT_FIELDS, REBALANCE_REASON, Rejected
+from binbatch_sidecar.engine.engine_client import EngineError
 from binbatch_sidecar.engine.metrics_feed import NO_SOURCE_KIND, PromQLSource, ScrapeSource
 from binbatch_sidecar.server.app import build_predictor
+from binbatch_sidecar.server.servicer import _ENGINE_CODES, _REJECTED_CODES, InvalidRequest, _status_of
 
 PROTO_NAME = "binbatch_api/v1/binbatch.proto"
 PACKAGE = "binbatch.v1"
@@ -165,3 +168,19 @@ def test_config_hash_is_documented_as_what_the_code_hashes(tmp_path) -> None:
     comment = " ".join(_field_comments(_file_proto())[f"{PACKAGE}.ConfigView.sha256"].split())
     assert "bytes of the config file" in comment and f"`{CONFIG_KEY}`" in comment
     assert "of `config_json`" not in comment
+
+
+def test_the_documented_status_codes_are_those_the_servicer_answers() -> None:
+    file_proto = _file_proto()
+    index = [s.name for s in file_proto.service].index("Inference")
+    path = (descriptor_pb2.FileDescriptorProto.SERVICE_FIELD_NUMBER, index)
+    comment = next(loc.leading_comments for loc in file_proto.source_code_info.location if tuple(loc.path) == path)
+    documented = re.findall(r"^\s*\* ([A-Z_]+):", comment, flags=re.MULTILINE)
+    errors = [
+        InvalidRequest("prompt: must not be empty"),
+        RuntimeError("a bug"),
+        *(Rejected(kind, "why") for kind in _REJECTED_CODES),
+        *(EngineError(kind, None, "why") for kind in _ENGINE_CODES),
+    ]
+    answered = {_status_of(exc)[0].name for exc in errors}
+    assert sorted(documented) == sorted(answered)
