@@ -466,8 +466,7 @@ class BinStats(_message.Message):
     """
     upper_tokens: _builtins.float
     """Upper edge of the bin in predicted output tokens (exclusive);
-    `bins.maxOutputTokens` for the last bin (which also takes the predictions
-    at that limit).
+    `bins.maxOutputTokens` for the last bin, the most any request may produce.
     """
     target_batch_size: _builtins.int
     """Current target batch size for this bin (bins with short, narrow length
@@ -734,7 +733,7 @@ class Adjustment(_message.Message):
     """Why, as "<reason>: <detail>": the reason is machine-readable, the detail
     a sentence for humans. For "batchSize" the reason is the sizer's (as in
     `Stats.sizer_reason`, e.g. "memory+sla: ..."); for "binBoundaries" it is
-    "rebalance" (the binner moved its boundaries to the observed lengths).
+    "rebalance" (the binner moved its boundaries).
     values: "rebalance" | "static" | "no-metrics" | "stale-metrics"
       | "kv-saturated" | "warming-up" | "no-kv-capacity" | "memory" | "sla"
     """
