@@ -15,9 +15,9 @@ For every ``proto/binbatch_api/**/*.proto`` it writes, next to the ``.proto``
 The last is a FileDescriptorSet *with source info* (the comments of the
 ``.proto``).  ``*_pb2.py`` embeds the descriptor without comments, and the stock
 reflection service serves that, so grpcurl's ``describe`` would show no
-documentation; a server that wants the comments in reflection serves the
-FileDescriptorProtos from this set instead (see
-``binbatch_api.v1.source_file_descriptors``).
+documentation; the sidecar's reflection serves the FileDescriptorProtos of this
+set instead (``binbatch_api.v1.source_file_descriptors``, read by
+``binbatch_sidecar/server/reflection.py``).
 
 protoc runs in-process from ``grpc_tools`` (grpcio-tools) with ``-I proto``, so
 the generated code imports its siblings as ``from binbatch_api.v1 import

@@ -40,6 +40,8 @@ REASONS = (
     "memory",  # b_mem is the binding bound
     "sla",  # b_sla is the binding bound
 )
+# What Stats.sizer_reason reports before the sizer's first update.
+INITIAL_REASON = "initial"
 
 
 def _check(name: str, value: object, ok: bool, rule: str) -> None:

@@ -28,7 +28,7 @@ import asyncio
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from ..core.binner import AdaptiveBinner, Binner, n_max_from_memory
 from ..core.clock import Clock
@@ -46,6 +46,12 @@ Mode = Literal["gang", "continuous"]
 MAX_ADJUSTMENTS = 32
 STOPPED = "the sidecar stopped before the engine answered"
 ADJUSTMENT_LOG_SECONDS = 30.0  # at most one INFO line per field this often, unless the reason changes
+# Adjustment.field values (binbatch.proto lists them).  Adjustment.reason is
+# "<reason>: <detail>": for a batch size the sizer's reason (sizer.REASONS), for
+# bin boundaries REBALANCE_REASON.
+AdjustmentField = Literal["batchSize", "binBoundaries"]
+ADJUSTMENT_FIELDS: tuple[AdjustmentField, ...] = get_args(AdjustmentField)
+REBALANCE_REASON = "rebalance"
 
 
 class Rejected(Exception):
@@ -399,7 +405,8 @@ class Dispatcher:
         if core.binner.version != self._binner_version:
             self._binner_version = core.binner.version
             core.sizer.reset_bins()
-            self._adjust("binBoundaries", "", _fmt(core.binner.boundaries), "binner moved its boundaries", "binner")
+            why = f"{REBALANCE_REASON}: the binner moved its boundaries"
+            self._adjust("binBoundaries", "", _fmt(core.binner.boundaries), why, REBALANCE_REASON)
         core.former.poll()  # re-bins the queue if the binner moved, before sizes are set
         old = list(core.former.target_sizes)
         decision = core.sizer.update(snapshot, core.binner.k, observed_batch=observed)
@@ -414,7 +421,7 @@ class Dispatcher:
         self._wake.set()
         return decision
 
-    def _adjust(self, field_: str, old: str, new: str, reason: str, kind: str) -> None:
+    def _adjust(self, field_: AdjustmentField, old: str, new: str, reason: str, kind: str) -> None:
         """Record an adjustment (Stats keeps every one).  The log gets an INFO line when
         the kind of reason changes, else at most one per ``ADJUSTMENT_LOG_SECONDS``
         per field: under load the memory-bound size moves by a request or two on

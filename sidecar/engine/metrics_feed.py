@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_SECONDS = 5.0
 ERROR_LOG_EVERY_SECONDS = 60.0  # a repeated failure is logged at most this often
+NO_SOURCE_KIND = "none"  # MetricsSourceStatus.kind without a source (else the source's kind)
 
 
 class MetricsUnavailable(Exception):

@@ -17,7 +17,6 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 
@@ -26,12 +25,13 @@ from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock, MonotonicClock
 from ..core.former import BatchFormer
 from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
-from ..core.sizer import BatchSizer
+from ..core.sizer import INITIAL_REASON, BatchSizer
 from ..engine.dispatcher import Core, Dispatcher
 from ..engine.engine_client import EngineClient
-from ..engine.metrics_feed import MetricsFeed, PromQLSource, ScrapeSource
+from ..engine.metrics_feed import NO_SOURCE_KIND, MetricsFeed, PromQLSource, ScrapeSource
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs
+from .reflection import enable_reflection
 from .servicer import AdminServicer, InferenceServicer, add_servicers
 
 log = logging.getLogger("binbatch.sidecar")
@@ -160,10 +160,7 @@ class Sidecar:
         self.server = grpc.aio.server()
         add_servicers(self.server, InferenceServicer(self), AdminServicer(self))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
         self.grpc_port = self.server.add_insecure_port(f"{self.host}:{self._grpc_port_req}")
         await self._set_health(False)
         await self.server.start()
@@ -340,7 +337,7 @@ class Sidecar:
             engine_health=pb.ENGINE_HEALTH_SERVING if self.engine_serving else pb.ENGINE_HEALTH_NOT_SERVING,
             draining=not d.accepting,
             target_batch_size=max(former.target_sizes),
-            sizer_reason=decision.reason if decision else "initial",
+            sizer_reason=decision.reason if decision else INITIAL_REASON,
             bin_boundaries=bounds,
             bins=bins,
             inflight_batches=d.inflight_batches,
@@ -390,7 +387,7 @@ class Sidecar:
         )
         src = feed.source
         out = pb.MetricsSourceStatus(
-            kind=src.kind if src else "none", url=src.url if src else "", state=state, last_error=feed.last_error or ""
+            kind=src.kind if src else NO_SOURCE_KIND, url=src.url if src else "", state=state, last_error=feed.last_error or ""
         )
         age = feed.last_success_age()
         if age is not None:

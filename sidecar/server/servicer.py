@@ -300,7 +300,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._log_completion(req, completion)
         if index == 0 and completion.result.text:
             yield pb.GenerateChunk(text=completion.result.text, index=0)  # gang mode: one chunk
-        yield pb.GenerateChunk(final=_response(req, completion))
+            index = 1
+        # The chunks carried the text: the final chunk's is empty (binbatch.proto,
+        # GenerateChunk), so a client that concatenates every chunk gets it once.
+        final = _response(req, completion)
+        final.text = ""
+        yield pb.GenerateChunk(final=final, index=index)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:

@@ -76,7 +76,7 @@ async def test_stream_delivers_token_chunks_then_the_final_response(tmp_path):
         final = chunks[-1].final
         assert chunks[-1].HasField("final")
         assert len(pieces) >= 2
-        assert "".join(pieces) == final.text
+        assert "".join(pieces) and final.text == ""  # the chunks carry the text, once (binbatch.proto)
         assert final.completion_tokens == 6
 
 

@@ -14,6 +14,11 @@ They reach gRPC server reflection (grpcurl describe) through the generated
 descriptor set `binbatch_descriptor_set.binpb`, which keeps them; the
 descriptors compiled into `binbatch_pb2.py` do not.
 
+A string field with a closed set of values lists them on a line of its
+comment that starts with `values:`, separated by `|` (the list may continue
+on lines starting with `|`). tests/unit/test_proto_docs.py checks each list
+against the values the sidecar's code produces.
+
 Generated code lives next to this file; regenerate it with
   .venv/bin/python proto/generate.py
 and never edit the generated files by hand.
@@ -74,21 +79,25 @@ class _EngineHealth:
 class _EngineHealthEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineHealth.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ENGINE_HEALTH_UNSPECIFIED: _EngineHealth.ValueType  # 0
-    """Not checked yet."""
+    """Not reported (the sidecar always reports one of the values below)."""
     ENGINE_HEALTH_SERVING: _EngineHealth.ValueType  # 1
     """The engine's health endpoint answers OK; the sidecar is ready."""
     ENGINE_HEALTH_NOT_SERVING: _EngineHealth.ValueType  # 2
-    """The engine's health endpoint fails or does not answer."""
+    """The engine's health endpoint fails or does not answer, or has not been
+    checked yet.
+    """
 
 class EngineHealth(_EngineHealth, metaclass=_EngineHealthEnumTypeWrapper):
     """Health of the engine behind the sidecar."""
 
 ENGINE_HEALTH_UNSPECIFIED: EngineHealth.ValueType  # 0
-"""Not checked yet."""
+"""Not reported (the sidecar always reports one of the values below)."""
 ENGINE_HEALTH_SERVING: EngineHealth.ValueType  # 1
 """The engine's health endpoint answers OK; the sidecar is ready."""
 ENGINE_HEALTH_NOT_SERVING: EngineHealth.ValueType  # 2
-"""The engine's health endpoint fails or does not answer."""
+"""The engine's health endpoint fails or does not answer, or has not been
+checked yet.
+"""
 Global___EngineHealth: _TypeAlias = EngineHealth  # noqa: Y015
 
 @_typing.final
@@ -452,10 +461,12 @@ class BinStats(_message.Message):
     index: _builtins.int
     """Index of the bin, 0 = shortest predicted outputs."""
     lower_tokens: _builtins.float
-    """Lower edge of the bin in predicted output tokens (inclusive)."""
+    """Lower edge of the bin in predicted output tokens (inclusive); 0 for the
+    first bin.
+    """
     upper_tokens: _builtins.float
-    """Upper edge of the bin in predicted output tokens (exclusive); +Inf for
-    the last bin.
+    """Upper edge of the bin in predicted output tokens (exclusive);
+    `bins.maxOutputTokens` for the last bin, the most any request may produce.
     """
     target_batch_size: _builtins.int
     """Current target batch size for this bin (bins with short, narrow length
@@ -500,13 +511,20 @@ class RequestTotals(_message.Message):
     completed: _builtins.int
     """Requests answered successfully."""
     rejected: _builtins.int
-    """Requests refused on arrival (invalid, queue full, draining)."""
+    """Requests refused because the sidecar's queue was full
+    (RESOURCE_EXHAUSTED): on arrival, or when a config reload left less
+    room than was queued (then also counted in `accepted`). Invalid requests
+    (INVALID_ARGUMENT) and those refused while draining (UNAVAILABLE) are not
+    counted.
+    """
     expired: _builtins.int
     """Requests whose deadline passed while they waited in the sidecar."""
     cancelled: _builtins.int
     """Requests cancelled by the client."""
     failed: _builtins.int
-    """Requests that failed in the engine or the sidecar."""
+    """Requests that failed in the engine or the sidecar, including those cut
+    off by shutdown (queued, or in the engine, when the drain grace ran out).
+    """
     def __init__(
         self,
         *,
@@ -570,6 +588,7 @@ class PredictorSourceStats(_message.Message):
     expected_output_tokens), "online" (learned from completions),
     "max_tokens" (no hint, nothing learned: the request's max_tokens) or
     "default" (none of those: predictor.defaultOutputTokens).
+    values: "hint" | "online" | "max_tokens" | "default"
     """
     samples: _builtins.int
     """Completions scored from this source."""
@@ -609,6 +628,7 @@ class PredictorStats(_message.Message):
     name: _builtins.str
     """Predictor in use, the policy's predictor.kind: "hint" or "online". Either
     way a request's hint wins; `sources` tells the predictions apart.
+    values: "hint" | "online"
     """
     samples: _builtins.int
     """Completions scored."""
@@ -655,7 +675,10 @@ class MetricsSourceStatus(_message.Message):
     LAST_SCRAPE_AGE_SECONDS_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
-    """Kind of source: "scrape", "promql" or "none"."""
+    """Kind of source, the policy's metrics.source: "scrape" (the engine's
+    /metrics), "promql" (a Prometheus query) or "none".
+    values: "scrape" | "promql" | "none"
+    """
     url: _builtins.str
     """Where the metrics are read from (URL), empty for "none"."""
     state: Global___MetricsState.ValueType
@@ -697,13 +720,23 @@ class Adjustment(_message.Message):
     time_unix_seconds: _builtins.float
     """When the change happened, Unix time in seconds."""
     field: _builtins.str
-    """What changed, e.g. "target_batch_size", "bin_boundaries", "bin_count"."""
+    """What changed: "batchSize" (the bins' target batch sizes, as a list in
+    bin order) or "binBoundaries" (the bin boundaries, as a list; the value
+    before is not kept and is empty).
+    values: "batchSize" | "binBoundaries"
+    """
     from_value: _builtins.str
     """Value before the change, rendered as text."""
     to_value: _builtins.str
     """Value after the change, rendered as text."""
     reason: _builtins.str
-    """Why, e.g. "kv_memory", "tpot_above_slo", "metrics_stale", "split"."""
+    """Why, as "<reason>: <detail>": the reason is machine-readable, the detail
+    a sentence for humans. For "batchSize" the reason is the sizer's (as in
+    `Stats.sizer_reason`, e.g. "memory+sla: ..."); for "binBoundaries" it is
+    "rebalance" (the binner moved its boundaries).
+    values: "rebalance" | "static" | "no-metrics" | "stale-metrics"
+      | "kv-saturated" | "warming-up" | "no-kv-capacity" | "memory" | "sla"
+    """
     def __init__(
         self,
         *,
@@ -753,20 +786,41 @@ class Stats(_message.Message):
     draining: _builtins.bool
     """True once SIGTERM was received: intake stopped, queues are draining."""
     target_batch_size: _builtins.int
-    """Global target batch size B_t = min(b_mem, b_sla), clamped to the
-    policy's [minBatchSize, maxBatchSize].
+    """The largest of the bins' target batch sizes (`BinStats.target_batch_size`).
+    Each is B_t = min(b_mem, b_sla) for that bin, clamped to the policy's
+    [minBatchSize, maxBatchSize].
     """
     b_mem: _builtins.int
-    """Memory-bound batch size b_mem from the last sizer step. Unset when the
-    sizer has not computed it (no metrics).
+    """Memory-bound batch size b_mem from the last sizer step: the smallest of
+    the bins' values. Unset when the sizer has not computed it: sizing Static
+    or Sla, no fresh metrics, no KV capacity reported by the engine, or too
+    few completions yet.
     """
     b_sla: _builtins.int
-    """Latency-bound batch size b_sla from the last sizer step. Unset when no
-    TPOT target is set or no metrics are available.
+    """Latency-bound batch size b_sla from the last sizer step (one value for
+    the engine). Unset when sizing is Static or Memory, no TPOT target is
+    set, or no fresh metrics are available.
     """
     sizer_reason: _builtins.str
-    """Reason of the sizer's last decision, e.g. "kv_memory", "tpot_slo",
-    "static_fallback: metrics stale".
+    """Reason of the sizer's last decision:
+      "initial": no decision yet (before the first metrics interval);
+      "static": sizing Static, metrics ignored;
+      "no-metrics": no metrics source (metrics.source None): the static size,
+        never growing;
+      "stale-metrics": the metrics are stale: every bin halves toward
+        minBatchSize;
+      "kv-saturated": the engine's KV cache usage is at or above saturation:
+        no bin grows;
+      "warming-up": too few completions to compute b_mem: the static size
+        stands in for it;
+      "no-kv-capacity": the engine reports no KV capacity: the static size
+        stands in for b_mem;
+      "memory": b_mem is the binding bound;
+      "sla": b_sla is the binding bound.
+    When bins are bound by different terms, their reasons are joined by "+"
+    in the order above, e.g. "memory+sla" or "warming-up+sla".
+    values: "initial" | "static" | "no-metrics" | "stale-metrics"
+      | "kv-saturated" | "warming-up" | "no-kv-capacity" | "memory" | "sla"
     """
     inflight_batches: _builtins.int
     """Batches in the engine now (at most maxInflightBatches)."""
@@ -872,11 +926,19 @@ class ConfigView(_message.Message):
     generation: _builtins.int
     """Increases by one each time a new config is accepted (1 = the first)."""
     sha256: _builtins.str
-    """SHA-256 of `config_json`, hex encoded; equal hashes mean equal configs."""
+    """SHA-256 of the bytes of the config file in effect (`source`), hex
+    encoded: the file as it was read when this config was loaded. For a
+    sidecar the operator injected, that file is the policy's ConfigMap key
+    `sidecar.yaml`, so hashing that value tells whether this sidecar runs it.
+    Empty when the config came from the built-in defaults. (To compare the
+    effective configs of two sidecars, compare `config_json`.)
+    """
     loaded_at_unix_seconds: _builtins.float
     """When this config was loaded, Unix time in seconds."""
     source: _builtins.str
-    """File the config was read from; empty if it came from defaults."""
+    """File the config was read from; "<defaults>" when no file was given and
+    the built-in defaults apply.
+    """
     last_reload_error: _builtins.str
     """Why the most recent reload was refused (the config above stayed in
     effect): an invalid or empty file, or a change that needs a restart

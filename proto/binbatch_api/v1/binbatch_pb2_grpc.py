@@ -42,13 +42,20 @@ class InferenceStub:
     keys, not message fields. Values are plain ASCII digits (no sign, spaces
     or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
     `x-slo-tpot-ms` in [1, 100000].
-    Errors: INVALID_ARGUMENT for a malformed request (a field or metadata value
-    out of its documented bounds, or a body that is not a valid GenerateRequest,
-    e.g. corrupt protobuf or invalid UTF-8; the message names the field),
-    RESOURCE_EXHAUSTED when the
-    sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
-    engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
-    an engine failure.
+    Errors (status codes):
+    * INVALID_ARGUMENT: a malformed request (a field or metadata value out of
+    its documented bounds, or a body that is not a valid GenerateRequest,
+    e.g. corrupt protobuf or invalid UTF-8; the message names the field), or
+    one the engine refused (e.g. a prompt longer than the model's context;
+    the message starts with "engine:").
+    * RESOURCE_EXHAUSTED: the sidecar's queue is full.
+    * UNAVAILABLE: the sidecar is draining (or stopped before the request was
+    answered), or the engine cannot be reached or answers with a server
+    error.
+    * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
+    did not answer within the policy's `engine.requestTimeoutSeconds`.
+    * CANCELLED: the client cancelled the call.
+    * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
     """
 
     def __init__(self, channel):
@@ -86,13 +93,20 @@ class InferenceServicer:
     keys, not message fields. Values are plain ASCII digits (no sign, spaces
     or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
     `x-slo-tpot-ms` in [1, 100000].
-    Errors: INVALID_ARGUMENT for a malformed request (a field or metadata value
-    out of its documented bounds, or a body that is not a valid GenerateRequest,
-    e.g. corrupt protobuf or invalid UTF-8; the message names the field),
-    RESOURCE_EXHAUSTED when the
-    sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
-    engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
-    an engine failure.
+    Errors (status codes):
+    * INVALID_ARGUMENT: a malformed request (a field or metadata value out of
+    its documented bounds, or a body that is not a valid GenerateRequest,
+    e.g. corrupt protobuf or invalid UTF-8; the message names the field), or
+    one the engine refused (e.g. a prompt longer than the model's context;
+    the message starts with "engine:").
+    * RESOURCE_EXHAUSTED: the sidecar's queue is full.
+    * UNAVAILABLE: the sidecar is draining (or stopped before the request was
+    answered), or the engine cannot be reached or answers with a server
+    error.
+    * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
+    did not answer within the policy's `engine.requestTimeoutSeconds`.
+    * CANCELLED: the client cancelled the call.
+    * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
     """
 
     def Generate(self, request, context):
@@ -105,6 +119,8 @@ class InferenceServicer:
     def GenerateStream(self, request, context):
         """Generates a completion and streams the text as it is produced. The last
         chunk carries the finish reason and the accounting (`GenerateChunk.final`).
+        In `gang` mode, where a batch is one engine call, the whole text arrives
+        in one chunk before the last.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,13 +164,20 @@ class Inference:
     keys, not message fields. Values are plain ASCII digits (no sign, spaces
     or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
     `x-slo-tpot-ms` in [1, 100000].
-    Errors: INVALID_ARGUMENT for a malformed request (a field or metadata value
-    out of its documented bounds, or a body that is not a valid GenerateRequest,
-    e.g. corrupt protobuf or invalid UTF-8; the message names the field),
-    RESOURCE_EXHAUSTED when the
-    sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
-    engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
-    an engine failure.
+    Errors (status codes):
+    * INVALID_ARGUMENT: a malformed request (a field or metadata value out of
+    its documented bounds, or a body that is not a valid GenerateRequest,
+    e.g. corrupt protobuf or invalid UTF-8; the message names the field), or
+    one the engine refused (e.g. a prompt longer than the model's context;
+    the message starts with "engine:").
+    * RESOURCE_EXHAUSTED: the sidecar's queue is full.
+    * UNAVAILABLE: the sidecar is draining (or stopped before the request was
+    answered), or the engine cannot be reached or answers with a server
+    error.
+    * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
+    did not answer within the policy's `engine.requestTimeoutSeconds`.
+    * CANCELLED: the client cancelled the call.
+    * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
     """
 
     @staticmethod

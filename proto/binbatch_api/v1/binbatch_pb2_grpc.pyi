@@ -14,6 +14,11 @@ They reach gRPC server reflection (grpcurl describe) through the generated
 descriptor set `binbatch_descriptor_set.binpb`, which keeps them; the
 descriptors compiled into `binbatch_pb2.py` do not.
 
+A string field with a closed set of values lists them on a line of its
+comment that starts with `values:`, separated by `|` (the list may continue
+on lines starting with `|`). tests/unit/test_proto_docs.py checks each list
+against the values the sidecar's code produces.
+
 Generated code lives next to this file; regenerate it with
   .venv/bin/python proto/generate.py
 and never edit the generated files by hand.
@@ -59,13 +64,20 @@ class InferenceStub:
         keys, not message fields. Values are plain ASCII digits (no sign, spaces
         or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
         `x-slo-tpot-ms` in [1, 100000].
-    Errors: INVALID_ARGUMENT for a malformed request (a field or metadata value
-    out of its documented bounds, or a body that is not a valid GenerateRequest,
-    e.g. corrupt protobuf or invalid UTF-8; the message names the field),
-    RESOURCE_EXHAUSTED when the
-    sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
-    engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
-    an engine failure.
+    Errors (status codes):
+      * INVALID_ARGUMENT: a malformed request (a field or metadata value out of
+        its documented bounds, or a body that is not a valid GenerateRequest,
+        e.g. corrupt protobuf or invalid UTF-8; the message names the field), or
+        one the engine refused (e.g. a prompt longer than the model's context;
+        the message starts with "engine:").
+      * RESOURCE_EXHAUSTED: the sidecar's queue is full.
+      * UNAVAILABLE: the sidecar is draining (or stopped before the request was
+        answered), or the engine cannot be reached or answers with a server
+        error.
+      * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
+        did not answer within the policy's `engine.requestTimeoutSeconds`.
+      * CANCELLED: the client cancelled the call.
+      * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
     """
 
     @_typing.overload
@@ -77,6 +89,8 @@ class InferenceStub:
     GenerateStream: _grpc.UnaryStreamMultiCallable[_binbatch_pb2.GenerateRequest, _binbatch_pb2.GenerateChunk]
     """Generates a completion and streams the text as it is produced. The last
     chunk carries the finish reason and the accounting (`GenerateChunk.final`).
+    In `gang` mode, where a batch is one engine call, the whole text arrives
+    in one chunk before the last.
     """
 
 @_typing.type_check_only
@@ -97,13 +111,20 @@ class InferenceAsyncStub(InferenceStub):
         keys, not message fields. Values are plain ASCII digits (no sign, spaces
         or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
         `x-slo-tpot-ms` in [1, 100000].
-    Errors: INVALID_ARGUMENT for a malformed request (a field or metadata value
-    out of its documented bounds, or a body that is not a valid GenerateRequest,
-    e.g. corrupt protobuf or invalid UTF-8; the message names the field),
-    RESOURCE_EXHAUSTED when the
-    sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
-    engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
-    an engine failure.
+    Errors (status codes):
+      * INVALID_ARGUMENT: a malformed request (a field or metadata value out of
+        its documented bounds, or a body that is not a valid GenerateRequest,
+        e.g. corrupt protobuf or invalid UTF-8; the message names the field), or
+        one the engine refused (e.g. a prompt longer than the model's context;
+        the message starts with "engine:").
+      * RESOURCE_EXHAUSTED: the sidecar's queue is full.
+      * UNAVAILABLE: the sidecar is draining (or stopped before the request was
+        answered), or the engine cannot be reached or answers with a server
+        error.
+      * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
+        did not answer within the policy's `engine.requestTimeoutSeconds`.
+      * CANCELLED: the client cancelled the call.
+      * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -112,6 +133,8 @@ class InferenceAsyncStub(InferenceStub):
     GenerateStream: _aio.UnaryStreamMultiCallable[_binbatch_pb2.GenerateRequest, _binbatch_pb2.GenerateChunk]  # type: ignore[assignment]
     """Generates a completion and streams the text as it is produced. The last
     chunk carries the finish reason and the accounting (`GenerateChunk.final`).
+    In `gang` mode, where a batch is one engine call, the whole text arrives
+    in one chunk before the last.
     """
 
 class InferenceServicer(metaclass=_abc_1.ABCMeta):
@@ -131,13 +154,20 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         keys, not message fields. Values are plain ASCII digits (no sign, spaces
         or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
         `x-slo-tpot-ms` in [1, 100000].
-    Errors: INVALID_ARGUMENT for a malformed request (a field or metadata value
-    out of its documented bounds, or a body that is not a valid GenerateRequest,
-    e.g. corrupt protobuf or invalid UTF-8; the message names the field),
-    RESOURCE_EXHAUSTED when the
-    sidecar's queues are full, UNAVAILABLE while the sidecar is draining or the
-    engine is unhealthy, DEADLINE_EXCEEDED and CANCELLED as above, INTERNAL for
-    an engine failure.
+    Errors (status codes):
+      * INVALID_ARGUMENT: a malformed request (a field or metadata value out of
+        its documented bounds, or a body that is not a valid GenerateRequest,
+        e.g. corrupt protobuf or invalid UTF-8; the message names the field), or
+        one the engine refused (e.g. a prompt longer than the model's context;
+        the message starts with "engine:").
+      * RESOURCE_EXHAUSTED: the sidecar's queue is full.
+      * UNAVAILABLE: the sidecar is draining (or stopped before the request was
+        answered), or the engine cannot be reached or answers with a server
+        error.
+      * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
+        did not answer within the policy's `engine.requestTimeoutSeconds`.
+      * CANCELLED: the client cancelled the call.
+      * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
     """
 
     @_abc_1.abstractmethod
@@ -156,6 +186,8 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_binbatch_pb2.GenerateChunk], _abc.AsyncIterator[_binbatch_pb2.GenerateChunk]]:
         """Generates a completion and streams the text as it is produced. The last
         chunk carries the finish reason and the accounting (`GenerateChunk.final`).
+        In `gang` mode, where a batch is one engine call, the whole text arrives
+        in one chunk before the last.
         """
 
 def add_InferenceServicer_to_server(servicer: InferenceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
