@@ -135,7 +135,8 @@ class Sidecar:
 
     async def start(self) -> None:
         cfg = self.config
-        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds)
+        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
+                                   max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
         self.dispatcher = Dispatcher(
             build_core(cfg, self.clock), self.client, self.clock, self.metrics,
             mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
@@ -211,6 +212,7 @@ class Sidecar:
             with contextlib.suppress(Exception):
                 self._models = await self.client.models()
         await self._set_health(ok)
+        self.dispatcher.on_engine_health(ok)
 
     async def _health_loop(self) -> None:
         while True:
@@ -318,6 +320,10 @@ class Sidecar:
             ],
             config_generation=self.loaded.generation,
             uptime_seconds=time.monotonic() - self.started_at,
+            engine_breaker=pb.EngineBreakerStatus(
+                state=d.breaker.state, open_seconds=d.breaker.open_seconds(now), reason=d.breaker.reason,
+                opens=d.breaker.opens,
+            ),  # fmt: skip
         )
         if decision is not None:
             mems = [m for m in decision.b_mem if m is not None]

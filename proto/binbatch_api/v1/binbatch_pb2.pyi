@@ -687,6 +687,7 @@ class Stats(_message.Message):
     RECENT_ADJUSTMENTS_FIELD_NUMBER: _builtins.int
     CONFIG_GENERATION_FIELD_NUMBER: _builtins.int
     UPTIME_SECONDS_FIELD_NUMBER: _builtins.int
+    ENGINE_BREAKER_FIELD_NUMBER: _builtins.int
     sidecar_version: _builtins.str
     """Version of the sidecar software."""
     engine_health: Global___EngineHealth.ValueType
@@ -706,8 +707,12 @@ class Stats(_message.Message):
     TPOT target is set or no metrics are available.
     """
     sizer_reason: _builtins.str
-    """Reason of the sizer's last decision, e.g. "kv_memory", "tpot_slo",
-    "static_fallback: metrics stale".
+    """Reason of the sizer's last decision, e.g. "memory", "sla", "memory+sla",
+    "kv-saturated". With stale engine metrics it says which fallback is in
+    use: "stale-last-good" (the last size decided from fresh metrics),
+    "stale-static" (never fresh: the policy's static size) or
+    "stale-pressure" (the last fresh scrape showed pressure: half the last
+    good size).
     """
     inflight_batches: _builtins.int
     """Batches in the engine now (at most maxInflightBatches)."""
@@ -749,6 +754,10 @@ class Stats(_message.Message):
         only the last few).
         """
 
+    @_builtins.property
+    def engine_breaker(self) -> Global___EngineBreakerStatus:
+        """The engine circuit breaker: whether requests are dispatched or held."""
+
     def __init__(
         self,
         *,
@@ -770,10 +779,11 @@ class Stats(_message.Message):
         recent_adjustments: _abc.Iterable[Global___Adjustment] | None = ...,
         config_generation: _builtins.int = ...,
         uptime_seconds: _builtins.float = ...,
+        engine_breaker: Global___EngineBreakerStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "metrics_source", b"metrics_source", "predictor", b"predictor", "throughput", b"throughput", "totals", b"totals"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "engine_breaker", b"engine_breaker", "metrics_source", b"metrics_source", "predictor", b"predictor", "throughput", b"throughput", "totals", b"totals"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "bin_boundaries", b"bin_boundaries", "bins", b"bins", "config_generation", b"config_generation", "draining", b"draining", "engine_health", b"engine_health", "inflight_batches", b"inflight_batches", "inflight_requests", b"inflight_requests", "metrics_source", b"metrics_source", "predictor", b"predictor", "recent_adjustments", b"recent_adjustments", "sidecar_version", b"sidecar_version", "sizer_reason", b"sizer_reason", "target_batch_size", b"target_batch_size", "throughput", b"throughput", "totals", b"totals", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "bin_boundaries", b"bin_boundaries", "bins", b"bins", "config_generation", b"config_generation", "draining", b"draining", "engine_breaker", b"engine_breaker", "engine_health", b"engine_health", "inflight_batches", b"inflight_batches", "inflight_requests", b"inflight_requests", "metrics_source", b"metrics_source", "predictor", b"predictor", "recent_adjustments", b"recent_adjustments", "sidecar_version", b"sidecar_version", "sizer_reason", b"sizer_reason", "target_batch_size", b"target_batch_size", "throughput", b"throughput", "totals", b"totals", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__b_mem: _TypeAlias = _typing.Literal["b_mem"]  # noqa: Y015
     _WhichOneofArgType__b_mem: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem"]  # noqa: Y015
@@ -785,6 +795,45 @@ class Stats(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__b_sla) -> _WhichOneofReturnType__b_sla | None: ...
 
 Global___Stats: _TypeAlias = Stats  # noqa: Y015
+
+@_typing.final
+class EngineBreakerStatus(_message.Message):
+    """The engine circuit breaker. While the engine is down ("open") queued
+    requests are held up to their deadlines instead of failing in the dead
+    engine; new requests without a deadline, or beyond the full queue, get
+    UNAVAILABLE at once. A successful health probe lets one request through
+    ("half_open"); its answer closes the breaker.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    OPEN_SECONDS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    OPENS_FIELD_NUMBER: _builtins.int
+    state: _builtins.str
+    """"closed" (dispatching), "open" (holding) or "half_open" (one trial)."""
+    open_seconds: _builtins.float
+    """Seconds since it opened (0 when closed)."""
+    reason: _builtins.str
+    """Why it last opened, e.g. the connection error."""
+    opens: _builtins.int
+    """Times it opened since the sidecar started."""
+    def __init__(
+        self,
+        *,
+        state: _builtins.str = ...,
+        open_seconds: _builtins.float = ...,
+        reason: _builtins.str = ...,
+        opens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["open_seconds", b"open_seconds", "opens", b"opens", "reason", b"reason", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineBreakerStatus: _TypeAlias = EngineBreakerStatus  # noqa: Y015
 
 @_typing.final
 class ConfigView(_message.Message):
