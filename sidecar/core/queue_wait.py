@@ -6,11 +6,11 @@ were often cancelled after being sent (wasted engine work).  With a time bound a
 request whose predicted wait exceeds its deadline is refused at once
 (RESOURCE_EXHAUSTED) instead.
 
-The rate is completions per second measured only over intervals in which
-requests were waiting (a backlog), so it is the engine's capacity, not the
-arrival rate of a quiet period: ``ServiceRate.completed(now, backlog)`` at each
-completion, with the number of requests still waiting to be dispatched.  No I/O;
-time comes from the caller.
+The rate is completions per second measured only over intervals in which the
+engine was saturated (requests waited for a free slot, not just for their bin to
+fill), so it is the engine's capacity, not the arrival rate of a quiet period:
+``ServiceRate.completed(now, saturated)`` at each completion.  No I/O; time
+comes from the caller.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ MIN_SAMPLES = 32  # fewer: no estimate, nothing is refused
 
 
 class ServiceRate:
-    """Completions per second while there was a backlog (module docstring)."""
+    """Completions per second while the engine was saturated (module docstring)."""
 
-    def __init__(self, *, window: int = WINDOW, max_age: float = MAX_AGE_SECONDS, min_samples: int = MIN_SAMPLES) -> None:
+    def __init__(
+        self, *, window: int = WINDOW, max_age: float = MAX_AGE_SECONDS, min_samples: int = MIN_SAMPLES
+    ) -> None:
         if window < 1 or min_samples < 1 or min_samples > window:
             raise ValueError(f"need 1 <= min_samples <= window, got min_samples={min_samples}, window={window}")
         if not (math.isfinite(max_age) and max_age > 0):
@@ -35,14 +37,14 @@ class ServiceRate:
         self.min_samples = min_samples
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (time, busy seconds it closes)
         self._last: float | None = None
-        self._busy = False  # was there a backlog at the last completion?
+        self._busy = False  # was the engine saturated at the last completion?
 
-    def completed(self, now: float, backlog: int) -> None:
-        """One completion at ``now``; ``backlog`` requests are still waiting to be dispatched."""
+    def completed(self, now: float, saturated: bool) -> None:
+        """One completion at ``now``; ``saturated``: requests are waiting for a slot."""
         if self._last is not None and self._busy:
             self._samples.append((now, max(0.0, now - self._last)))
         self._last = now
-        self._busy = backlog > 0
+        self._busy = saturated
 
     def rate(self, now: float) -> float | None:
         """Completions per second, or None without enough recent samples."""

@@ -13,8 +13,10 @@ States:
   queued requests wait in the bounded queue until the engine is back or their
   deadline passes.
 * ``half_open`` -- a health probe succeeded after an outage: one request (one
-  batch in gang mode) at a time goes to the engine until one gets an answer
-  (``closed``) or fails for the engine being down again (``open``).
+  batch in gang mode) at a time goes to the engine until one gets an answer or a
+  second probe succeeds (``closed``: a long generation as the trial must not
+  throttle a healthy engine for its whole length), or a call fails for the engine
+  being down again (``open``).
 
 An answer the engine *gave* -- a result, a 400, a 500 for one request, a 429 --
 is not an outage: the engine is alive.
@@ -59,6 +61,9 @@ class EngineBreaker:
         if self.state == "open":
             self.state = "half_open"
             return True
+        if self.state == "half_open":
+            self.state, self.reason = "closed", ""
+            return True
         return False
 
     def on_result(self, result: EngineResult | EngineError, now: float) -> bool:
@@ -81,7 +86,8 @@ class EngineBreaker:
         """A sentence for error messages and logs."""
         if self.state == "closed":
             return "the engine is available"
-        return f"the engine is unavailable ({self.state.replace('_', '-')} for {self.open_seconds(now):.1f} s: {self.reason})"
+        state = self.state.replace("_", "-")
+        return f"the engine is unavailable ({state} for {self.open_seconds(now):.1f} s: {self.reason})"
 
     def _open(self, now: float, reason: str) -> bool:
         self.reason = reason

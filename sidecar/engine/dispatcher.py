@@ -403,7 +403,7 @@ class Dispatcher:
         if self.breaker.on_result(result, now):
             self._breaker_changed()
         if not isinstance(result, EngineError) or result.kind != "unavailable":
-            self.service_rate.completed(now, self._backlog())
+            self.service_rate.completed(now, self._saturated())
             return False
         if result.sent or req.cancelled or req.payload.future.done() or req.expired(now) or not self.accepting:
             return False
@@ -418,6 +418,10 @@ class Dispatcher:
     def _backlog(self) -> int:
         """Requests accepted and not yet sent to the engine."""
         return self.core.former.queued() + len(self._pending)
+
+    def _saturated(self) -> bool:
+        """Are requests waiting for engine capacity (not merely for their bin to fill)?"""
+        return bool(self._pending) or self.core.former.ready_batches() > 0
 
     def _breaker_changed(self) -> None:
         b = self.breaker

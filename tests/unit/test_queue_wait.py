@@ -19,15 +19,15 @@ from binbatch_sidecar.engine.engine_client import EngineRequest, EngineResult, S
 from binbatch_sidecar.engine.sidecar_metrics import SidecarMetrics
 
 
-def test_rate_counts_only_time_with_a_backlog():
+def test_rate_counts_only_time_the_engine_was_saturated():
     clock = ManualClock()
     rate = ServiceRate(min_samples=4)
     for _ in range(3):  # a quiet period: nothing waiting, 1 completion per 10 s
         clock.advance(10)
-        rate.completed(clock.now(), backlog=0)
+        rate.completed(clock.now(), saturated=False)
     assert rate.rate(clock.now()) is None
     for _ in range(8):  # saturated: 20 completions/s
-        rate.completed(clock.now(), backlog=5)
+        rate.completed(clock.now(), saturated=True)
         clock.advance(0.05)
     assert rate.rate(clock.now()) == pytest.approx(20.0)
 
@@ -35,11 +35,11 @@ def test_rate_counts_only_time_with_a_backlog():
 def test_simultaneous_completions_of_a_batch_share_its_interval():
     clock = ManualClock()
     rate = ServiceRate(min_samples=8)
-    rate.completed(clock.now(), backlog=10)
+    rate.completed(clock.now(), saturated=True)
     for _ in range(2):
         clock.advance(1.0)
         for _ in range(4):  # a gang batch of 4 finishing at once, every second
-            rate.completed(clock.now(), backlog=10)
+            rate.completed(clock.now(), saturated=True)
     assert rate.rate(clock.now()) == pytest.approx(4.0)
 
 
@@ -47,7 +47,7 @@ def test_old_samples_age_out():
     clock = ManualClock()
     rate = ServiceRate(min_samples=2, max_age=30)
     for _ in range(5):
-        rate.completed(clock.now(), backlog=1)
+        rate.completed(clock.now(), saturated=True)
         clock.advance(1)
     assert rate.rate(clock.now()) == pytest.approx(1.0)
     clock.advance(60)
@@ -99,7 +99,7 @@ async def test_overload_is_refused_at_once_when_the_predicted_wait_exceeds_the_d
         return call
 
     calls = [submit(i, None) for i in range(100)]
-    for i in range(40):  # one at a time, 0.1 s each: 10 completions/s with a backlog
+    for i in range(40):  # one at a time, 0.1 s each: 10 completions/s, saturated
         d._step()
         await settle()
         clock.advance(0.1)

@@ -802,7 +802,7 @@ class EngineBreakerStatus(_message.Message):
     requests are held up to their deadlines instead of failing in the dead
     engine; new requests without a deadline, or beyond the full queue, get
     UNAVAILABLE at once. A successful health probe lets one request through
-    ("half_open"); its answer closes the breaker.
+    ("half_open"); its answer, or a second good probe, closes the breaker.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
