@@ -187,3 +187,21 @@ async def test_full_queue_while_the_engine_is_down_answers_unavailable_at_once()
     assert not any(c.future.done() for c in held)
     for c in held:
         c.future.cancel()
+
+
+async def test_a_held_request_ends_at_its_deadline_while_the_engine_stays_down():
+    d, client, clock = make()
+    submit(d, 0)
+    d._step()
+    await settle()
+    client.answer(0, RESET)
+    await settle()
+    short, long_ = submit(d, 1, deadline=2.0), submit(d, 2, deadline=60.0)
+    wake = d.core.former.next_wake()
+    assert wake is not None and wake <= clock.now() + 2.0  # an armed timer, not a busy loop
+    clock.advance(2.0)
+    d._step()
+    with pytest.raises(Rejected, match="deadline passed while queued"):
+        await short.future
+    assert not long_.future.done() and len(client.calls) == 1
+    long_.future.cancel()
