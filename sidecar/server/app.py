@@ -250,6 +250,7 @@ class Sidecar:
             core, mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds,
         )  # fmt: skip
+        self.client.max_body_bytes = cfg.engine.max_request_body_bytes  # read per call: applies live
         self.feed.source = self._metrics_source(cfg)
         self.feed.interval = cfg.scrape_interval_seconds
         self.feed.stale_after = cfg.stale_after_seconds
