@@ -12,8 +12,8 @@ the sizer an ``EngineSnapshot``:
 * failure after that, or before any success: a stale snapshot (``fresh=False``) --
   the sizer holds its last good size (the static size if there never was one) and
   shrinks only if the last fresh scrape showed pressure (``BatchSizer``);
-* a scrape holding NaN or ±Inf for a quantity the sizer uses is a failure, with
-  the culprits in ``last_error``;
+* a scrape holding NaN, ±Inf or a negative value for a quantity the sizer uses
+  is a failure, with the culprits in ``last_error``;
 * no source: ``None`` ("disabled": the sizer falls back to the static size).
 
 Sources open one short-lived HTTP session per fetch, so swapping ``feed.source``
@@ -256,10 +256,10 @@ class MetricsFeed:
             return self._deliver(None)
         try:
             current = await source.fetch()
-            bad = vllm_metrics.non_finite(current)
+            bad = vllm_metrics.invalid_samples(current)
             if bad:
-                raise MetricsUnavailable(f"{source.url} reported non-finite samples ({', '.join(bad)}); "
-                                         "the scrape is ignored")  # fmt: skip
+                raise MetricsUnavailable(f"{source.url} reported non-finite or negative samples "
+                                         f"({', '.join(bad)}); the scrape is ignored")  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - any source failure is "no metrics"
             return self._deliver(self._failed(source, exc))
         if self._failures:

@@ -126,12 +126,13 @@ def int_label(labels: dict[str, str], key: str) -> int | None:
     return int(v) if math.isfinite(v) and v > 0 else None
 
 
-def non_finite(metrics: EngineMetrics) -> list[str]:
-    """The quantities of ``metrics`` that are NaN or ±Inf, as "name=value".
+def invalid_samples(metrics: EngineMetrics) -> list[str]:
+    """The quantities of ``metrics`` that are NaN, ±Inf or negative, as "name=value".
 
     Prometheus' text format allows ``NaN`` and ``+Inf`` samples, and an engine bug
-    can export them; the sizer cannot act on them (``int(NaN)`` raises), so the feed
-    treats such a scrape as failed and names the culprits.
+    can export them (or a negative count); the sizer cannot act on them
+    (``int(NaN)`` raises), so the feed treats such a scrape as failed and names
+    the culprits.
     """
     values: dict[str, float | None] = {
         "kv_usage": metrics.kv_usage,
@@ -142,7 +143,11 @@ def non_finite(metrics: EngineMetrics) -> list[str]:
     for name, hist in (("itl", metrics.itl), ("ttft", metrics.ttft)):
         if hist is not None:
             values[f"{name}_sum"], values[f"{name}_count"] = hist.sum, hist.count
-    return [f"{name}={value!r}" for name, value in values.items() if value is not None and not math.isfinite(value)]
+    return [
+        f"{name}={value!r}"
+        for name, value in values.items()
+        if value is not None and not (math.isfinite(value) and value >= 0)
+    ]
 
 
 def snapshot(current: EngineMetrics, previous: EngineMetrics | None, fresh: bool) -> EngineSnapshot:

@@ -238,7 +238,10 @@ vllm:cache_config_info{{num_gpu_blocks="100",block_size="16"}} 1
 """
 
 
-@pytest.mark.parametrize(("running", "kv", "culprit"), [("NaN", "0.5", "running=nan"), ("2", "+Inf", "kv_usage=inf")])
+@pytest.mark.parametrize(
+    ("running", "kv", "culprit"),
+    [("NaN", "0.5", "running=nan"), ("2", "+Inf", "kv_usage=inf"), ("-1", "0.5", "running=-1.0")],
+)
 async def test_non_finite_engine_samples_are_a_failed_scrape_with_the_reason(running: str, kv: str,
                                                                               culprit: str) -> None:  # fmt: skip
     """Defect 9: NaN/Inf in /metrics raised outside the fetch error handling
