@@ -46,8 +46,10 @@ class _MetricsStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MetricsS
     METRICS_STATE_FRESH: _MetricsState.ValueType  # 1
     """Recent scrape succeeded; the sizer uses live metrics."""
     METRICS_STATE_STALE: _MetricsState.ValueType  # 2
-    """Last successful scrape is too old (or never happened); the sizer treats
-    the engine as saturated (shrink, never grow).
+    """Last successful scrape is too old (or never happened, or the engine
+    exported NaN/Inf/negative values); the sizer holds the last size decided
+    from fresh metrics (the static size if none) and shrinks only if the last
+    fresh scrape showed pressure. `Stats.sizer_reason` says which.
     """
     METRICS_STATE_DISABLED: _MetricsState.ValueType  # 3
     """No metrics source configured; the policy's static batch size is used."""
@@ -60,8 +62,10 @@ METRICS_STATE_UNSPECIFIED: MetricsState.ValueType  # 0
 METRICS_STATE_FRESH: MetricsState.ValueType  # 1
 """Recent scrape succeeded; the sizer uses live metrics."""
 METRICS_STATE_STALE: MetricsState.ValueType  # 2
-"""Last successful scrape is too old (or never happened); the sizer treats
-the engine as saturated (shrink, never grow).
+"""Last successful scrape is too old (or never happened, or the engine
+exported NaN/Inf/negative values); the sizer holds the last size decided
+from fresh metrics (the static size if none) and shrinks only if the last
+fresh scrape showed pressure. `Stats.sizer_reason` says which.
 """
 METRICS_STATE_DISABLED: MetricsState.ValueType  # 3
 """No metrics source configured; the policy's static batch size is used."""
@@ -605,7 +609,9 @@ class MetricsSourceStatus(_message.Message):
     last_scrape_age_seconds: _builtins.float
     """Seconds since the last successful scrape. Unset if none succeeded yet."""
     last_error: _builtins.str
-    """Error of the last failed scrape; empty if the last scrape succeeded."""
+    """Error of the last failed scrape (or why its values were refused); empty
+    if the last scrape succeeded.
+    """
     def __init__(
         self,
         *,
