@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 WAIT = 30.0  # bound of every wait below
-STEP = 0.02  # seconds per engine step: a 500-token request takes 10 s
+STEP = 0.02  # seconds per engine step: a 1500-token request takes 30 s
 
 
 async def start_engine(port: int) -> tuple[asyncio.subprocess.Process, int]:
@@ -51,7 +51,7 @@ async def test_queued_requests_survive_an_engine_restart_and_sent_ones_fail_unav
         async with running_sidecar(doc, tmp_path) as sc:
             d = sc.sidecar.dispatcher
             await until(lambda: sc.sidecar.engine_serving)
-            long_ones = [asyncio.ensure_future(sc.inference.Generate(prompt_request(i, 500), timeout=WAIT))
+            long_ones = [asyncio.ensure_future(sc.inference.Generate(prompt_request(i, 1500), timeout=WAIT))
                          for i in range(2)]  # fmt: skip
             await until(lambda: d.inflight_requests == 2)
             queued = [asyncio.ensure_future(sc.inference.Generate(prompt_request(i, 5), timeout=WAIT))
