@@ -151,7 +151,7 @@ def aggregate(
         metrics = Condition("MetricsAvailable", "False", "SidecarUnreachable", "; ".join(silent[:10]))
     elif stale:
         metrics = Condition("MetricsAvailable", "False", "EngineMetricsStale",
-                            f"Engine metrics are stale on {', '.join(stale[:10])}; their batches shrink.")  # fmt: skip
+                            f"Engine metrics are stale on {', '.join(stale[:10])}; their batch sizes hold the last good value.")  # fmt: skip
     else:
         metrics = Condition("MetricsAvailable", "True", "MetricsFresh", f"{len(reporting)} sidecar(s) report.")
 

@@ -14,7 +14,7 @@ Every section and every key is optional; unknown keys and wrong types are errors
 default. Cross-field rules mirror the CRD's CEL rules. Every problem is reported
 at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError``).
 
-    engine:    {url, model, requestTimeoutSeconds, healthPath}
+    engine:    {url, model, requestTimeoutSeconds, healthPath, maxRequestBodyBytes}
     bins:      {mode: Fixed|Auto|Adaptive, count, boundaries, maxOutputTokens,
                 autoWindow, autoRefreshEvery, splitThresholdPercent, maxRequestsPerBin}
     batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
@@ -106,7 +106,8 @@ class EngineConfig(_Section):
     url: str = Field("http://127.0.0.1:8000", max_length=2048, description="Base URL of the vLLM OpenAI-compatible server (http or https).")  # fmt: skip
     model: str = Field("", max_length=512, description='Model used when a request names none; "" means the request must name one, or the engine serves exactly one.')  # fmt: skip
     request_timeout_seconds: int = Field(600, ge=1, le=86400, description="Timeout of one engine HTTP call.")
-    health_path: str = Field("/health", min_length=1, max_length=512, description="Engine path whose 200 answer marks the sidecar ready.")  # fmt: skip
+    health_path: str = Field("/health", min_length=1, max_length=512, description="Engine path whose 200 answer marks the sidecar ready; while it fails, queued requests are held (up to their deadlines), not sent.")  # fmt: skip
+    max_request_body_bytes: int = Field(786_432, ge=1024, le=1_073_741_824, description="Largest JSON body of one engine call; a batch's list call beyond it is split, a single request beyond it fails alone. Keep it below the engine's limit (vLLM: 1 MiB).")  # fmt: skip
 
     @field_validator("url")
     @classmethod
@@ -164,7 +165,7 @@ class BatchConfig(_Section):
     max_batch_size: int = Field(256, ge=1, le=4096, description="Upper clamp of the dynamic batch size.")
     max_wait_milliseconds: int = Field(50, ge=0, le=600_000, description="A partial batch leaves its bin once its oldest request waited this long.")  # fmt: skip
     max_inflight_batches: int = Field(4, ge=1, le=1024, description="Batches in the engine at once (the seed's servers).")  # fmt: skip
-    max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED).")  # fmt: skip
+    max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED). A request whose predicted queue wait exceeds its deadline is refused too.")  # fmt: skip
     dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds).")  # fmt: skip
 
     @model_validator(mode="after")
@@ -201,7 +202,7 @@ class MetricsConfig(_Section):
     source: MetricsSource = Field("Scrape", description="Scrape the engine's /metrics, query Prometheus (PromQL), or None.")  # fmt: skip
     url: str = Field("http://127.0.0.1:8000/metrics", max_length=2048, description="Scrape: the engine's /metrics URL. PromQL: the Prometheus base URL.")  # fmt: skip
     interval_milliseconds: int = Field(500, ge=50, le=60_000, description="Time between scrapes (and batch-size updates).")  # fmt: skip
-    stale_after_milliseconds: int = Field(3000, ge=100, le=600_000, description="Metrics older than this count as stale (shrink, never grow).")  # fmt: skip
+    stale_after_milliseconds: int = Field(3000, ge=100, le=600_000, description="Metrics older than this count as stale: the batch size holds its last good value (the static size if none), shrinking only if the last fresh scrape showed pressure.")  # fmt: skip
     promql_selector: str = Field("", max_length=1024, description="PromQL: label matcher appended to every metric, e.g. '{pod=\"x\"}'.")  # fmt: skip
 
     @field_validator("url")

@@ -33,7 +33,9 @@ MODES: tuple[Mode, ...] = ("static", "memory", "sla", "combined")
 REASONS = (
     "static",  # mode "static": metrics are ignored
     "no-metrics",  # no snapshot: the static size, never more than before
-    "stale-metrics",  # snapshot not fresh: halve toward min_size
+    "stale-last-good",  # snapshot not fresh: hold the last size decided from fresh metrics
+    "stale-static",  # snapshot not fresh and never a fresh one: the static size
+    "stale-pressure",  # snapshot not fresh, the last fresh one showed pressure: half the last good size
     "kv-saturated",  # KV usage at or above kv_saturation: no bin grows
     "warming-up",  # too few length samples: the static size stands in for b_mem
     "no-kv-capacity",  # the engine did not report η: the static size stands in for b_mem
@@ -160,7 +162,7 @@ class SlaSizer:
     * ``update(None)`` (no fresh TPOT - e.g. nothing decoded in the interval) holds
       b and the window: an idle engine is not evidence either way, and shrinking on
       idleness would start every burst at b_min.  Staleness of the whole scrape is
-      handled by ``BatchSizer``, which shrinks.
+      handled by ``BatchSizer``, which holds the last good size.
     * line 15's floor at the running count is left out: outside the engine, a
       target below the running count is how we shrink ("admit none until enough
       finish").
@@ -246,6 +248,7 @@ class EngineSnapshot:
     running: int | None = None  # requests in the engine's batch now
     waiting: int | None = None  # requests queued inside the engine
     tpot_seconds: float | None = None  # mean inter-token latency since the last scrape
+    preemptions_delta: float | None = None  # preemptions since the previous scrape
     fresh: bool  # False when the scrape is stale or failed
 
 
@@ -272,8 +275,15 @@ class BatchSizer:
     2. no snapshot (no metrics source, or nothing scraped yet: "no-metrics"): each
        bin goes to min(previous, static_size) - the policy's static size (DESIGN
        §2), but never larger than before.  A failed scrape is a stale snapshot.
-    3. snapshot not fresh ("stale-metrics"): treated as saturated (DESIGN §2):
-       every bin halves toward ``min_size``; repeated staleness reaches it.
+    3. snapshot not fresh: blind is not saturated.  Each bin falls back to the
+       size last decided from fresh metrics ("stale-last-good"), or to
+       ``static_size`` if there never were any ("stale-static").  It shrinks only
+       on evidence of pressure in the last fresh snapshot -- KV usage at or above
+       ``kv_saturation``, preemptions since the scrape before it, or a TPOT over
+       D_SLA + ε_D -- and then once, to half the last good size
+       ("stale-pressure"), not step by step to ``min_size``: a healthy engine
+       whose metrics endpoint broke keeps its throughput.  A stale decision is
+       never larger than the previous one.
     4. fresh: per bin, b_mem (modes memory/combined) from that bin's μ, σ once it
        has ``min_samples`` completions, else from all completions, else the static
        size stands in ("warming-up"; also "no-kv-capacity" when η is unknown);
@@ -330,6 +340,7 @@ class BatchSizer:
         self.overall = LengthStats(half_life)
         self._bins: dict[int, LengthStats] = {}
         self._sizes: list[int] = [static_size]
+        self._last_good: tuple[list[int], EngineSnapshot] | None = None  # the last fresh decision
 
     @property
     def sizes(self) -> list[int]:
@@ -371,10 +382,10 @@ class BatchSizer:
             sizes = [min(p, self.static_size) for p in prev]
             decision = _without_metrics(sizes, "no-metrics", "no engine metrics: static size, never growing")
         elif not snapshot.fresh:
-            sizes = [self.min_size + (p - self.min_size) // 2 for p in prev]
-            decision = _without_metrics(sizes, "stale-metrics", "stale engine metrics: halving to min_size")
+            decision = self._stale(k, prev)
         else:
             decision = self._from_metrics(snapshot, k, prev, observed_batch)
+            self._last_good = (list(decision.sizes), snapshot)
         self._sizes = list(decision.sizes)
         return decision
 
@@ -404,6 +415,37 @@ class BatchSizer:
             reason = "kv-saturated"
             detail = f"KV usage {usage:.2f} >= {self.kv_saturation}: no bin grows; {detail}"
         return SizeDecision(sizes, reason, detail, mems, b_sla)
+
+    def _stale(self, k: int, prev: list[int]) -> SizeDecision:
+        """Rule 3 of the class docstring: metrics are stale."""
+        if self._last_good is None:
+            return _without_metrics(
+                [min(p, self.static_size) for p in prev], "stale-static",
+                f"engine metrics stale and never fresh: the static size {self.static_size}",
+            )  # fmt: skip
+        good, snap = self._last_good
+        base = good if len(good) == k else [min(good)] * k
+        pressure = self.pressure(snap)
+        if pressure:
+            sizes = [min(p, self.min_size + (b - self.min_size) // 2) for p, b in zip(prev, base)]
+            return _without_metrics(
+                sizes, "stale-pressure",
+                f"engine metrics stale after a fresh scrape showed {pressure}: half the last good sizes {base}",
+            )  # fmt: skip
+        sizes = [min(p, b) for p, b in zip(prev, base)]
+        return _without_metrics(sizes, "stale-last-good", f"engine metrics stale: holding the last good sizes {base}")
+
+    def pressure(self, snap: EngineSnapshot) -> str:
+        """Why ``snap`` shows the engine under pressure ("" if it does not)."""
+        signs = []
+        if snap.kv_usage_ratio is not None and snap.kv_usage_ratio >= self.kv_saturation:
+            signs.append(f"KV usage {snap.kv_usage_ratio:.2f} >= {self.kv_saturation}")
+        if snap.preemptions_delta:
+            signs.append(f"{snap.preemptions_delta:g} preemptions")
+        sla = self.sla if self.mode in ("sla", "combined") else None
+        if sla and snap.tpot_seconds is not None and snap.tpot_seconds > sla.d_sla + sla.eps_d:
+            signs.append(f"TPOT {snap.tpot_seconds * 1e3:.1f} ms over {sla.d_sla * 1e3:.1f} ms")
+        return ", ".join(signs)
 
     def _memory_bounds(self, snap: EngineSnapshot, k: int) -> tuple[str, list[int | None], list[int | None]]:
         """(label, per-bin b_mem, per-bin memory bound): the bound is b_mem, or the

@@ -20,6 +20,13 @@ is not done) with a ``Completion`` or an exception: ``Rejected`` for requests th
 sidecar itself ended (expired, cancelled, shutdown) and ``EngineError`` for the
 engine's failures.  The loop sleeps until something happens: a submit, a
 completion, a new size, or the former's next deadline / maxWait (an armed timer).
+
+Two gates protect the engine and the callers (``_refusal``, ``_note_engine``):
+``breaker`` (``EngineBreaker``) holds dispatch while the engine is down -- queued
+requests wait up to their deadlines, a request the engine never received
+(connection refused) is queued again, new requests without a deadline or beyond
+the full queue get UNAVAILABLE at once -- and ``service_rate`` refuses a request
+whose predicted queue wait exceeds its deadline with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ from ..core.clock import Clock
 from ..core.former import Batch, BatchFormer, QueueFull
 from ..core.inflight import InflightLedger, Slot
 from ..core.predictor import AccuracyTracker, LengthPredictor
+from ..core.queue_wait import ServiceRate, refusal
 from ..core.request import Request
 from ..core.sizer import BatchSizer, EngineSnapshot, SizeDecision
+from .breaker import STATES, EngineBreaker
 from .engine_client import EngineClient, EngineError, EngineRequest, EngineResult, StreamDelta
 from .sidecar_metrics import SidecarMetrics
 
@@ -85,6 +94,7 @@ class Call:
     deltas: asyncio.Queue[str] | None = None  # streaming callers read text pieces here
     task: asyncio.Task[None] | None = None  # its own engine call (continuous mode)
     dispatched_at: float | None = None
+    slot: Slot | None = None  # the engine call holding it now; None while queued (again)
 
 
 @dataclass
@@ -144,7 +154,11 @@ class Dispatcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._binner_version = core.binner.version
+        self.breaker = EngineBreaker()
+        self.service_rate = ServiceRate()
+        self._opens_published = 0
         self._publish_sizes()
+        self._publish_breaker()
 
     @property
     def inflight_requests(self) -> int:
@@ -172,12 +186,19 @@ class Dispatcher:
         if not self.accepting:
             raise Rejected("unavailable", "the sidecar is shutting down and accepts no new requests")
         req.payload = call
+        refused = self._refusal(req)
+        if refused is not None:
+            self.metrics.requests.labels("rejected").inc()
+            self.totals["rejected"] += 1
+            raise refused
         req.predicted_tokens = self.core.predictor.predict(req)
         try:
             bin_ = self.core.former.submit(req)
         except QueueFull as exc:
             self.metrics.requests.labels("rejected").inc()
             self.totals["rejected"] += 1
+            if self.breaker.state == "open":
+                raise Rejected("unavailable", f"{self.breaker.describe(self.clock.now())}; queue full: {exc}") from None
             raise Rejected("resource_exhausted", f"queue full: {exc}") from None
         self.metrics.accepted.inc()
         self.totals["accepted"] += 1
@@ -224,7 +245,9 @@ class Dispatcher:
         for req in former.poll().expired:
             self._finish(req, "expired", exc=Rejected("deadline", "deadline passed while queued"))
         if self.mode == "gang":
-            while self.inflight_batches < self.max_inflight_batches:
+            while self.inflight_batches < self.max_inflight_batches and self.breaker.allows_dispatch(
+                self.inflight_batches
+            ):
                 batch = former.take(idle=True)
                 if batch is None:
                     break
@@ -240,7 +263,7 @@ class Dispatcher:
 
     def _admit_continuous(self) -> None:
         former = self.core.former
-        while True:
+        while self.breaker.allows_dispatch(self.inflight_requests):
             if not self._pending:
                 batch = former.take(idle=self.inflight_requests == 0)
                 if batch is None:
@@ -279,6 +302,8 @@ class Dispatcher:
         if error is not None:  # a bug, not an engine answer
             log.error("engine call failed in dispatch", exc_info=error)
         for req in slot.requests:
+            if req.payload.slot is not slot:
+                continue  # queued again (the engine never received it), maybe already sent anew
             if task.cancelled():
                 self._finish(req, "unavailable", exc=Rejected("unavailable", STOPPED))
             else:
@@ -339,11 +364,14 @@ class Dispatcher:
         slot = self.ledger.acquire(bin_, reqs, batch=batch, now=now)
         for req in reqs:
             req.payload.dispatched_at = now
+            req.payload.slot = slot
             self.metrics.wait.observe(max(0.0, now - req.arrival))
         self._publish_inflight()
         return slot
 
     def _complete(self, req: Request, result: EngineResult | EngineError, batch_size: int) -> None:
+        if self._note_engine(req, result):
+            return  # the engine never received it: queued again
         if isinstance(result, EngineError):
             self._finish(req, "failed", exc=result)
             return
@@ -389,6 +417,66 @@ class Dispatcher:
         if req.payload.deltas is not None:
             req.payload.deltas.put_nowait("")  # wakes a streaming reader to see the end
         return True
+
+    # -- engine health and queue time ------------------------------------------------
+
+    def on_engine_health(self, ok: bool) -> None:
+        """A health probe's result (the sidecar probes every second): opens the
+        breaker, or lets it try the engine again (half-open)."""
+        if self.breaker.on_probe(ok, self.clock.now()):
+            self._breaker_changed()
+
+    def _refusal(self, req: Request) -> Rejected | None:
+        """Why ``req`` is refused before it is queued (None: accept it)."""
+        now = self.clock.now()
+        remaining = None if req.deadline is None else req.deadline - now
+        if self.breaker.state == "open":
+            if remaining is None:
+                return Rejected("unavailable", f"{self.breaker.describe(now)}; a request without a deadline "
+                                               "is not held for its return")  # fmt: skip
+            return None  # held up to its deadline (bounded by the queue)
+        if self.breaker.state == "half_open":
+            return None  # the measured rate describes the engine before the outage
+        why = refusal(self._backlog(), self.service_rate.rate(now), remaining)
+        return None if why is None else Rejected("resource_exhausted", why)
+
+    def _note_engine(self, req: Request, result: EngineResult | EngineError) -> bool:
+        """Feed the breaker and the service rate with an engine call's outcome; queue
+        ``req`` again if the engine never received it.  True if queued again."""
+        now = self.clock.now()
+        if self.breaker.on_result(result, now):
+            self._breaker_changed()
+        if not isinstance(result, EngineError) or result.kind != "unavailable":
+            self.service_rate.completed(now, self._saturated())
+            return False
+        if result.sent or req.cancelled or req.payload.future.done() or req.expired(now) or not self.accepting:
+            return False
+        try:
+            self.core.former.submit(req)
+        except QueueFull:
+            return False
+        req.payload.slot = None  # its old call's end must not answer it
+        self.metrics.requeued.inc()
+        self._wake.set()
+        return True
+
+    def _backlog(self) -> int:
+        """Requests accepted and not yet sent to the engine."""
+        return self.core.former.queued() + len(self._pending)
+
+    def _saturated(self) -> bool:
+        """Are requests waiting for engine capacity (not merely for their bin to fill)?"""
+        return bool(self._pending) or self.core.former.ready_batches() > 0
+
+    def _breaker_changed(self) -> None:
+        b = self.breaker
+        now = self.clock.now()
+        if b.state == "open":
+            log.warning("engine circuit open: dispatch held, %d requests queued (%s)", self._backlog(), b.reason)
+        else:
+            log.info("engine circuit %s after %.1f s", b.state.replace("_", "-"), b.open_seconds(now))
+        self._publish_breaker()
+        self._wake.set()
 
     # -- sizing ----------------------------------------------------------------------
 
@@ -515,12 +603,21 @@ class Dispatcher:
         self.metrics.inflight_requests.set(self.inflight_requests)
         self.metrics.inflight_batches.set(self.inflight_batches)
 
+    def _publish_breaker(self) -> None:
+        for state in STATES:
+            self.metrics.breaker_state.labels(state).set(1 if self.breaker.state == state else 0)
+        self.metrics.breaker_opens.inc(self.breaker.opens - self._opens_published)
+        self._opens_published = self.breaker.opens
+
     def _publish_sizes(self) -> None:
         core = self.core
         self.metrics.bins.set(core.binner.k)
         for i, size in enumerate(core.former.target_sizes):
             self.metrics.target_batch_size.labels(str(i)).set(size)
         d = self.last_decision
+        reason = d.reason if d is not None else ""
+        for fallback in ("last-good", "static", "pressure"):
+            self.metrics.sizer_fallback.labels(fallback).set(1 if reason == f"stale-{fallback}" else 0)
         if d is not None:
             for i, m in enumerate(d.b_mem):
                 self.metrics.b_mem.labels(str(i)).set(-1 if m is None else m)

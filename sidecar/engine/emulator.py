@@ -90,6 +90,10 @@ class EmulatorConfig:
     ``vllm:time_per_output_token_seconds``) instead of the current ones."""
     seed: int = 0
     """Seed mixed into every sequence's output length and words."""
+    max_request_body_bytes: int = 1024 * 1024
+    """Largest request body accepted; a larger one gets HTTP 413 "Maximum request
+    body size ... exceeded", as from aiohttp's ``client_max_size`` (1 MiB by default)
+    in front of vLLM."""
 
     def __post_init__(self) -> None:
         if not self.model or not self.model.strip():
@@ -98,7 +102,7 @@ class EmulatorConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
-        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len"):
+        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
         if self.max_model_len > self.kv_capacity_tokens:
@@ -1087,7 +1091,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 def build_app(config: EmulatorConfig) -> web.Application:
     """The aiohttp application; the engine loop starts with the app and stops on shutdown."""
-    app = web.Application(middlewares=[_openai_errors])
+    app = web.Application(middlewares=[_openai_errors], client_max_size=config.max_request_body_bytes)
     metrics = EmulatorMetrics(config)
     engine = EmulatedEngine(config, metrics)
     app[CONFIG_KEY], app[METRICS_KEY], app[ENGINE_KEY] = config, metrics, engine
@@ -1232,6 +1236,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="expose vLLM's pre-0.10 metric names (gpu_cache_usage_perc, "
                              "time_per_output_token_seconds)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=d.seed, help=f"output seed (default {d.seed})")
+    parser.add_argument("--max-request-body-bytes", type=_positive_int, default=d.max_request_body_bytes,
+                        help=f"largest request body; larger ones get HTTP 413 (default {d.max_request_body_bytes})")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:

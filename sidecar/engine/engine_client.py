@@ -18,13 +18,23 @@ once per client).
 
 Retries.  Only when the TCP connection could not be established
 (``aiohttp.ClientConnectorError``): the request never reached the engine, so a
-retry cannot duplicate work.  Once a request is sent it is never repeated.
+retry cannot duplicate work.  Once a request is sent it is never repeated.  An
+``EngineError`` with ``sent=False`` says the engine never received the request
+(the dispatcher may queue it again).
+
+Body size.  vLLM's HTTP server refuses a body over its limit with 413 (aiohttp's
+``client_max_size`` is 1 MiB), and a multi-prompt call would fail every prompt in
+it for the size of all of them.  So a call is capped at ``max_body_bytes``: a
+group of prompts whose list call would be larger goes as several calls, a 413 to
+a list call splits it in halves, and only a request whose own body is too large
+fails -- alone, with the sizes in the message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -42,6 +52,9 @@ MODELS_TIMEOUT_SECONDS = 10.0
 # closed would fail a POST after it was sent, and a sent POST is never retried.
 KEEPALIVE_SECONDS = 3.0
 ERROR_TEXT_LIMIT = 500
+# Below vLLM's (aiohttp's) default 1 MiB client_max_size, with room for headers of
+# proxies that count them in.
+DEFAULT_MAX_BODY_BYTES = 768 * 1024
 
 EngineErrorKind = str  # "unavailable" | "invalid" | "timeout" | "internal"
 
@@ -120,21 +133,23 @@ class EngineError(Exception):
     ``kind``: "unavailable" (no connection, connection lost, 5xx, engine down),
     "invalid" (4xx: the engine refused the request; ``message`` is its error text),
     "timeout" (no answer in time) or "internal" (a reply the client cannot read).
-    ``status`` is the HTTP status when there was one.
+    ``status`` is the HTTP status when there was one.  ``sent`` is False only when
+    the request certainly never reached the engine (the connection was refused).
     """
 
-    def __init__(self, kind: EngineErrorKind, status: int | None, message: str) -> None:
+    def __init__(self, kind: EngineErrorKind, status: int | None, message: str, *, sent: bool = True) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.status = status
         self.message = message
+        self.sent = sent
 
     def copy(self) -> EngineError:
         """A fresh instance: each caller gets its own exception object."""
-        return EngineError(self.kind, self.status, self.message)
+        return EngineError(self.kind, self.status, self.message, sent=self.sent)
 
     def __repr__(self) -> str:
-        return f"EngineError({self.kind!r}, {self.status!r}, {self.message!r})"
+        return f"EngineError({self.kind!r}, {self.status!r}, {self.message!r}, sent={self.sent!r})"
 
 
 # ----------------------------------------------------------------------------- client
@@ -144,7 +159,8 @@ class EngineClient:
     """Talks to one vLLM server (``base_url`` without the ``/v1`` suffix).
 
     ``timeout_seconds`` bounds each ``complete_batch``/``stream`` call unless the call
-    passes its own ``timeout``.  A ``session`` passed in is used but not closed.
+    passes its own ``timeout``.  ``max_body_bytes`` caps the JSON body of one call
+    (module docstring).  A ``session`` passed in is used but not closed.
     """
 
     def __init__(
@@ -153,12 +169,16 @@ class EngineClient:
         *,
         timeout_seconds: float = 600,
         connect_retries: int = 2,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
         if timeout_seconds <= 0:
             raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds}")
         if connect_retries < 0:
             raise ValueError(f"connect_retries must be >= 0, got {connect_retries}")
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
         self.base_url = base_url.rstrip("/")
         self.timeout_seconds = float(timeout_seconds)
         self.connect_retries = connect_retries
@@ -207,8 +227,10 @@ class EngineClient:
           disconnected.
         * A 400/422 answer to a multi-prompt call re-issues each of its prompts alone,
           so one bad prompt (e.g. too long) fails only its own caller (a 4xx means
-          the engine did no work).  Any other 4xx fails the call's members with
-          "invalid".
+          the engine did no work).  A group whose body would exceed
+          ``max_body_bytes`` goes as several calls; a 413 splits a call in halves;
+          a request too large on its own fails alone ("invalid", status 413).  Any
+          other 4xx fails the call's members with "invalid".
         * 5xx, a lost connection or an unreachable engine fail every member of that
           call with "unavailable"; other calls of the batch are unaffected.
         * No answer within ``timeout`` (default ``timeout_seconds``) from the start
@@ -254,25 +276,41 @@ class EngineClient:
             return _fan_out(EngineError("internal", None, f"client error: {type(exc).__name__}: {exc}"), n)
 
     async def _completions_call(self, params: SamplingParams, prompts: list[str]) -> list[EngineResult | EngineError]:
-        """One ``/v1/completions`` call for prompts sharing ``params``."""
-        body = params.body()
-        if len(prompts) == 1:
-            body["prompt"] = prompts[0]
-        else:
-            body |= {"prompt": prompts, "n": 1, "stream": False, "return_token_ids": True}
+        """One ``/v1/completions`` call for prompts sharing ``params`` (or several,
+        when one would exceed ``max_body_bytes``)."""
+        if len(prompts) > 1:
+            chunks = _pack(params, prompts, self.max_body_bytes)
+            if len(chunks) > 1:
+                log.debug("%d prompts exceed %d bytes in one call: %d calls", len(prompts), self.max_body_bytes,
+                          len(chunks))  # fmt: skip
+                return await self._split(params, chunks)
+        body = _completions_body(params, prompts)
+        size = len(_encode(body))
+        if size > self.max_body_bytes:
+            if len(prompts) > 1:  # _pack's arithmetic is exact; this is a safety net
+                return await self._split(params, _halves(prompts))
+            return [_too_large(size, self.max_body_bytes)]
         try:
             data = await self._call_json("POST", "/v1/completions", body)
         except EngineError as err:
+            if len(prompts) > 1 and err.status == 413:
+                log.info("engine refused a %d-prompt call of %d bytes as too large; splitting it in halves",
+                         len(prompts), size)  # fmt: skip
+                return await self._split(params, _halves(prompts))
             if len(prompts) > 1 and err.status in (400, 422):
                 log.info("engine refused a %d-prompt call (HTTP %d); sending its prompts one by one",
                          len(prompts), err.status)  # fmt: skip
-                singles = await asyncio.gather(*(self._completions_call(params, [p]) for p in prompts))
-                return [s[0] for s in singles]
+                return await self._split(params, [[p] for p in prompts])
             return _fan_out(err, len(prompts))
         try:
             return list(self._completion_results(data, params, prompts))
         except EngineError as err:
             return _fan_out(err, len(prompts))
+
+    async def _split(self, params: SamplingParams, chunks: list[list[str]]) -> list[EngineResult | EngineError]:
+        """Send each chunk as its own call, concurrently; results in prompt order."""
+        parts = await asyncio.gather(*(self._completions_call(params, c) for c in chunks))
+        return [r for part in parts for r in part]
 
     def _completion_results(
         self, data: dict[str, Any], params: SamplingParams, prompts: list[str]
@@ -307,7 +345,11 @@ class EngineClient:
 
     async def _chat_call(self, request: EngineRequest) -> list[EngineResult | EngineError]:
         """One ``/v1/chat/completions`` call."""
-        data = await self._call_json("POST", "/v1/chat/completions", _chat_body(request))
+        body = _chat_body(request)
+        size = len(_encode(body))
+        if size > self.max_body_bytes:
+            raise _too_large(size, self.max_body_bytes)
+        data = await self._call_json("POST", "/v1/chat/completions", body)
         choices = data.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
             raise EngineError("internal", 200, "expected exactly one choice from the engine")
@@ -335,6 +377,9 @@ class EngineClient:
         else:
             path, body = "/v1/completions", request.params.body() | {"prompt": request.prompt}
         body |= {"stream": True, "stream_options": {"include_usage": True}}
+        size = len(_encode(body))
+        if size > self.max_body_bytes:
+            raise _too_large(size, self.max_body_bytes)
         try:
             async with asyncio.timeout_at(deadline):
                 resp = await self._send("POST", path, body)
@@ -429,12 +474,18 @@ class EngineClient:
         session = self._http()
         url = self.base_url + path
         attempts = self.connect_retries if retries is None else retries
+        # encoded here, so the bytes sent are the bytes max_body_bytes was checked on
+        data = None if body is None else _encode(body)
+        headers = None if body is None else {"Content-Type": "application/json"}
         for attempt in range(attempts + 1):
             try:
-                return await session.request(method, url, json=body)
+                # a file-like body: aiohttp warns about (and would block on) large raw bytes
+                body_io = None if data is None else io.BytesIO(data)
+                return await session.request(method, url, data=body_io, headers=headers)
             except aiohttp.ClientConnectorError as exc:
                 if attempt >= attempts:
-                    raise EngineError("unavailable", None, f"cannot connect to the engine: {_describe(exc)}") from exc
+                    message = f"cannot connect to the engine: {_describe(exc)}"
+                    raise EngineError("unavailable", None, message, sent=False) from exc
                 delay = CONNECT_BACKOFF_SECONDS[min(attempt, len(CONNECT_BACKOFF_SECONDS) - 1)]
                 log.debug("connect to %s failed (%s); retry %d in %g s", url, type(exc).__name__, attempt + 1, delay)
                 await asyncio.sleep(delay)
@@ -488,6 +539,47 @@ class _SSEReader:
             name, _, value = line.partition(":")
             if name == "data":
                 data.append(value[1:] if value.startswith(" ") else value)
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    """The JSON bytes of a request body (what aiohttp's ``json=`` would send)."""
+    return json.dumps(body).encode()
+
+
+def _completions_body(params: SamplingParams, prompts: list[str]) -> dict[str, Any]:
+    body = params.body()
+    if len(prompts) == 1:
+        return body | {"prompt": prompts[0]}
+    return body | {"prompt": prompts, "n": 1, "stream": False, "return_token_ids": True}
+
+
+def _pack(params: SamplingParams, prompts: list[str], limit: int) -> list[list[str]]:
+    """Consecutive chunks of ``prompts`` whose list call fits in ``limit`` bytes (a
+    prompt too large alone gets a chunk of its own, to fail alone).  Exact for
+    ``json.dumps``: the list costs its empty body plus each item's JSON, plus ", "
+    between items."""
+    empty = len(_encode(_completions_body(params, ["", ""]))) - 2 * len('""') - len(", ")
+    chunks: list[list[str]] = []
+    size = 0
+    for p in prompts:
+        cost = len(json.dumps(p).encode())
+        if chunks and size + 2 + cost <= limit:
+            chunks[-1].append(p)
+            size += 2 + cost
+        else:
+            chunks.append([p])
+            size = empty + cost
+    return chunks
+
+
+def _halves(prompts: list[str]) -> list[list[str]]:
+    mid = len(prompts) // 2
+    return [prompts[:mid], prompts[mid:]]
+
+
+def _too_large(size: int, limit: int) -> EngineError:
+    return EngineError("invalid", 413, f"the request body is {size} bytes, over the {limit}-byte limit of one "
+                                       "engine call (engine.maxRequestBodyBytes); it was not sent")  # fmt: skip
 
 
 def _chat_body(request: EngineRequest) -> dict[str, Any]:

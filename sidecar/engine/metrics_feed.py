@@ -10,7 +10,10 @@ the sizer an ``EngineSnapshot``:
 * failure while the last success is at most ``stale_after`` old: the last snapshot
   again, fresh but without a TPOT (the sizer holds);
 * failure after that, or before any success: a stale snapshot (``fresh=False``) --
-  the sizer treats it as saturated: it shrinks, never grows;
+  the sizer holds its last good size (the static size if there never was one) and
+  shrinks only if the last fresh scrape showed pressure (``BatchSizer``);
+* a scrape holding NaN, ±Inf or a negative value for a quantity the sizer uses
+  is a failure, with the culprits in ``last_error``;
 * no source: ``None`` ("disabled": the sizer falls back to the static size).
 
 Sources open one short-lived HTTP session per fetch, so swapping ``feed.source``
@@ -254,6 +257,10 @@ class MetricsFeed:
             return self._deliver(None)
         try:
             current = await source.fetch()
+            bad = vllm_metrics.invalid_samples(current)
+            if bad:
+                raise MetricsUnavailable(f"{source.url} reported non-finite or negative samples "
+                                         f"({', '.join(bad)}); the scrape is ignored")  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - any source failure is "no metrics"
             return self._deliver(self._failed(source, exc))
         if self._failures:

@@ -91,6 +91,23 @@ class SidecarMetrics:
             "binbatch_config_reload_errors", "Config files refused on reload", registry=r
         )
         self.draining = Gauge("binbatch_draining", "1 while draining for shutdown", registry=r)
+        self.breaker_state = Gauge(
+            "binbatch_engine_breaker_state",
+            "1 for the engine circuit breaker's current state (closed|open|half_open), 0 for the others",
+            ["state"], registry=r,
+        )  # fmt: skip
+        self.breaker_opens = Counter(
+            "binbatch_engine_breaker_opens", "Times the engine circuit breaker opened (an outage began)", registry=r
+        )
+        self.requeued = Counter(
+            "binbatch_requests_requeued",
+            "Requests queued again because the engine never received them (connection refused)", registry=r,
+        )  # fmt: skip
+        self.sizer_fallback = Gauge(
+            "binbatch_batch_size_stale_fallback",
+            "1 for the batch-size fallback in use while engine metrics are stale "
+            "(last-good|static|pressure), 0 for the others", ["fallback"], registry=r,
+        )  # fmt: skip
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros so rate() works from the start
 

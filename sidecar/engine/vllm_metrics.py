@@ -126,9 +126,39 @@ def int_label(labels: dict[str, str], key: str) -> int | None:
     return int(v) if math.isfinite(v) and v > 0 else None
 
 
+def invalid_samples(metrics: EngineMetrics) -> list[str]:
+    """The quantities of ``metrics`` that are NaN, ±Inf or negative, as "name=value".
+
+    Prometheus' text format allows ``NaN`` and ``+Inf`` samples, and an engine bug
+    can export them (or a negative count); the sizer cannot act on them
+    (``int(NaN)`` raises), so the feed treats such a scrape as failed and names
+    the culprits.
+    """
+    values: dict[str, float | None] = {
+        "kv_usage": metrics.kv_usage,
+        "running": metrics.running,
+        "waiting": metrics.waiting,
+        "preemptions": metrics.preemptions,
+    }
+    for name, hist in (("itl", metrics.itl), ("ttft", metrics.ttft)):
+        if hist is not None:
+            values[f"{name}_sum"], values[f"{name}_count"] = hist.sum, hist.count
+    return [
+        f"{name}={value!r}"
+        for name, value in values.items()
+        if value is not None and not (math.isfinite(value) and value >= 0)
+    ]
+
+
 def snapshot(current: EngineMetrics, previous: EngineMetrics | None, fresh: bool) -> EngineSnapshot:
-    """What the sizer sees: capacity, usage and the TPOT of the last interval."""
+    """What the sizer sees: capacity, usage, the TPOT of the last interval and the
+    preemptions since the previous scrape (None without one, or after a restart)."""
+    preempted = None
+    if previous is not None and current.preemptions is not None and previous.preemptions is not None:
+        delta = current.preemptions - previous.preemptions
+        preempted = delta if delta >= 0 else None  # a counter that went down: the engine restarted
     return EngineSnapshot(
+        preemptions_delta=preempted,
         kv_capacity_tokens=current.kv_capacity_tokens,
         kv_usage_ratio=current.kv_usage,
         running=None if current.running is None else int(current.running),

@@ -140,7 +140,8 @@ class Sidecar:
 
     async def start(self) -> None:
         cfg = self.config
-        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds)
+        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
+                                   max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
         self.dispatcher = Dispatcher(
             build_core(cfg, self.clock), self.client, self.clock, self.metrics,
             mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
@@ -217,6 +218,7 @@ class Sidecar:
             with contextlib.suppress(Exception):
                 self._models = await self.client.models()
         await self._set_health(ok)
+        self.dispatcher.on_engine_health(ok)
 
     async def _health_loop(self) -> None:
         while True:
@@ -268,6 +270,7 @@ class Sidecar:
         )  # fmt: skip
         if (cfg.engine.url, cfg.engine.request_timeout_seconds) != (running.engine.url, running.engine.request_timeout_seconds):  # fmt: skip
             self._swap_client(cfg)
+        self.client.max_body_bytes = cfg.engine.max_request_body_bytes  # read per call: applies live
         self.feed.source = self._metrics_source(cfg)
         self.feed.interval = cfg.scrape_interval_seconds
         self.feed.stale_after = cfg.stale_after_seconds
@@ -285,7 +288,8 @@ class Sidecar:
         """New dispatches use a client for the new engine; calls already running
         finish on the old one, which is closed once they are done."""
         old = self.client
-        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds)
+        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
+                                   max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
         running = self.dispatcher.replace_client(self.client)
         self._retiring.add(old)
         task = asyncio.create_task(self._retire(old, running))
@@ -371,6 +375,10 @@ class Sidecar:
             ],
             config_generation=self.loaded.generation,
             uptime_seconds=time.monotonic() - self.started_at,
+            engine_breaker=pb.EngineBreakerStatus(
+                state=d.breaker.state, open_seconds=d.breaker.open_seconds(now), reason=d.breaker.reason,
+                opens=d.breaker.opens,
+            ),  # fmt: skip
         )
         if decision is not None:
             mems = [m for m in decision.b_mem if m is not None]

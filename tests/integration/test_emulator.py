@@ -472,12 +472,22 @@ def test_cli_flags_map_onto_the_config():
     args = parser.parse_args(
         ["emulate-engine", "--port", "0", "--model", "m", "--step-a", "0.001", "--step-c", "0.0001",
          "--num-gpu-blocks", "64", "--block-size", "8", "--max-num-seqs", "4", "--max-model-len", "256",
-         "--legacy-names", "--seed", "9"]
+         "--legacy-names", "--seed", "9", "--max-request-body-bytes", "4096"]
     )  # fmt: skip
 
     assert (args.host, args.port) == ("127.0.0.1", 0)
     assert callable(args.func)
     assert config_from_args(args) == EmulatorConfig(
         model="m", step_a=0.001, step_c=0.0001, num_gpu_blocks=64, block_size=8, max_num_seqs=4,
-        max_model_len=256, legacy_names=True, seed=9,
+        max_model_len=256, legacy_names=True, seed=9, max_request_body_bytes=4096,
     )  # fmt: skip
+
+
+async def test_a_body_over_max_request_body_bytes_gets_413_like_vllm():
+    """aiohttp's client_max_size in front of vLLM: the fault behind defect 5."""
+    async with running_emulator(EmulatorConfig(max_request_body_bytes=2048)) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/completions", json={"prompt": "x" * 4096, "max_tokens": 1}) as resp:
+            assert resp.status == 413
+            assert "Maximum request body size 2048 exceeded" in await resp.text()
+        async with http.post(f"{url}/v1/completions", json={"prompt": "small", "max_tokens": 1}) as resp:
+            assert resp.status == 200

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from binbatch_sidecar.core.clock import ManualClock
@@ -106,3 +108,62 @@ async def test_scrape_of_a_non_engine_page_is_unavailable() -> None:
             await ScrapeSource(f"{url}/nope").fetch()
         with pytest.raises(MetricsUnavailable, match="no vllm:"):
             await ScrapeSource(f"{url}/health").fetch()  # 200, empty body
+
+
+# ------------------------------------------------------------------- body size (defect 5)
+
+BIG = 120_000  # bytes per large prompt: twelve of them are over vLLM's (aiohttp's) 1 MiB
+
+
+def big_batch(params: SamplingParams) -> list[EngineRequest]:
+    """Twelve 120 kB prompts and twenty small ones with the same sampling params."""
+    large = [EngineRequest(params=params, prompt=chr(ord("a") + i) * BIG) for i in range(12)]
+    return large + [prompt(i, params) for i in range(20)]
+
+
+async def test_a_list_call_over_the_body_cap_is_split_and_every_request_completes() -> None:
+    """Defect 5: one list call of 1.44 MB got HTTP 413 and failed all 32 members."""
+    async with running_emulator(FAST) as url, EngineClient(url) as client:  # emulator: aiohttp's 1 MiB
+        params = SamplingParams(model="emulated", max_tokens=3, ignore_eos=True)
+        results = await client.complete_batch(big_batch(params))
+    assert [type(r).__name__ for r in results] == ["EngineResult"] * 32
+    assert all(r.completion_tokens == 3 for r in results)  # type: ignore[union-attr]
+
+
+async def test_a_413_from_the_engine_splits_the_call_instead_of_failing_it() -> None:
+    """The client's cap above the engine's limit: the engine's 413 splits the call."""
+    cfg = dataclasses.replace(FAST, max_request_body_bytes=300_000)
+    async with running_emulator(cfg) as url, EngineClient(url, max_body_bytes=8 * 1024 * 1024) as client:
+        params = SamplingParams(model="emulated", max_tokens=2, ignore_eos=True)
+        results = await client.complete_batch(big_batch(params))
+    assert [type(r).__name__ for r in results] == ["EngineResult"] * 32
+
+
+async def test_a_request_too_large_on_its_own_fails_alone() -> None:
+    cfg = dataclasses.replace(FAST, max_request_body_bytes=300_000)
+    params = SamplingParams(model="emulated", max_tokens=2, ignore_eos=True)
+    huge = EngineRequest(params=params, prompt="z" * 400_000)
+    batch = [prompt(0, params), huge, *big_batch(params)[:3], prompt(1, params)]
+    async with running_emulator(cfg) as url:
+        # over the client's own cap: refused before sending, with both sizes named
+        async with EngineClient(url, max_body_bytes=350_000) as client:
+            results = await client.complete_batch(batch)
+        err = results[1]
+        assert isinstance(err, EngineError) and err.kind == "invalid" and err.status == 413
+        assert "over the 350000-byte limit" in err.message and "maxRequestBodyBytes" in err.message
+        assert all(isinstance(r, EngineResult) for i, r in enumerate(results) if i != 1)
+        # under the client's cap but over the engine's: the engine's 413 fails it alone
+        async with EngineClient(url, max_body_bytes=8 * 1024 * 1024) as client:
+            results = await client.complete_batch(batch)
+        err = results[1]
+        assert isinstance(err, EngineError) and err.kind == "invalid" and err.status == 413
+        assert "Maximum request body size" in err.message
+        assert all(isinstance(r, EngineResult) for i, r in enumerate(results) if i != 1)
+        # alone in a stream or a chat call: the same clear refusal, nothing sent
+        async with EngineClient(url, max_body_bytes=350_000) as client:
+            with pytest.raises(EngineError, match="over the 350000-byte limit"):
+                async for _ in client.stream(huge):
+                    pass
+            chat = EngineRequest(params=params, messages=(("user", "y" * 400_000),))
+            (chat_err,) = await client.complete_batch([chat])
+        assert isinstance(chat_err, EngineError) and chat_err.status == 413

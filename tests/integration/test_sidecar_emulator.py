@@ -211,8 +211,10 @@ async def test_config_reload_applies_a_good_file_and_refuses_a_bad_one(tmp_path)
         doc = sidecar_config(url, batch={"staticSize": 16})
         async with running_sidecar(doc, tmp_path) as sc:
             doc["batch"]["staticSize"] = 24
+            doc["engine"]["maxRequestBodyBytes"] = 500_000
             sc.write_config(doc)
             assert await sc.sidecar.watcher.check()
+            assert sc.sidecar.client.max_body_bytes == 500_000  # applied, not only shown
             view = await sc.admin.GetConfig(pb.GetConfigRequest())
             assert view.generation == 2 and '"staticSize": 24' in view.config_json
             doc["batch"]["minBatchSize"] = 100  # > staticSize: refused

@@ -66,6 +66,9 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
         {"engine": {"requestTimeoutSeconds": 77}}, lambda s: (s.dispatcher.engine_timeout, s.client.timeout_seconds), (77, 77.0),
     ),  # fmt: skip
     ("engine", "health_path"): ({"engine": {"healthPath": "/nope"}}, _health_after_check, False),
+    ("engine", "max_request_body_bytes"): (
+        {"engine": {"maxRequestBodyBytes": 4096}}, lambda s: (s.client.max_body_bytes, s.dispatcher.client.max_body_bytes), (4096, 4096),
+    ),  # fmt: skip
     ("bins", "mode"): ({"bins": {"mode": "Auto"}}, lambda s: type(_core(s).binner).__name__, "AutoBinner"),
     ("bins", "count"): ({"bins": {"count": 6}}, lambda s: _core(s).binner.k, 6),
     ("bins", "boundaries"): ({"bins": {"boundaries": [10, 100, 1000]}}, lambda s: list(_core(s).binner.boundaries), [10, 100, 1000]),  # fmt: skip

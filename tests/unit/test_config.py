@@ -30,6 +30,7 @@ engine:
   model: meta-llama/Llama-3.1-8B-Instruct
   requestTimeoutSeconds: 120
   healthPath: /healthz
+  maxRequestBodyBytes: 524288
 bins:
   mode: Fixed
   count: 4

@@ -184,11 +184,12 @@ async def test_fresh_metrics_set_memory_sizes_and_record_the_adjustment():
     assert d.adjustments[-1].field == "batchSize"
 
 
-async def test_stale_metrics_never_grow_the_batch():
+async def test_stale_metrics_never_grow_the_batch_and_fall_back_to_the_static_size():
     d, _, _ = make(static=8, sizing="memory")
     before = d.core.former.target_sizes[0]
-    d.on_snapshot(EngineSnapshot(fresh=False))
-    assert d.core.former.target_sizes[0] < before
+    assert d.on_snapshot(EngineSnapshot(fresh=False)).reason == "stale-static"
+    assert d.core.former.target_sizes[0] == before == 8
+    assert d.metrics.sizer_fallback.labels("static")._value.get() == 1
 
 
 async def test_drain_past_the_grace_period_ends_leftovers_unavailable():

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.sizer import EngineSnapshot
-from binbatch_sidecar.engine.metrics_feed import MetricsFeed, MetricsUnavailable, PromQLSource
+from binbatch_sidecar.engine.metrics_feed import MetricsFeed, MetricsUnavailable, PromQLSource, ScrapeSource
 from binbatch_sidecar.engine.vllm_metrics import EngineMetrics, HistogramTotals
 
 
@@ -222,3 +222,54 @@ async def test_promql_source_failures_are_metrics_unavailable(prometheus: Promet
     prometheus.fail_with = (400, {"status": "error", "errorType": "bad_data", "error": "parse error"})
     with pytest.raises(MetricsUnavailable, match="bad_data parse error"):
         await source.fetch()
+
+
+# -------------------------------------------------------------- non-finite samples
+
+EXPOSITION = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{model_name="m"}} {running}
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{model_name="m"}} 0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{model_name="m"}} {kv}
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{{num_gpu_blocks="100",block_size="16"}} 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("running", "kv", "culprit"),
+    [("NaN", "0.5", "running=nan"), ("2", "+Inf", "kv_usage=inf"), ("-1", "0.5", "running=-1.0")],
+)
+async def test_non_finite_engine_samples_are_a_failed_scrape_with_the_reason(running: str, kv: str,
+                                                                              culprit: str) -> None:  # fmt: skip
+    """Defect 9: NaN/Inf in /metrics raised outside the fetch error handling
+    (``int(NaN)``), froze the size and left ``last_error`` empty."""
+    served = {"text": EXPOSITION.format(running="3", kv="0.25")}
+
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(text=served["text"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        clock = ManualClock()
+        feed, delivered = make_feed(None, clock, stale_after=3.0)
+        feed.source = ScrapeSource(str(server.make_url("/metrics")))
+        good = await feed.poll_once()
+        assert good is not None and good.fresh and good.running == 3
+        served["text"] = EXPOSITION.format(running=running, kv=kv)
+        clock.advance(4.0)  # past stale_after: the bad scrape makes the snapshot stale
+        bad = await feed.poll_once()
+        assert bad is not None and not bad.fresh and bad.running == 3  # the last good values, not NaN
+        assert feed.state == "stale"
+        assert "non-finite" in feed.last_error and culprit in feed.last_error
+        served["text"] = EXPOSITION.format(running="5", kv="0.5")
+        back = await feed.poll_once()
+        assert back is not None and back.fresh and back.running == 5 and feed.last_error == ""
+        assert len(delivered) == 3
+    finally:
+        await server.close()

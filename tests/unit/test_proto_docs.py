@@ -24,6 +24,7 @@ from binbatch_sidecar.config import MetricsSource, PredictorKind, config_json, l
 from binbatch_sidecar.core.predictor import SOURCES
 from binbatch_sidecar.core.sizer import INITIAL_REASON, REASONS, BatchSizer, EngineSnapshot
 from binbatch_sidecar.engine.dispatcher import ADJUSTMENT_FIELDS, REBALANCE_REASON, Rejected
+from binbatch_sidecar.engine.breaker import State as BreakerState
 from binbatch_sidecar.engine.engine_client import EngineError
 from binbatch_sidecar.engine.metrics_feed import NO_SOURCE_KIND, PromQLSource, ScrapeSource
 from binbatch_sidecar.server.app import build_predictor
@@ -100,6 +101,7 @@ CODE_VALUES = {
     f"{PACKAGE}.PredictorSourceStats.source": lambda: list(SOURCES),
     f"{PACKAGE}.PredictorStats.name": _predictor_names,
     f"{PACKAGE}.MetricsSourceStatus.kind": _metrics_source_kinds,
+    f"{PACKAGE}.EngineBreakerStatus.state": lambda: list(get_args(BreakerState)),
 }
 
 
@@ -141,6 +143,7 @@ def _emitted_sizer_reasons() -> set[str]:
             sizer.observe(i % 2, 100, 50 if i % 2 == 0 else 20_000)
         for _ in range(3):
             reasons.add(sizer.update(snapshot, 2).reason)
+        reasons.add(sizer.update(EngineSnapshot(fresh=False), 2).reason)  # stale after that history
     return reasons
 
 

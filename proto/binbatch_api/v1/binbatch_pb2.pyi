@@ -51,8 +51,10 @@ class _MetricsStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MetricsS
     METRICS_STATE_FRESH: _MetricsState.ValueType  # 1
     """Recent scrape succeeded; the sizer uses live metrics."""
     METRICS_STATE_STALE: _MetricsState.ValueType  # 2
-    """Last successful scrape is too old (or never happened); the sizer treats
-    the engine as saturated (shrink, never grow).
+    """Last successful scrape is too old (or never happened, or the engine
+    exported NaN/Inf/negative values); the sizer holds the last size decided
+    from fresh metrics (the static size if none) and shrinks only if the last
+    fresh scrape showed pressure. `Stats.sizer_reason` says which.
     """
     METRICS_STATE_DISABLED: _MetricsState.ValueType  # 3
     """No metrics source configured; the policy's static batch size is used."""
@@ -65,8 +67,10 @@ METRICS_STATE_UNSPECIFIED: MetricsState.ValueType  # 0
 METRICS_STATE_FRESH: MetricsState.ValueType  # 1
 """Recent scrape succeeded; the sizer uses live metrics."""
 METRICS_STATE_STALE: MetricsState.ValueType  # 2
-"""Last successful scrape is too old (or never happened); the sizer treats
-the engine as saturated (shrink, never grow).
+"""Last successful scrape is too old (or never happened, or the engine
+exported NaN/Inf/negative values); the sizer holds the last size decided
+from fresh metrics (the static size if none) and shrinks only if the last
+fresh scrape showed pressure. `Stats.sizer_reason` says which.
 """
 METRICS_STATE_DISABLED: MetricsState.ValueType  # 3
 """No metrics source configured; the policy's static batch size is used."""
@@ -686,7 +690,9 @@ class MetricsSourceStatus(_message.Message):
     last_scrape_age_seconds: _builtins.float
     """Seconds since the last successful scrape. Unset if none succeeded yet."""
     last_error: _builtins.str
-    """Error of the last failed scrape; empty if the last scrape succeeded."""
+    """Error of the last failed scrape (or why its values were refused); empty
+    if the last scrape succeeded.
+    """
     def __init__(
         self,
         *,
@@ -734,8 +740,9 @@ class Adjustment(_message.Message):
     a sentence for humans. For "batchSize" the reason is the sizer's (as in
     `Stats.sizer_reason`, e.g. "memory+sla: ..."); for "binBoundaries" it is
     "rebalance" (the binner moved its boundaries).
-    values: "rebalance" | "static" | "no-metrics" | "stale-metrics"
-      | "kv-saturated" | "warming-up" | "no-kv-capacity" | "memory" | "sla"
+    values: "rebalance" | "static" | "no-metrics" | "stale-last-good"
+      | "stale-static" | "stale-pressure" | "kv-saturated" | "warming-up"
+      | "no-kv-capacity" | "memory" | "sla"
     """
     def __init__(
         self,
@@ -779,6 +786,7 @@ class Stats(_message.Message):
     CONFIG_GENERATION_FIELD_NUMBER: _builtins.int
     UPTIME_SECONDS_FIELD_NUMBER: _builtins.int
     PENDING_REQUESTS_FIELD_NUMBER: _builtins.int
+    ENGINE_BREAKER_FIELD_NUMBER: _builtins.int
     sidecar_version: _builtins.str
     """Version of the sidecar software."""
     engine_health: Global___EngineHealth.ValueType
@@ -807,8 +815,13 @@ class Stats(_message.Message):
       "static": sizing Static, metrics ignored;
       "no-metrics": no metrics source (metrics.source None): the static size,
         never growing;
-      "stale-metrics": the metrics are stale: every bin halves toward
-        minBatchSize;
+      "stale-last-good": the metrics are stale: every bin holds the last size
+        decided from fresh metrics;
+      "stale-static": stale, and there never were fresh metrics: the static
+        size;
+      "stale-pressure": stale, and the last fresh scrape showed pressure (KV
+        saturated, preemptions, TPOT over the SLO): half the last good size,
+        held there;
       "kv-saturated": the engine's KV cache usage is at or above saturation:
         no bin grows;
       "warming-up": too few completions to compute b_mem: the static size
@@ -819,8 +832,9 @@ class Stats(_message.Message):
       "sla": b_sla is the binding bound.
     When bins are bound by different terms, their reasons are joined by "+"
     in the order above, e.g. "memory+sla" or "warming-up+sla".
-    values: "initial" | "static" | "no-metrics" | "stale-metrics"
-      | "kv-saturated" | "warming-up" | "no-kv-capacity" | "memory" | "sla"
+    values: "initial" | "static" | "no-metrics" | "stale-last-good"
+      | "stale-static" | "stale-pressure" | "kv-saturated" | "warming-up"
+      | "no-kv-capacity" | "memory" | "sla"
     """
     inflight_batches: _builtins.int
     """Batches in the engine now (at most maxInflightBatches)."""
@@ -871,6 +885,10 @@ class Stats(_message.Message):
         only the last few).
         """
 
+    @_builtins.property
+    def engine_breaker(self) -> Global___EngineBreakerStatus:
+        """The engine circuit breaker: whether requests are dispatched or held."""
+
     def __init__(
         self,
         *,
@@ -893,10 +911,11 @@ class Stats(_message.Message):
         config_generation: _builtins.int = ...,
         uptime_seconds: _builtins.float = ...,
         pending_requests: _builtins.int = ...,
+        engine_breaker: Global___EngineBreakerStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "metrics_source", b"metrics_source", "predictor", b"predictor", "throughput", b"throughput", "totals", b"totals"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "engine_breaker", b"engine_breaker", "metrics_source", b"metrics_source", "predictor", b"predictor", "throughput", b"throughput", "totals", b"totals"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "bin_boundaries", b"bin_boundaries", "bins", b"bins", "config_generation", b"config_generation", "draining", b"draining", "engine_health", b"engine_health", "inflight_batches", b"inflight_batches", "inflight_requests", b"inflight_requests", "metrics_source", b"metrics_source", "pending_requests", b"pending_requests", "predictor", b"predictor", "recent_adjustments", b"recent_adjustments", "sidecar_version", b"sidecar_version", "sizer_reason", b"sizer_reason", "target_batch_size", b"target_batch_size", "throughput", b"throughput", "totals", b"totals", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem", "_b_sla", b"_b_sla", "b_mem", b"b_mem", "b_sla", b"b_sla", "bin_boundaries", b"bin_boundaries", "bins", b"bins", "config_generation", b"config_generation", "draining", b"draining", "engine_breaker", b"engine_breaker", "engine_health", b"engine_health", "inflight_batches", b"inflight_batches", "inflight_requests", b"inflight_requests", "metrics_source", b"metrics_source", "pending_requests", b"pending_requests", "predictor", b"predictor", "recent_adjustments", b"recent_adjustments", "sidecar_version", b"sidecar_version", "sizer_reason", b"sizer_reason", "target_batch_size", b"target_batch_size", "throughput", b"throughput", "totals", b"totals", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__b_mem: _TypeAlias = _typing.Literal["b_mem"]  # noqa: Y015
     _WhichOneofArgType__b_mem: _TypeAlias = _typing.Literal["_b_mem", b"_b_mem"]  # noqa: Y015
@@ -908,6 +927,48 @@ class Stats(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__b_sla) -> _WhichOneofReturnType__b_sla | None: ...
 
 Global___Stats: _TypeAlias = Stats  # noqa: Y015
+
+@_typing.final
+class EngineBreakerStatus(_message.Message):
+    """The engine circuit breaker. While the engine is down ("open") queued
+    requests are held up to their deadlines instead of failing in the dead
+    engine; new requests without a deadline, or beyond the full queue, get
+    UNAVAILABLE at once. A successful health probe lets one request through
+    ("half_open"); its answer, or a second good probe, closes the breaker.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    OPEN_SECONDS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    OPENS_FIELD_NUMBER: _builtins.int
+    state: _builtins.str
+    """Whether requests are dispatched ("closed"), held ("open") or one is
+    let through as a trial ("half_open").
+    values: "closed" | "open" | "half_open"
+    """
+    open_seconds: _builtins.float
+    """Seconds since it opened (0 when closed)."""
+    reason: _builtins.str
+    """Why it last opened, e.g. the connection error."""
+    opens: _builtins.int
+    """Times it opened since the sidecar started."""
+    def __init__(
+        self,
+        *,
+        state: _builtins.str = ...,
+        open_seconds: _builtins.float = ...,
+        reason: _builtins.str = ...,
+        opens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["open_seconds", b"open_seconds", "opens", b"opens", "reason", b"reason", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineBreakerStatus: _TypeAlias = EngineBreakerStatus  # noqa: Y015
 
 @_typing.final
 class ConfigView(_message.Message):

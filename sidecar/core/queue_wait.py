@@ -1,0 +1,73 @@
+"""How long a new request would wait in the queue, from the measured service rate.
+
+The count bound alone (``maxQueuedRequests``, 10,000 by default) let ~40 s of
+backlog build up, so under overload requests waited out their whole deadline and
+were often cancelled after being sent (wasted engine work).  With a time bound a
+request whose predicted wait exceeds its deadline is refused at once
+(RESOURCE_EXHAUSTED) instead.
+
+The rate is completions per second measured only over intervals in which the
+engine was saturated (requests waited for a free slot, not just for their bin to
+fill), so it is the engine's capacity, not the arrival rate of a quiet period:
+``ServiceRate.completed(now, saturated)`` at each completion.  No I/O; time
+comes from the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+WINDOW = 512  # completions kept
+MAX_AGE_SECONDS = 30.0  # older completions do not describe the engine now
+MIN_SAMPLES = 32  # fewer: no estimate, nothing is refused
+
+
+class ServiceRate:
+    """Completions per second while the engine was saturated (module docstring)."""
+
+    def __init__(
+        self, *, window: int = WINDOW, max_age: float = MAX_AGE_SECONDS, min_samples: int = MIN_SAMPLES
+    ) -> None:
+        if window < 1 or min_samples < 1 or min_samples > window:
+            raise ValueError(f"need 1 <= min_samples <= window, got min_samples={min_samples}, window={window}")
+        if not (math.isfinite(max_age) and max_age > 0):
+            raise ValueError(f"max_age must be finite and > 0, got {max_age}")
+        self.max_age = max_age
+        self.min_samples = min_samples
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (time, busy seconds it closes)
+        self._last: float | None = None
+        self._busy = False  # was the engine saturated at the last completion?
+
+    def completed(self, now: float, saturated: bool) -> None:
+        """One completion at ``now``; ``saturated``: requests are waiting for a slot."""
+        if self._last is not None and self._busy:
+            self._samples.append((now, max(0.0, now - self._last)))
+        self._last = now
+        self._busy = saturated
+
+    def rate(self, now: float) -> float | None:
+        """Completions per second, or None without enough recent samples."""
+        while self._samples and now - self._samples[0][0] > self.max_age:
+            self._samples.popleft()
+        if len(self._samples) < self.min_samples:
+            return None
+        busy = sum(dt for _, dt in self._samples)
+        return len(self._samples) / busy if busy > 0 else None
+
+
+def predicted_wait(ahead: int, rate: float) -> float:
+    """Seconds until ``ahead`` requests have been served at ``rate`` per second."""
+    return ahead / rate
+
+
+def refusal(ahead: int, rate: float | None, remaining: float | None) -> str | None:
+    """Why a request with ``remaining`` seconds to its deadline should be refused
+    (None: accept).  No deadline, no backlog or no rate estimate: accept."""
+    if remaining is None or rate is None or ahead <= 0:
+        return None
+    wait = predicted_wait(ahead, rate)
+    if wait <= remaining:
+        return None
+    return (f"predicted queue wait {wait:.2f} s ({ahead} requests ahead, served at {rate:.1f}/s) "
+            f"exceeds the request's deadline of {max(0.0, remaining):.2f} s")  # fmt: skip
