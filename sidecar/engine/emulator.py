@@ -55,7 +55,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -90,6 +90,9 @@ class EmulatorConfig:
     ``vllm:time_per_output_token_seconds``) instead of the current ones."""
     seed: int = 0
     """Seed mixed into every sequence's output length and words."""
+    receipts_file: str = ""
+    """Append every prompt the engine accepts to this file, one JSON string a line, so
+    a chaos bench can count prompts sent twice across engine restarts; "" is off."""
 
     def __post_init__(self) -> None:
         if not self.model or not self.model.strip():
@@ -963,7 +966,28 @@ class ResponseShape:
 
 # ------------------------------------------------------------------ HTTP: handlers
 
+class ReceiptLog:
+    """Prompts the engine accepted, appended to ``receipts_file`` as they arrive.
+
+    One ``write`` per line into a file opened for append, so every line already
+    written survives a SIGKILL of the emulator and a restarted emulator appends
+    after it: the file counts receipts across the engine's lives.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1, encoding="utf-8") if path else None  # noqa: SIM115 - closed on app cleanup
+
+    def record(self, keys: Iterable[str]) -> None:
+        if self._file is not None:
+            self._file.write("".join(json.dumps(k) + "\n" for k in keys))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 CONFIG_KEY = web.AppKey("emulator_config", EmulatorConfig)
+RECEIPTS_KEY = web.AppKey("emulator_receipts", ReceiptLog)
 ENGINE_KEY = web.AppKey("emulator_engine", EmulatedEngine)
 METRICS_KEY = web.AppKey("emulator_metrics", EmulatorMetrics)
 
@@ -1011,6 +1035,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     events: asyncio.Queue[SeqEvent] = asyncio.Queue()
     seqs = build_sequences(parsed, config, asyncio.get_running_loop().time(), events)
     engine.submit(seqs)
+    request.app[RECEIPTS_KEY].record(p.key for p in parsed.prompts)
     shape = ResponseShape(chat, config.model, token_ids=body.get("return_token_ids") is True)
     try:
         if parsed.sampling.stream:
@@ -1091,6 +1116,7 @@ def build_app(config: EmulatorConfig) -> web.Application:
     metrics = EmulatorMetrics(config)
     engine = EmulatedEngine(config, metrics)
     app[CONFIG_KEY], app[METRICS_KEY], app[ENGINE_KEY] = config, metrics, engine
+    app[RECEIPTS_KEY] = ReceiptLog(config.receipts_file)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_get("/health", handle_health)
@@ -1105,8 +1131,12 @@ def build_app(config: EmulatorConfig) -> web.Application:
         # connections are drained, so every pending request gets its 503.
         await engine.stop()
 
+    async def close_receipts(_: web.Application) -> None:
+        app[RECEIPTS_KEY].close()
+
     app.on_startup.append(start_engine)
     app.on_shutdown.append(stop_engine)
+    app.on_cleanup.append(close_receipts)
     return app
 
 
@@ -1232,6 +1262,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="expose vLLM's pre-0.10 metric names (gpu_cache_usage_perc, "
                              "time_per_output_token_seconds)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=d.seed, help=f"output seed (default {d.seed})")
+    parser.add_argument("--receipts-file", default=d.receipts_file, metavar="FILE",
+                        help="append every accepted prompt to FILE, one JSON string a line (default: off)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
