@@ -54,6 +54,8 @@ from .chaos_load import LoadGenerator, Outcome, percentile
 from .chaos_processes import EmulatorProcess, SidecarProcess, free_port, read_receipts, rss_and_fds
 
 SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
+# A small engine: ~100 req/s of 32-token outputs here, so 10x its capacity is a rate
+# this one bench process can still offer over gRPC.
 ENGINE_ARGS = ["--step-a", "0.004", "--step-c", "0.0002", "--num-gpu-blocks", "1024", "--block-size", "16"]
 POLL = 0.02  # seconds between Admin polls while the bench waits for a state it caused
 
@@ -170,11 +172,13 @@ def unaccounted(stats: pb.Stats) -> int:
 
 
 async def settle(channel: grpc.aio.Channel, timeout: float = 5.0) -> tuple[pb.Stats, bool]:
-    """Wait (bounded) until the sidecar holds nothing; the last stats and whether it did."""
+    """Wait (bounded) until the sidecar holds nothing and has ended all it accepted
+    (a caller's deadline may reach the sidecar a moment after the caller); the
+    last stats and whether it settled."""
     deadline = time.monotonic() + timeout
     while True:
         stats = await stats_of(channel)
-        if queued(stats) == 0 and stats.inflight_requests == 0:
+        if queued(stats) == 0 and stats.inflight_requests == 0 and unaccounted(stats) == 0:
             return stats, True
         if time.monotonic() >= deadline:
             return stats, False
@@ -368,6 +372,7 @@ async def engine_kill(b: Bench) -> dict[str, Any]:
             await eng.start()
             restarted = eng.running
             t_up = time.monotonic()
+            resumed = await _first_ok(load, deadline=10.0, timeout=20.0)
             await load.wait_all()
             stats, _ = await settle(ch)
         exit_code = await terminate(side, c.grace_seconds)
@@ -391,9 +396,21 @@ async def engine_kill(b: Bench) -> dict[str, Any]:
         "outage_codes": _codes(outage),
         "outage_failure_latency_ms": {"p50": ms(percentile(failed_fast, 0.5)), "p99": ms(percentile(failed_fast, 0.99))},
         "first_ok_after_restart_ms": ms(min(after_up) if after_up else None),
+        "new_call_ok_after_restart_ms": ms(None if resumed is None else resumed - t_up),
         "exercised": len(in_engine) > 0 and restarted,
         **accounting(load, stats, side, exit_code, [eng.receipts]),
     }
+
+
+async def _first_ok(load: LoadGenerator, deadline: float, timeout: float) -> float | None:
+    """Call until one call succeeds (bounded); when that call ended, or None."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        out = await load.call(deadline, "after_restart", max_tokens=4)
+        if out.code == "OK":
+            return out.ended
+        await asyncio.sleep(0.05)  # ok-sleep: the probing pace
+    return None
 
 
 def _codes(outcomes: list[Outcome]) -> dict[str, int]:
@@ -510,8 +527,9 @@ async def sigterm(b: Bench) -> dict[str, Any]:
             drain = (side.exited_at or time.monotonic()) - t_term
             await load.wait_all()
     accepted = ("long", "short")
-    fake = pb.Stats(totals=at_term.totals)  # the sidecar is gone: its counters at SIGTERM
-    doc = accounting(load, fake, side, exit_code, [eng.receipts], accepted_tags=accepted)
+    # The sidecar is gone, so its counters cannot be read after the drain: the
+    # callers' statuses are the whole account (its totals as at SIGTERM are shown).
+    doc = accounting(load, pb.Stats(totals=at_term.totals), side, exit_code, [eng.receipts], accepted_tags=accepted)
     doc["sidecar_unaccounted"] = 0
     doc["lost"] = doc["dropped"]
     return {
@@ -661,6 +679,7 @@ def print_tables(doc: dict[str, Any], out=sys.stdout) -> None:
         for label, value in _scenario_rows(name, s):
             _row(label, value)
         _row("sidecar exit / stuck in flight", f"{s['sidecar_exit_code']} / {s['stuck_inflight']}")
+        _row("sidecar log lines by level", s["sidecar_log_levels"])
 
 
 def _scenario_rows(name: str, s: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -681,6 +700,7 @@ def _scenario_rows(name: str, s: dict[str, Any]) -> list[tuple[str, Any]]:
             ("queued at kill / survived", f"{s['queued_at_kill']} / {s['queued_survived']} {s['queued_codes']}"),
             ("new calls in outage / codes", f"{s['outage_calls']} / {s['outage_codes']}"),
             ("outage failure latency p50 ms", s["outage_failure_latency_ms"]["p50"]),
+            ("restart to a new call's OK, ms", s["new_call_ok_after_restart_ms"]),
         ]
     if name == "config_churn":
         return [(c["change"], f"{c['outcome']} (expected {' or '.join(c['expected'])})") for c in s["changes"]]
