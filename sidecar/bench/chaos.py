@@ -394,7 +394,8 @@ async def engine_kill(b: Bench) -> dict[str, Any]:
         "queued_survived": sum(o.code == "OK" for o in held),
         "outage_calls": len(outage),
         "outage_codes": _codes(outage),
-        "outage_failure_latency_ms": {"p50": ms(percentile(failed_fast, 0.5)), "p99": ms(percentile(failed_fast, 0.99))},
+        "outage_failure_latency_ms": {"p50": ms(percentile(failed_fast, 0.5)),
+                                      "p99": ms(percentile(failed_fast, 0.99))},  # fmt: skip
         "first_ok_after_restart_ms": ms(min(after_up) if after_up else None),
         "new_call_ok_after_restart_ms": ms(None if resumed is None else resumed - t_up),
         "exercised": len(in_engine) > 0 and restarted,
@@ -666,7 +667,7 @@ def configure(quick: bool, **overrides: Any) -> ChaosConfig:
 
 
 def _row(label: str, value: Any) -> None:
-    print(f"  {label:34} {value}")
+    print(f"  {label:38} {value}")
 
 
 def print_tables(doc: dict[str, Any], out=sys.stdout) -> None:
@@ -682,17 +683,21 @@ def print_tables(doc: dict[str, Any], out=sys.stdout) -> None:
         _row("sidecar log lines by level", s["sidecar_log_levels"])
 
 
+def _slash(*values: Any) -> str:
+    return " / ".join(str(v) for v in values)
+
+
 def _scenario_rows(name: str, s: dict[str, Any]) -> list[tuple[str, Any]]:
     if name == "overload":
-        f = s["fraction"]
+        f, rej = s["fraction"], s["rejection_latency_ms"]
         return [
-            ("capacity / offered / achieved req/s", f"{s['capacity_rps']} / {s['offered_rps']} / {s['achieved_rps']}"),
-            ("OK / RESOURCE_EXH. / DEADLINE / other", f"{f['ok']:.1%} / {f['resource_exhausted']:.1%} / "
-                                                     f"{f['deadline_exceeded']:.1%} / {f['other']:.1%}"),
-            ("rejection latency p50 / p99 ms", f"{s['rejection_latency_ms']['p50']} / {s['rejection_latency_ms']['p99']}"),
-            ("RSS MB before / peak / after", f"{s['rss_mb']['before']} / {s['rss_mb']['peak']} / {s['rss_mb']['after']}"),
-            ("open fds before / peak / after", f"{s['fds']['before']} / {s['fds']['peak']} / {s['fds']['after']}"),
-            ("recovered / seconds", f"{s['recovered']} / {s['recovery_seconds']}"),
+            ("capacity / offered / achieved req/s", _slash(s["capacity_rps"], s["offered_rps"], s["achieved_rps"])),
+            ("OK / RESOURCE_EXH. / DEADLINE / other",
+             _slash(*(f"{f[k]:.1%}" for k in ("ok", "resource_exhausted", "deadline_exceeded", "other")))),
+            ("rejection latency p50 / p99 ms", _slash(rej["p50"], rej["p99"])),
+            ("RSS MB before / peak / after", _slash(*s["rss_mb"].values())),
+            ("open fds before / peak / after", _slash(*s["fds"].values())),
+            ("recovered / seconds", _slash(s["recovered"], s["recovery_seconds"])),
         ]  # fmt: skip
     if name == "engine_kill":
         return [
