@@ -86,7 +86,7 @@ class ChaosConfig:
     # sigterm
     sigterm_requests: int = 300
     sigterm_short_requests: int = 100
-    short_deadline_seconds: float = 0.3
+    short_deadline_seconds: float = 3.0  # the short calls' deadlines spread over [0.05 s, this]
     grace_seconds: int = 10
     # metrics_faults
     phase_seconds: float = 10.0
@@ -100,7 +100,7 @@ class ChaosConfig:
             overload_seconds=3.0, overload_deadline_seconds=2.0, overload_max_tokens=64, capacity_concurrency=64,
             capacity_calls=64, sample_seconds=1.0,
             recovery_timeout_seconds=10.0, kill_requests=100, outage_seconds=1.5, churn_dwell_seconds=0.3,
-            sigterm_requests=100, sigterm_short_requests=40, grace_seconds=5, phase_seconds=1.2,
+            sigterm_requests=100, grace_seconds=5, phase_seconds=1.2,
             metrics_interval_ms=100, metrics_stale_ms=500,
         )  # fmt: skip
 
@@ -231,6 +231,7 @@ def accounting(load: LoadGenerator, stats: pb.Stats, side: SidecarProcess, exit_
                            ("accepted", "completed", "rejected", "expired", "cancelled", "failed")},  # fmt: skip
         "sidecar_exit_code": exit_code,
         "sidecar_log_levels": side.log_levels(),
+        "sidecar_errors": side.error_messages(),
     }
 
 
@@ -514,8 +515,8 @@ async def sigterm(b: Bench) -> dict[str, Any]:
             for _ in range(c.sigterm_requests):
                 load.spawn(c.grace_seconds + 30.0, "long")
             await wait_stats(ch, lambda s: s.totals.accepted + s.totals.rejected >= c.sigterm_requests, 15)
-            for _ in range(c.sigterm_short_requests):
-                load.spawn(c.short_deadline_seconds, "short")
+            for i in range(c.sigterm_short_requests):  # deadlines spread so some pass just as they are admitted
+                load.spawn(0.05 + (c.short_deadline_seconds - 0.05) * i / c.sigterm_short_requests, "short")
             n = c.sigterm_requests + c.sigterm_short_requests
             at_term = await wait_stats(ch, lambda s: s.totals.accepted + s.totals.rejected >= n, 5)
             t_term = time.monotonic()

@@ -190,6 +190,17 @@ class SidecarProcess(_Child):
     def log_levels(self) -> dict[str, int]:
         return dict(Counter(str(r.get("level", "?")).upper() for r in self.records()))
 
+    def error_messages(self, limit: int = 3) -> list[str]:
+        """The first few distinct ERROR messages, each with its exception's last line."""
+        out: dict[str, None] = {}
+        for r in self.records():
+            if str(r.get("level", "")).upper() in ("ERROR", "CRITICAL"):
+                exc = str(r.get("exc", "")).strip().splitlines()
+                out[f"{r.get('msg', '')}{': ' + exc[-1] if exc else ''}"[:200]] = None
+            if len(out) >= limit:
+                break
+        return list(out)
+
     def cut_off_reported(self) -> int | None:
         """N from the sidecar's last words, "sidecar stopped (N requests cut off ...)"."""
         for record in reversed(self.records()):
