@@ -161,7 +161,9 @@ async def stats_of(channel: grpc.aio.Channel) -> pb.Stats:
 
 
 def queued(stats: pb.Stats) -> int:
-    return sum(b.queue_depth for b in stats.bins)
+    """Requests the sidecar holds that are not in flight: in the bins, and taken
+    from them but not yet sent (``pending_requests``, where the proto has it)."""
+    return sum(b.queue_depth for b in stats.bins) + getattr(stats, "pending_requests", 0)
 
 
 def unaccounted(stats: pb.Stats) -> int:
