@@ -443,6 +443,8 @@ async def config_churn(b: Bench) -> dict[str, Any]:
     return {
         "changes": changes,
         "changes_not_as_expected": sum(not ch["ok"] for ch in changes),
+        # both engines stay up: a call that fails here failed because of a config change
+        "failed_calls": {code: n for code, n in load.codes().items() if code != "OK"},
         "engine_prompts": {"first": sum(read_receipts(e1.receipts).values()),
                            "second": sum(read_receipts(e2.receipts).values())},  # fmt: skip
         "exercised": len(changes) == 5 and all(ch["outcome"] != "unanswered" for ch in changes),
@@ -711,7 +713,8 @@ def _scenario_rows(name: str, s: dict[str, Any]) -> list[tuple[str, Any]]:
             ("restart to a new call's OK, ms", s["new_call_ok_after_restart_ms"]),
         ]
     if name == "config_churn":
-        return [(c["change"], f"{c['outcome']} (expected {' or '.join(c['expected'])})") for c in s["changes"]]
+        rows = [(c["change"], f"{c['outcome']} (expected {' or '.join(c['expected'])})") for c in s["changes"]]
+        return [*rows, ("calls failed during the churn", s["failed_calls"] or 0)]
     if name == "sigterm":
         return [
             ("exit code / drain s / grace s", f"{s['exit_code']} / {s['drain_seconds']} / {s['grace_seconds']}"),

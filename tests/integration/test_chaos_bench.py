@@ -82,6 +82,8 @@ async def test_quick_chaos_bench_loses_duplicates_and_hangs_nothing(tmp_path):
         if not change["ok"]:
             misses.append(f"config_churn: {change['change']} was {change['outcome']}, "
                           f"expected {' or '.join(change['expected'])}")  # fmt: skip
+    if churn["failed_calls"]:
+        misses.append(f"config_churn: calls failed although both engines were up: {churn['failed_calls']}")
     if term["exit_code"] != 0 or term["drained_within_grace"] is not True or term["inflight_at_term"] == 0:
         misses.append(f"sigterm: exit {term['exit_code']} after {term['drain_seconds']} s "
                       f"(grace {term['grace_seconds']} s, {term['inflight_at_term']} in flight)")  # fmt: skip
