@@ -37,6 +37,23 @@ def _bench_theory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_chaos(args: argparse.Namespace) -> int:
+    from .bench import chaos
+
+    cfg = chaos.configure(
+        args.quick, overload_seconds=args.overload_seconds, outage_seconds=args.outage_seconds,
+        phase_seconds=args.phase_seconds, scenarios=tuple(args.only) if args.only else None,
+    )  # fmt: skip
+    say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench chaos] {m}", file=sys.stderr, flush=True))
+    doc = chaos.run(cfg, say)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        chaos.print_tables(doc)
+    return 0 if doc["lost"] == doc["duplicated"] == doc["hung"] == 0 else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .bench import demo
 
@@ -86,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     th.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     th.set_defaults(func=_bench_theory)
+    ch = bench_sub.add_parser(
+        "chaos", help="faults on the embedded engine: overload, engine kill, config churn, SIGTERM, bad metrics; "
+                      "exits 1 unless lost, duplicated and hung are all 0"
+    )  # fmt: skip
+    ch.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    ch.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
+    ch.add_argument("--overload-seconds", type=_positive_float, help="length of the 10x overload (default 60)")
+    ch.add_argument("--outage-seconds", type=_positive_float, help="engine down time before its restart (default 5)")
+    ch.add_argument("--phase-seconds", type=_positive_float, help="length of each metrics-fault phase (default 10)")
+    ch.add_argument("--only", action="append", choices=_CHAOS_SCENARIOS, metavar="SCENARIO",
+                    help=f"run only this scenario (repeatable): {', '.join(_CHAOS_SCENARIOS)}")  # fmt: skip
+    ch.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ch.set_defaults(func=_bench_chaos)
 
     dm = sub.add_parser("demo", help="the data plane on the embedded engine: multi-bin vs one bin, side by side")
     dm.add_argument("--requests", type=_positive_int, default=384, help="requests per scenario (default 384)")
@@ -130,6 +160,19 @@ def _env_port(name: str) -> int | None:
         return _port(text)
     except argparse.ArgumentTypeError as exc:
         raise SystemExit(f"binbatch: {name}: {exc}") from None
+
+
+_CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (v > 0 and v < 86400):
+        raise argparse.ArgumentTypeError(f"must be > 0 and < 86400, got {text}")
+    return v
 
 
 def _positive_int(text: str) -> int:

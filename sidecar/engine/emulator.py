@@ -55,7 +55,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -94,6 +94,9 @@ class EmulatorConfig:
     """Largest request body accepted; a larger one gets HTTP 413 "Maximum request
     body size ... exceeded", as from aiohttp's ``client_max_size`` (1 MiB by default)
     in front of vLLM."""
+    receipts_file: str = ""
+    """Append every prompt the engine accepts to this file, one JSON string a line, so
+    a chaos bench can count prompts sent twice across engine restarts; "" is off."""
 
     def __post_init__(self) -> None:
         if not self.model or not self.model.strip():
@@ -967,7 +970,28 @@ class ResponseShape:
 
 # ------------------------------------------------------------------ HTTP: handlers
 
+class ReceiptLog:
+    """Prompts the engine accepted, appended to ``receipts_file`` as they arrive.
+
+    One ``write`` per line into a file opened for append, so every line already
+    written survives a SIGKILL of the emulator and a restarted emulator appends
+    after it: the file counts receipts across the engine's lives.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1, encoding="utf-8") if path else None  # noqa: SIM115 - closed on app cleanup
+
+    def record(self, keys: Iterable[str]) -> None:
+        if self._file is not None:
+            self._file.write("".join(json.dumps(k) + "\n" for k in keys))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 CONFIG_KEY = web.AppKey("emulator_config", EmulatorConfig)
+RECEIPTS_KEY = web.AppKey("emulator_receipts", ReceiptLog)
 ENGINE_KEY = web.AppKey("emulator_engine", EmulatedEngine)
 METRICS_KEY = web.AppKey("emulator_metrics", EmulatorMetrics)
 
@@ -1015,6 +1039,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     events: asyncio.Queue[SeqEvent] = asyncio.Queue()
     seqs = build_sequences(parsed, config, asyncio.get_running_loop().time(), events)
     engine.submit(seqs)
+    request.app[RECEIPTS_KEY].record(p.key for p in parsed.prompts)
     shape = ResponseShape(chat, config.model, token_ids=body.get("return_token_ids") is True)
     try:
         if parsed.sampling.stream:
@@ -1095,6 +1120,7 @@ def build_app(config: EmulatorConfig) -> web.Application:
     metrics = EmulatorMetrics(config)
     engine = EmulatedEngine(config, metrics)
     app[CONFIG_KEY], app[METRICS_KEY], app[ENGINE_KEY] = config, metrics, engine
+    app[RECEIPTS_KEY] = ReceiptLog(config.receipts_file)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_get("/health", handle_health)
@@ -1109,8 +1135,12 @@ def build_app(config: EmulatorConfig) -> web.Application:
         # connections are drained, so every pending request gets its 503.
         await engine.stop()
 
+    async def close_receipts(_: web.Application) -> None:
+        app[RECEIPTS_KEY].close()
+
     app.on_startup.append(start_engine)
     app.on_shutdown.append(stop_engine)
+    app.on_cleanup.append(close_receipts)
     return app
 
 
@@ -1238,6 +1268,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help=f"output seed (default {d.seed})")
     parser.add_argument("--max-request-body-bytes", type=_positive_int, default=d.max_request_body_bytes,
                         help=f"largest request body; larger ones get HTTP 413 (default {d.max_request_body_bytes})")  # fmt: skip
+    parser.add_argument("--receipts-file", default=d.receipts_file, metavar="FILE",
+                        help="append every accepted prompt to FILE, one JSON string a line (default: off)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:

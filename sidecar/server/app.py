@@ -269,7 +269,7 @@ class Sidecar:
             engine_timeout=cfg.engine.request_timeout_seconds,
         )  # fmt: skip
         if (cfg.engine.url, cfg.engine.request_timeout_seconds) != (running.engine.url, running.engine.request_timeout_seconds):  # fmt: skip
-            self._swap_client(cfg)
+            await self._swap_client(cfg, new_engine=cfg.engine.url != running.engine.url)
         self.client.max_body_bytes = cfg.engine.max_request_body_bytes  # read per call: applies live
         self.feed.source = self._metrics_source(cfg)
         self.feed.interval = cfg.scrape_interval_seconds
@@ -281,15 +281,22 @@ class Sidecar:
         self.loaded = loaded
         self.metrics.config_generation.set(loaded.generation)
         if cfg.engine.url != running.engine.url:
-            self._models = []  # the default model is the new engine's
             await self._check_engine()
 
-    def _swap_client(self, cfg: SidecarConfig) -> None:
+    async def _swap_client(self, cfg: SidecarConfig, *, new_engine: bool) -> None:
         """New dispatches use a client for the new engine; calls already running
-        finish on the old one, which is closed once they are done."""
+        finish on the old one, which is closed once they are done.  For a new
+        engine its served models are asked for before the swap, so requests that
+        name no model never find the default missing meanwhile."""
         old = self.client
-        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
-                                   max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
+        client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
+                              max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
+        if new_engine:
+            models: list[str] = []
+            with contextlib.suppress(Exception):  # down: learned at its first good health check
+                models = await client.models()
+            self._models = models
+        self.client = client
         running = self.dispatcher.replace_client(self.client)
         self._retiring.add(old)
         task = asyncio.create_task(self._retire(old, running))
