@@ -114,7 +114,8 @@ def run(cfg: SimBenchConfig) -> dict:
     return {"setting": asdict(cfg), "rows": rows, "seconds": round(time.perf_counter() - started, 2)}
 
 
-def print_table(doc: dict, out: TextIO = sys.stdout) -> None:
+def print_table(doc: dict, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
     s = doc["setting"]
     out.write(
         f"simulated engine: step τ(b) = {s['a']:g} + {s['c']:g}·b s, KV {s['kv_tokens']} tokens, "
@@ -138,7 +139,8 @@ def _fmt(v: object) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def main(as_json: bool, out: TextIO = sys.stdout, cfg: SimBenchConfig | None = None) -> int:
+def main(as_json: bool, out: TextIO | None = None, cfg: SimBenchConfig | None = None) -> int:
+    out = out or sys.stdout
     doc = run(cfg or SimBenchConfig())
     if as_json:
         json.dump(doc, out, indent=2)
