@@ -266,8 +266,7 @@ class Scheduler:
     def complete(self, req: Request, outcome: Outcome, now: float) -> Verdict | None:
         """An engine call answered for ``req``.  Returns what became of it, or None
         if it had ended already (cancelled while in flight)."""
-        if self.breaker.on_result(outcome.outage, now):
-            pass  # the driver compares the breaker's state to notice the change
+        self.breaker.on_result(outcome.outage, now)  # a driver compares the breaker's state to see a change
         if not outcome.unavailable:
             self.service_rate.completed(now, self.saturated())
         elif self._requeue(req, outcome, now):

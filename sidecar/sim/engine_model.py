@@ -13,7 +13,9 @@
   preemption) and goes back to the head of the queue.
 
 Both are pure (time passed in) and know nothing of the scheduler: they take
-groups of ``Request``s (one engine call) and report which finished.
+groups of ``Request``s (one engine call) and report which finished.  A driver
+calls ``kick(now)`` after it has submitted everything of one instant, so calls
+made at the same moment join the same engine step, as in vLLM's loop.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class BatchServers:
         self.busy += dt
         heapq.heappush(self._ends, (now + dt, next(self._seq), tuple(requests)))
         return dt
+
+    def kick(self, now: float) -> None:
+        """Nothing to do: a call starts when it is submitted."""
 
     def next_time(self) -> float | None:
         return self._ends[0][0] if self._ends else None
@@ -112,8 +117,12 @@ class ContinuousEngine:
     # -- intake ----------------------------------------------------------------------
 
     def submit(self, now: float, requests: Sequence[Request]) -> None:
+        """Queue ``requests``; they start at the next step (``kick`` starts one if idle)."""
         for r in requests:
             self.waiting.append(_Seq(r, int(r.prompt_tokens), max(1, int(round(r.actual_tokens or 1)))))
+
+    def kick(self, now: float) -> None:
+        """Start a step now if none is running and there is work."""
         if self._step_end is None:
             self._start(now)
 

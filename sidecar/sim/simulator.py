@@ -47,6 +47,7 @@ def longest_request(batch: Batch) -> float:
 
 class Engine(Protocol):
     def submit(self, now: float, requests: Sequence[Request]) -> object: ...
+    def kick(self, now: float) -> None: ...
     def next_time(self) -> float | None: ...
     def advance(self, now: float) -> list[Request]: ...
 
@@ -147,7 +148,6 @@ def drive(
     seq = itertools.count()
     armed: set[float] = set()
     slot_of: dict[Request, tuple[Dispatch, list[int]]] = {}  # request -> its dispatch, requests left in it
-    timed: dict[int, float] = {}  # id(slot) -> service time (BatchServers)
     engine_armed: float | None = None
     done_arriving = False
 
@@ -172,6 +172,7 @@ def drive(
                 if d.batch.reason == "full" and d.slot.batch:
                     res.full_requests += len(d.requests)
                     res.full_service += dt
+        engine.kick(now)
 
     def finish(now: float) -> None:
         for r in engine.advance(now):
@@ -314,8 +315,11 @@ def run_direct(workload: Workload, engine: ContinuousEngine) -> SimResult:
     while nxt is not None or engine.next_time() is not None:
         t_engine = engine.next_time()
         if nxt is not None and (t_engine is None or nxt.arrival < t_engine):
-            engine.submit(nxt.arrival, [nxt])
-            nxt = next(arrivals, None)
+            now = nxt.arrival
+            while nxt is not None and nxt.arrival == now:
+                engine.submit(now, [nxt])
+                nxt = next(arrivals, None)
+            engine.kick(now)
             continue
         assert t_engine is not None
         for r in engine.advance(t_engine):

@@ -125,6 +125,7 @@ async def through_the_dispatcher(sp, mode: str, kind: str, sizing: str, scrape: 
                 i += 1
             d._step()
             await settle()
+            model.kick(t)
             if i == len(reqs):
                 drain = asyncio.create_task(d.drain(grace=3600.0))  # no more arrivals: drain, as the simulator does
                 await settle()
@@ -137,6 +138,7 @@ async def through_the_dispatcher(sp, mode: str, kind: str, sizing: str, scrape: 
             next_scrape = None if drain is not None and d.scheduler.idle() else t + SCRAPE
         d._step()
         await settle()
+        model.kick(t)  # the engine's loop picks up what this instant's calls sent
     assert drain is not None and await drain == 0
     assert all(c.future.done() and c.future.exception() is None for c in calls.values())
     return log, d

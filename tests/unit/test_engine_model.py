@@ -24,6 +24,7 @@ def run_out(engine: ContinuousEngine) -> dict[str, float]:
 def test_a_step_takes_a_plus_c_times_the_running_sequences():
     e = ContinuousEngine(a=0.1, c=0.01, kv_tokens=10_000, max_num_seqs=8, prefill_per_token=0.0)
     e.submit(0.0, [seq(0, 10, 3), seq(1, 10, 1)])
+    e.kick(0.0)
     done = run_out(e)
     step2, step1 = 0.1 + 0.01 * 2, 0.1 + 0.01 * 1
     assert done["1"] == pytest.approx(step2)
@@ -34,6 +35,7 @@ def test_a_step_takes_a_plus_c_times_the_running_sequences():
 def test_max_num_seqs_queues_the_rest_first_come_first_served():
     e = ContinuousEngine(a=1.0, c=0.0, kv_tokens=10_000, max_num_seqs=2, prefill_per_token=0.0)
     e.submit(0.0, [seq(i, 1, 2) for i in range(4)])
+    e.kick(0.0)
     assert [s.req.id for s in e.running] == ["0", "1"] and len(e.waiting) == 2
     done = run_out(e)
     assert done == {"0": 2.0, "1": 2.0, "2": 4.0, "3": 4.0}
@@ -43,6 +45,7 @@ def test_outgrowing_the_kv_budget_preempts_the_newest_and_recomputes_it_later():
     # Two sequences of 10 prompt tokens fit (20 + 2 <= 24) but cannot both grow to 10 outputs.
     e = ContinuousEngine(a=1.0, c=0.0, kv_tokens=24, max_num_seqs=8, prefill_per_token=0.0)
     e.submit(0.0, [seq(0, 10, 10), seq(1, 10, 10)])
+    e.kick(0.0)
     assert len(e.running) == 2
     done = run_out(e)
     assert e.stats.preemptions >= 1
@@ -64,3 +67,12 @@ def test_batch_servers_end_a_call_after_its_longest_request():
     s = BatchServers()
     assert s.submit(1.0, [seq(0, 0, 3), seq(1, 0, 7)]) == 7.0
     assert s.next_time() == 8.0 and s.advance(7.9) == [] and len(s.advance(8.0)) == 2
+
+
+def test_calls_made_at_the_same_instant_join_the_same_step():
+    e = ContinuousEngine(a=1.0, c=0.0, kv_tokens=10_000, max_num_seqs=8, prefill_per_token=0.0)
+    e.submit(0.0, [seq(0, 1, 1)])
+    e.submit(0.0, [seq(1, 1, 1)])
+    assert e.next_time() is None  # nothing starts before the driver's kick
+    e.kick(0.0)
+    assert len(e.running) == 2 and run_out(e) == {"0": 1.0, "1": 1.0}
