@@ -54,6 +54,15 @@ def _bench_chaos(args: argparse.Namespace) -> int:
     return 0 if doc["lost"] == doc["duplicated"] == doc["hung"] == 0 else 1
 
 
+def _bench_sim(args: argparse.Namespace) -> int:
+    from .bench import sim
+
+    cfg = sim.SimBenchConfig(seed=args.seed)
+    if args.requests is not None:
+        cfg = replace(cfg, requests=args.requests)
+    return sim.main(args.json, cfg=cfg)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .bench import demo
 
@@ -116,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"run only this scenario (repeatable): {', '.join(_CHAOS_SCENARIOS)}")  # fmt: skip
     ch.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     ch.set_defaults(func=_bench_chaos)
+    sm = bench_sub.add_parser(
+        "sim", help="simulated KV-limited engine: direct vs the sidecar's scheduler (continuous, memory sizer, gang)"
+    )
+    sm.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    sm.add_argument("--requests", type=_positive_int, help="requests per load (default 1000)")
+    sm.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    sm.set_defaults(func=_bench_sim)
 
     dm = sub.add_parser("demo", help="the data plane on the embedded engine: multi-bin vs one bin, side by side")
     dm.add_argument("--requests", type=_positive_int, default=384, help="requests per scenario (default 384)")

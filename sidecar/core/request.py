@@ -1,13 +1,13 @@
 """The request record that flows through the scheduling core.
 
-The core never looks inside ``payload``: the server keeps its own per-call handle
-there (a future, a gRPC context), the simulator keeps nothing.
+It carries only what scheduling needs; a driver keeps its own per-call handle
+(the dispatcher maps each Request to its caller's future) keyed by the record,
+which hashes by identity.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 
 @dataclass(eq=False, slots=True)
@@ -32,7 +32,6 @@ class Request:
     actual_tokens: float | None = None  # set when the engine reports completion
     bin: int | None = None  # set by the batch former
     cancelled: bool = False  # set by cancel(); such a request is never dispatched
-    payload: Any = field(default=None, repr=False)
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline

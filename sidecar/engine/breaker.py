@@ -1,35 +1,17 @@
-"""A circuit breaker in front of the engine: hold the queue while the engine is down.
-
-Without it an engine outage flushed the whole queue into the dead engine, where
-every request failed in half a second although most could have waited out a
-restart.  The breaker decides only *whether to dispatch*; the dispatcher keeps the
-requests.  Pure: no I/O, time comes from the caller.
-
-States:
-
-* ``closed`` -- the engine answers; dispatch freely.
-* ``open`` -- the engine is down: a health probe failed, or a request could not
-  reach it (connection refused or lost, 502/503/504).  Nothing is dispatched;
-  queued requests wait in the bounded queue until the engine is back or their
-  deadline passes.
-* ``half_open`` -- a health probe succeeded after an outage: one request (one
-  batch in gang mode) at a time goes to the engine until one gets an answer or a
-  second probe succeeds (``closed``: a long generation as the trial must not
-  throttle a healthy engine for its whole length), or a call fails for the engine
-  being down again (``open``).
+"""Which engine answers mean the engine is down (the core's ``EngineBreaker`` acts on it).
 
 An answer the engine *gave* -- a result, a 400, a 500 for one request, a 429 --
-is not an outage: the engine is alive.
+is not an outage: the engine is alive.  No answer at all (connection refused or
+lost) or a 502/503/504 is.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
+from ..core.breaker import STATES, EngineBreaker, State
 from .engine_client import EngineError, EngineResult
 
-State = Literal["closed", "open", "half_open"]
-STATES: tuple[State, ...] = ("closed", "open", "half_open")
+__all__ = ["OUTAGE_STATUSES", "STATES", "EngineBreaker", "State", "is_outage", "outage_reason"]
+
 OUTAGE_STATUSES = frozenset({None, 502, 503, 504})  # None: no HTTP answer at all
 
 
@@ -38,63 +20,6 @@ def is_outage(result: EngineResult | EngineError) -> bool:
     return isinstance(result, EngineError) and result.kind == "unavailable" and result.status in OUTAGE_STATUSES
 
 
-class EngineBreaker:
-    """The breaker's state machine (module docstring).  Every method that changes
-    the state returns True, so the caller knows to wake its dispatch loop."""
-
-    def __init__(self) -> None:
-        self.state: State = "closed"
-        self.reason = ""  # why it last opened
-        self.opened_at: float | None = None  # when it last opened (caller's clock)
-        self.opens = 0  # times it opened
-
-    def allows_dispatch(self, inflight: int) -> bool:
-        """May one more request (or batch) go to the engine with ``inflight`` there?"""
-        if self.state == "closed":
-            return True
-        return self.state == "half_open" and inflight == 0
-
-    def on_probe(self, ok: bool, now: float, reason: str = "health probe failed") -> bool:
-        """A health probe's result."""
-        if not ok:
-            return self._open(now, reason)
-        if self.state == "open":
-            self.state = "half_open"
-            return True
-        if self.state == "half_open":
-            self.state, self.reason = "closed", ""
-            return True
-        return False
-
-    def on_result(self, result: EngineResult | EngineError, now: float) -> bool:
-        """An engine call's outcome."""
-        if is_outage(result):
-            assert isinstance(result, EngineError)
-            return self._open(now, result.message)
-        if self.state == "half_open":
-            self.state, self.reason = "closed", ""
-            return True
-        return False
-
-    def open_seconds(self, now: float) -> float:
-        """How long it has been open or half-open (0 when closed)."""
-        if self.state == "closed" or self.opened_at is None:
-            return 0.0
-        return max(0.0, now - self.opened_at)
-
-    def describe(self, now: float) -> str:
-        """A sentence for error messages and logs."""
-        if self.state == "closed":
-            return "the engine is available"
-        state = self.state.replace("_", "-")
-        return f"the engine is unavailable ({state} for {self.open_seconds(now):.1f} s: {self.reason})"
-
-    def _open(self, now: float, reason: str) -> bool:
-        self.reason = reason
-        if self.state == "open":
-            return False
-        if self.state == "closed":
-            self.opened_at = now
-            self.opens += 1
-        self.state = "open"
-        return True
+def outage_reason(result: EngineResult | EngineError) -> str | None:
+    """Why ``result`` shows the engine down (the breaker's reason), or None."""
+    return result.message if is_outage(result) else None  # type: ignore[union-attr]

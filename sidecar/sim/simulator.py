@@ -1,13 +1,19 @@
-"""A discrete-event simulator that drives the real scheduling core.
+"""A discrete-event simulator that drives the sidecar's own ``Scheduler``.
 
-It owns only what the outside world would: arrivals, servers and time.  Requests
-go through the same predictor -> binner -> batch former path the sidecar uses, on a
-``ManualClock`` that jumps from event to event.  The former's ``next_wake()`` is
-armed as a timer event, exactly as the asyncio server arms a real timer.
+It owns only what the outside world would: arrivals, the engine and time.
+Requests go through the same ``core.scheduler.Scheduler`` the sidecar's
+dispatcher drives -- predictor, binner, batch former, sizer, in-flight ledger, in
+gang or continuous mode -- on a ``ManualClock`` that jumps from event to event.
+The scheduler's ``next_wake()`` is armed as a timer event, exactly as the asyncio
+driver arms a real timer; a metrics scrape (``scrape_interval``) feeds
+``on_snapshot`` what the engine model's ``/metrics`` would say.
 
-Service model (multi-bin-batching-v1.md §3): a batch holds its server until its
-longest request finishes, unless a ``service_time`` function says otherwise (the
-SMDP bench uses l(b) = αb + β).
+Engines (``sim/engine_model.py``): ``BatchServers`` for the multi-bin seed's model
+(a batch holds its server until its longest request finishes, or ``service_time``
+says otherwise: the SMDP bench uses l(b) = αb + β), and ``ContinuousEngine``
+(τ(b) = a + c·b per decode step, a KV budget with recompute preemption).
+``run_direct`` is the baseline: every request straight into the engine's own
+FCFS queue, no sidecar.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import bisect
 import heapq
 import itertools
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -26,6 +33,9 @@ from ..core.clock import ManualClock
 from ..core.former import Batch, BatchFormer, DispatchPolicy
 from ..core.predictor import LengthPredictor
 from ..core.request import Request
+from ..core.scheduler import Core, Dispatch, Mode, Outcome, Scheduler
+from ..core.sizer import BatchSizer, EngineSnapshot
+from .engine_model import BatchServers, ContinuousEngine
 
 ServiceTime = Callable[[Batch], float]
 
@@ -35,16 +45,27 @@ def longest_request(batch: Batch) -> float:
     return max(r.actual_tokens for r in batch.requests)  # type: ignore[type-var]
 
 
+class Engine(Protocol):
+    def submit(self, now: float, requests: Sequence[Request]) -> object: ...
+    def kick(self, now: float) -> None: ...
+    def next_time(self) -> float | None: ...
+    def advance(self, now: float) -> list[Request]: ...
+
+
 @dataclass
 class Workload:
-    """``n`` requests with lengths ~ U[lmin, lmax].  ``rate`` None = all at time 0
-    (saturated); else Poisson arrivals at that rate."""
+    """``n`` requests with output lengths ~ U[lmin, lmax].  ``rate`` None = all at
+    time 0 (saturated); else Poisson arrivals at that rate.  ``prompt`` (lo, hi):
+    prompt tokens ~ U{lo..hi} (None: 0).  ``hint``: the client's hint is the true
+    length (an oracle hint; else no hint)."""
 
     n: int
     lmin: float = 1.0
     lmax: float = 20.0
     rate: float | None = None
     seed: int = 0
+    prompt: tuple[int, int] | None = None
+    hint: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -53,6 +74,8 @@ class Workload:
             raise ValueError(f"need 0 <= lmin < lmax, got {self.lmin}, {self.lmax}")
         if self.rate is not None and self.rate <= 0:
             raise ValueError(f"rate must be > 0 or None, got {self.rate}")
+        if self.prompt is not None and not 0 <= self.prompt[0] <= self.prompt[1]:
+            raise ValueError(f"prompt must be (lo, hi) with 0 <= lo <= hi, got {self.prompt}")
 
     def requests(self) -> Iterator[Request]:
         rng = np.random.default_rng(self.seed)
@@ -61,8 +84,14 @@ class Workload:
             times = np.zeros(self.n)
         else:
             times = np.cumsum(rng.exponential(1 / self.rate, self.n))
-        for i, (t, length) in enumerate(zip(times.tolist(), lengths.tolist())):
-            yield Request(id=str(i), arrival=t, actual_tokens=length, max_tokens=0)
+        prompts = (
+            rng.integers(self.prompt[0], self.prompt[1] + 1, self.n).tolist() if self.prompt else [0] * self.n
+        )
+        for i, (t, length, p) in enumerate(zip(times.tolist(), lengths.tolist(), prompts)):
+            yield Request(
+                id=str(i), arrival=t, actual_tokens=length, max_tokens=0, prompt_tokens=int(p),
+                hint_tokens=length if self.hint else None,
+            )  # fmt: skip
 
 
 @dataclass
@@ -70,13 +99,15 @@ class SimResult:
     completed: int = 0
     makespan: float = 0.0
     busy: float = 0.0
-    latencies: list[float] = field(default_factory=list)  # requests of full batches
+    latencies: list[float] = field(default_factory=list)  # requests of full batches (gang); every request otherwise
     full_requests: int = 0
     full_service: float = 0.0  # server time spent on full batches
     last_full_done: float = 0.0
     batches: dict[str, int] = field(default_factory=dict)  # count per reason
     batch_sizes: list[int] = field(default_factory=list)
     expired: int = 0
+    preemptions: int = 0
+    dispatches: list[tuple[float, int, tuple[str, ...]]] = field(default_factory=list)  # (time, bin, request ids)
 
     @property
     def saturated_throughput(self) -> float:
@@ -92,9 +123,123 @@ class SimResult:
     def mean_latency(self) -> float:
         return float(np.mean(self.latencies)) if self.latencies else math.nan
 
+    def latency_quantile(self, q: float) -> float:
+        return float(np.quantile(self.latencies, q)) if self.latencies else math.nan
+
+
+def drive(
+    scheduler: Scheduler,
+    engine: Engine,
+    arrivals: Iterator[Request],
+    clock: ManualClock,
+    *,
+    full_latency_only: bool = True,
+    snapshot: Callable[[], EngineSnapshot | None] | None = None,
+    scrape_interval: float | None = None,
+) -> SimResult:
+    """Run ``arrivals`` through ``scheduler`` into ``engine`` until all have ended.
+
+    After the last arrival the scheduler drains (its bins leave as "drain"
+    batches).  With ``full_latency_only`` (the theory's steady state) only
+    requests of full batches count in ``latencies``.
+    """
+    res = SimResult()
+    events: list[tuple[float, int, str]] = []
+    seq = itertools.count()
+    armed: set[float] = set()
+    slot_of: dict[Request, tuple[Dispatch, list[int]]] = {}  # request -> its dispatch, requests left in it
+    engine_armed: float | None = None
+    done_arriving = False
+
+    def push(t: float, kind: str) -> None:
+        heapq.heappush(events, (t, next(seq), kind))
+
+    def step() -> None:
+        now = clock.now()
+        out = scheduler.step(now)
+        res.expired += len(out.expired)
+        for batch in out.batches:
+            res.batches[batch.reason] = res.batches.get(batch.reason, 0) + 1
+            res.batch_sizes.append(batch.size)
+        for d in out.dispatches:
+            res.dispatches.append((now, d.batch.bin, tuple(r.id for r in d.requests)))
+            left = [len(d.requests)]
+            for r in d.requests:
+                slot_of[r] = (d, left)
+            dt = engine.submit(now, d.requests)
+            if isinstance(dt, float):
+                res.busy += dt
+                if d.batch.reason == "full" and d.slot.batch:
+                    res.full_requests += len(d.requests)
+                    res.full_service += dt
+        engine.kick(now)
+
+    def finish(now: float) -> None:
+        for r in engine.advance(now):
+            d, left = slot_of.pop(r)
+            scheduler.complete(r, Outcome(completion_tokens=r.actual_tokens, prompt_tokens=r.prompt_tokens), now)
+            res.completed += 1
+            full = d.batch.reason == "full"
+            if full or not full_latency_only:
+                res.latencies.append(now - r.arrival)
+            if full:
+                res.last_full_done = max(res.last_full_done, now)
+            res.makespan = now
+            left[0] -= 1
+            if left[0] == 0:
+                scheduler.release(d.slot, now)
+
+    def arm() -> None:
+        nonlocal engine_armed
+        wake = scheduler.next_wake()
+        if wake is not None and wake not in armed:
+            armed.add(wake)
+            push(wake, "wake")
+        t = engine.next_time()
+        if t is not None and t != engine_armed:
+            engine_armed = t
+            push(t, "engine")
+
+    nxt = next(arrivals, None)
+    if nxt is not None:
+        push(nxt.arrival, "arrive")
+    if scrape_interval is not None:
+        push(scrape_interval, "scrape")
+    while events:
+        t, _, kind = heapq.heappop(events)
+        if kind == "scrape" and done_arriving and scheduler.idle():
+            continue
+        clock.advance_to(t)
+        if kind == "arrive":
+            # Take every arrival at this instant at once (the saturated case).
+            while nxt is not None and nxt.arrival == t:
+                scheduler.submit(nxt)
+                nxt = next(arrivals, None)
+            if nxt is not None:
+                push(nxt.arrival, "arrive")
+            else:
+                push(t, "end-of-arrivals")
+        elif kind == "engine":
+            if engine_armed == t:
+                engine_armed = None
+            finish(t)
+        elif kind == "wake":
+            armed.discard(t)
+        elif kind == "scrape":
+            scheduler.on_snapshot(snapshot() if snapshot else None, t)
+            push(t + scrape_interval, "scrape")  # type: ignore[operator]
+        elif kind == "end-of-arrivals":
+            done_arriving = True
+            scheduler.start_drain()
+        step()
+        arm()
+    if isinstance(engine, ContinuousEngine):
+        res.preemptions = engine.stats.preemptions
+    return res
+
 
 class Simulation:
-    """Drive ``former`` with ``workload`` on ``servers`` servers.
+    """Drive the scheduler in gang mode on ``servers`` servers (the seed's model).
 
     After the last arrival whatever is left in the bins is drained (reason
     "drain"); those requests complete but, not being part of the steady state the
@@ -117,86 +262,72 @@ class Simulation:
             raise ValueError(f"servers must be >= 1, got {servers}")
         self.clock = ManualClock()
         self.workload = workload
-        self.predictor = predictor
-        self.former = BatchFormer(
-            binner,
-            self.clock,
-            target_size=batch_size,
-            max_wait=max_wait,
-            max_queue=workload.n + 1,
-            policy=policy,
+        former = BatchFormer(
+            binner, self.clock, target_size=batch_size, max_wait=max_wait, max_queue=workload.n + 1, policy=policy
         )
-        self.servers = servers
+        sizer = BatchSizer(mode="static", static_size=batch_size, max_size=max(batch_size, 256))
+        self.core = Core(predictor, binner, former, sizer)
+        self.scheduler = Scheduler(self.core, self.clock, mode="gang", max_inflight_batches=servers)
         self.service_time = service_time
 
+    @property
+    def former(self) -> BatchFormer:
+        return self.core.former
+
     def run(self) -> SimResult:
-        res = SimResult()
-        events: list[tuple[float, int, str, object]] = []
-        seq = itertools.count()
-        arrivals = self.workload.requests()
-        free = self.servers
-        armed: set[float] = set()
+        engine = BatchServers(lambda reqs: self.service_time(Batch(0, list(reqs), "", 0.0)))
+        return drive(self.scheduler, engine, self.workload.requests(), self.clock)
 
-        def push(t: float, kind: str, data: object = None) -> None:
-            heapq.heappush(events, (t, next(seq), kind, data))
 
-        def arm() -> None:
-            wake = self.former.next_wake()
-            if wake is not None and wake not in armed:
-                armed.add(wake)
-                push(wake, "wake")
+def engine_snapshot(engine: ContinuousEngine) -> EngineSnapshot:
+    """What the engine model's ``/metrics`` would tell the sizer now."""
+    tpot, preempted = engine.snapshot_deltas()
+    return EngineSnapshot(
+        kv_capacity_tokens=float(engine.kv_tokens), kv_usage_ratio=engine.kv_usage(), running=len(engine.running),
+        waiting=len(engine.waiting), tpot_seconds=tpot, preemptions_delta=float(preempted), fresh=True,
+    )  # fmt: skip
 
-        def dispatch() -> None:
-            nonlocal free
-            while free:
-                batch = self.former.take(idle=True)
-                if batch is None:
-                    return
-                free -= 1
-                dt = self.service_time(batch)
-                res.busy += dt
-                res.batches[batch.reason] = res.batches.get(batch.reason, 0) + 1
-                res.batch_sizes.append(batch.size)
-                if batch.reason == "full":
-                    res.full_requests += batch.size
-                    res.full_service += dt
-                push(self.clock.now() + dt, "done", batch)
 
-        nxt = next(arrivals, None)
-        if nxt is not None:
-            push(nxt.arrival, "arrive", nxt)
-        while events:
-            t, _, kind, data = heapq.heappop(events)
-            self.clock.advance_to(t)
-            if kind == "arrive":
-                # Take every arrival at this instant at once (the saturated case).
-                req = data
-                while req is not None and req.arrival == t:  # type: ignore[union-attr]
-                    req.predicted_tokens = self.predictor.predict(req)  # type: ignore[union-attr]
-                    self.former.submit(req)  # type: ignore[arg-type]
-                    req = next(arrivals, None)
-                if req is not None:
-                    push(req.arrival, "arrive", req)
-                else:
-                    push(t, "end-of-arrivals")
-            elif kind == "done":
-                free += 1
-                batch = data
-                for r in batch.requests:  # type: ignore[attr-defined]
-                    self.predictor.observe(r, r.actual_tokens)  # type: ignore[arg-type]
-                res.completed += batch.size  # type: ignore[attr-defined]
-                if batch.reason == "full":  # type: ignore[attr-defined]
-                    res.latencies.extend(t - r.arrival for r in batch.requests)  # type: ignore[attr-defined]
-                    res.last_full_done = max(res.last_full_done, t)
-                res.makespan = t
-            elif kind == "wake":
-                armed.discard(t)
-                res.expired += len(self.former.poll().expired)
-            elif kind == "end-of-arrivals":
-                self.former.drain()
-            dispatch()
-            arm()
-        return res
+def run_sidecar(
+    workload: Workload,
+    core: Core,
+    clock: ManualClock,
+    engine: ContinuousEngine,
+    *,
+    mode: Mode,
+    max_inflight_batches: int = 4,
+    scrape_interval: float | None = 0.5,
+) -> SimResult:
+    """``workload`` through the sidecar's scheduler into the engine model; every
+    request's latency counts.  ``clock`` must be the one ``core.former`` reads."""
+    scheduler = Scheduler(core, clock, mode=mode, max_inflight_batches=max_inflight_batches)
+    return drive(
+        scheduler, engine, workload.requests(), clock, full_latency_only=False,
+        snapshot=lambda: engine_snapshot(engine), scrape_interval=scrape_interval,
+    )  # fmt: skip
+
+
+def run_direct(workload: Workload, engine: ContinuousEngine) -> SimResult:
+    """The baseline: every request straight into the engine's own FCFS queue."""
+    res = SimResult()
+    arrivals = workload.requests()
+    nxt = next(arrivals, None)
+    while nxt is not None or engine.next_time() is not None:
+        t_engine = engine.next_time()
+        if nxt is not None and (t_engine is None or nxt.arrival < t_engine):
+            now = nxt.arrival
+            while nxt is not None and nxt.arrival == now:
+                engine.submit(now, [nxt])
+                nxt = next(arrivals, None)
+            engine.kick(now)
+            continue
+        assert t_engine is not None
+        for r in engine.advance(t_engine):
+            res.completed += 1
+            res.latencies.append(t_engine - r.arrival)
+            res.makespan = t_engine
+    res.preemptions = engine.stats.preemptions
+    return res
 
 
 class NoisyBinPredictor:

@@ -56,7 +56,7 @@ async def test_queued_requests_survive_an_engine_restart_and_sent_ones_fail_unav
             await until(lambda: d.inflight_requests == 2)
             queued = [asyncio.ensure_future(sc.inference.Generate(prompt_request(i, 5), timeout=WAIT))
                       for i in range(2, 8)]  # fmt: skip
-            await until(lambda: d.core.former.queued() + len(d._pending) == 6)
+            await until(lambda: d.backlog() == 6)
 
             engine.send_signal(signal.SIGKILL)
             await engine.wait()

@@ -13,7 +13,7 @@ from binbatch_sidecar.core.former import BatchFormer
 from binbatch_sidecar.core.predictor import HintPredictor
 from binbatch_sidecar.core.request import Request
 from binbatch_sidecar.core.sizer import BatchSizer
-from binbatch_sidecar.engine.breaker import EngineBreaker, is_outage
+from binbatch_sidecar.engine.breaker import EngineBreaker, is_outage, outage_reason
 from binbatch_sidecar.engine.dispatcher import Call, Core, Dispatcher, Rejected
 from binbatch_sidecar.engine.engine_client import EngineError, EngineRequest, EngineResult, SamplingParams
 from binbatch_sidecar.engine.sidecar_metrics import SidecarMetrics
@@ -43,17 +43,17 @@ def test_only_an_unreachable_engine_is_an_outage(result, outage):
 def test_breaker_opens_probes_half_open_and_closes_on_an_answer():
     b = EngineBreaker()
     assert b.allows_dispatch(inflight=100) and b.state == "closed"
-    assert b.on_result(RESET, now=1.0) and b.state == "open" and b.opens == 1
+    assert b.on_result(outage_reason(RESET), now=1.0) and b.state == "open" and b.opens == 1
     assert not b.allows_dispatch(inflight=0)
     assert not b.on_probe(False, now=2.0)  # still down: no change
     assert b.describe(3.0) == "the engine is unavailable (open for 2.0 s: health probe failed)"  # the latest reason
     assert b.on_probe(True, now=3.0) and b.state == "half_open"
     assert b.allows_dispatch(inflight=0) and not b.allows_dispatch(inflight=1)  # one trial at a time
-    assert b.on_result(RESET, now=3.5) and b.state == "open" and b.opens == 1  # same outage
+    assert b.on_result(outage_reason(RESET), now=3.5) and b.state == "open" and b.opens == 1  # same outage
     b.on_probe(True, now=4.0)
-    assert b.on_result(EngineError("invalid", 400, "bad"), now=4.1)  # any answer: the engine is back
+    assert b.on_result(outage_reason(EngineError("invalid", 400, "bad")), now=4.1)  # any answer: the engine is back
     assert b.state == "closed" and b.open_seconds(5.0) == 0.0 and b.allows_dispatch(inflight=7)
-    b.on_result(RESET, now=5.0)
+    b.on_result(outage_reason(RESET), now=5.0)
     b.on_probe(True, now=5.5)
     assert b.on_probe(True, now=6.5) and b.state == "closed"  # two good probes: the trial may be a long one
     assert b.on_probe(False, now=7.0, reason="GET /health failed") and b.opens == 3 and b.reason == "GET /health failed"
@@ -126,7 +126,7 @@ async def test_queued_requests_are_held_through_an_outage_and_complete_after_it(
         d._step()
         await settle()
     assert len(client.calls) == calls_before and not any(c.future.done() for c in queued)
-    assert d.core.former.queued() + len(d._pending) == 10
+    assert d.backlog() == 10
     # a new call without a deadline gets UNAVAILABLE at once; with one it is held too
     with pytest.raises(Rejected) as refused:
         submit(d, 99, deadline=None)

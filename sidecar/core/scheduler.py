@@ -1,0 +1,408 @@
+"""The scheduler: every decision between accepting a request and ending it.
+
+The sidecar's asyncio dispatcher (``engine/dispatcher.py``) and the discrete-event
+simulator (``sim/simulator.py``) drive this same class, so what is simulated is
+what serves.  It does no I/O and has no timers: time is passed in (``now``) or
+read from the injected clock, and ``next_wake()`` tells the driver when to call
+``step`` again.  A driver:
+
+* ``submit(req)`` -- predict, bin, or refuse (``Rejected``): draining, queue full,
+  engine breaker open for a request without a deadline, predicted queue wait over
+  the request's deadline;
+* ``step(now)`` -- what to send to the engine now (``Dispatch``: a gang batch
+  while fewer than ``max_inflight_batches`` are in flight; in continuous mode one
+  request at a time while the requests in flight are below its bin's B_t) and the
+  requests that expired; each dispatch holds a ``Slot`` of the in-flight ledger;
+* ``complete(req, outcome)`` -- an engine call's answer for one request: learn from
+  it, feed the breaker and the service rate, queue it again if the engine never
+  received it; ``release(slot)`` once the call has ended however it ended;
+* ``cancel``, ``on_snapshot`` (sizer, binner rebalance, adaptive n_max),
+  ``on_engine_health``, ``replace_core``, ``start_drain`` / ``cut_queued``.
+
+Every accepted request ends exactly once: ``end(req, outcome)`` is True only the
+first time (the driver resolves its caller then), and ``totals`` counts outcomes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from .binner import AdaptiveBinner, Binner, n_max_from_memory
+from .breaker import EngineBreaker
+from .clock import Clock
+from .former import Batch, BatchFormer, QueueFull
+from .inflight import InflightLedger, Slot
+from .predictor import AccuracyTracker, LengthPredictor
+from .queue_wait import ServiceRate, refusal
+from .request import Request
+from .sizer import BatchSizer, EngineSnapshot, SizeDecision
+
+Mode = Literal["gang", "continuous"]
+# Adjustment.field values (binbatch.proto lists them).  Adjustment.reason is
+# "<reason>: <detail>": for a batch size the sizer's reason (sizer.REASONS), for
+# bin boundaries REBALANCE_REASON.
+AdjustmentField = Literal["batchSize", "binBoundaries"]
+ADJUSTMENT_FIELDS: tuple[AdjustmentField, ...] = get_args(AdjustmentField)
+REBALANCE_REASON = "rebalance"
+Verdict = Literal["completed", "failed", "requeued"]
+
+
+class Rejected(Exception):
+    """The sidecar ended a request itself.  ``kind``: resource_exhausted |
+    unavailable | deadline | cancelled; the servicer maps it to a gRPC status."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@dataclass
+class Core:
+    """The scheduling core one config builds; swapped whole on a config reload."""
+
+    predictor: LengthPredictor
+    binner: Binner
+    former: BatchFormer
+    sizer: BatchSizer
+    accuracy: AccuracyTracker = field(default_factory=AccuracyTracker)
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """One engine call to make now: ``requests`` holding ``slot``, out of ``batch``
+    (in continuous mode one request of the batch, ``batch.size`` its batch's size)."""
+
+    slot: Slot
+    batch: Batch
+    requests: tuple[Request, ...]
+
+
+@dataclass(slots=True)
+class StepResult:
+    dispatches: list[Dispatch] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)  # ended by the scheduler ("expired")
+    batches: list[Batch] = field(default_factory=list)  # batches taken from the former (for metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """An engine call's answer for one request, in the scheduler's terms.
+
+    ``completion_tokens`` None: it failed.  ``unavailable``: the engine could not
+    serve it; ``sent`` False: the engine never received it (it may be queued
+    again).  ``outage``: why the answer shows the engine down (None: alive)."""
+
+    completion_tokens: float | None = None
+    prompt_tokens: float = 0.0
+    unavailable: bool = False
+    sent: bool = True
+    outage: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A size or boundary change ``on_snapshot`` made (the driver logs and records it)."""
+
+    field: AdjustmentField
+    old: str
+    new: str
+    reason: str  # "<kind>: <detail>"
+    kind: str
+
+
+class Scheduler:
+    def __init__(self, core: Core, clock: Clock, *, mode: Mode = "continuous", max_inflight_batches: int = 4) -> None:
+        if mode not in ("gang", "continuous"):
+            raise ValueError(f"mode must be 'gang' or 'continuous', got {mode!r}")
+        if max_inflight_batches < 1:
+            raise ValueError(f"max_inflight_batches must be >= 1, got {max_inflight_batches}")
+        self.core = core
+        self.clock = clock
+        self.mode: Mode = mode
+        self.max_inflight_batches = max_inflight_batches
+        self.accepting = True
+        self.totals: Counter[str] = Counter()  # accepted, and each outcome
+        self.ledger = InflightLedger(clock.now())  # what holds engine capacity, per bin
+        self.breaker = EngineBreaker()
+        self.service_rate = ServiceRate()
+        self.last_decision: SizeDecision | None = None
+        self._open: set[Request] = set()  # accepted and not yet ended
+        self._slot_of: dict[Request, Slot] = {}  # the engine call holding each request now
+        self._pending: deque[tuple[Batch, Request]] = deque()  # continuous: taken, not yet admitted
+        self._binner_version = core.binner.version
+
+    # -- counts --------------------------------------------------------------------
+
+    @property
+    def inflight_requests(self) -> int:
+        return self.ledger.requests
+
+    @property
+    def inflight_batches(self) -> int:
+        return self.ledger.batches
+
+    def is_open(self, req: Request) -> bool:
+        """Accepted and not yet ended."""
+        return req in self._open
+
+    def pending_requests(self) -> int:
+        """Requests out of their bins but not yet sent (see ``Dispatcher.pending_requests``)."""
+        former = self.core.former
+        formed = former.queued() - sum(former.bin_depths())
+        return formed + sum(1 for _, r in self._pending if r in self._open)
+
+    def backlog(self) -> int:
+        """Requests accepted and not yet sent to the engine."""
+        return self.core.former.queued() + len(self._pending)
+
+    def saturated(self) -> bool:
+        """Are requests waiting for engine capacity (not merely for their bin to fill)?"""
+        return bool(self._pending) or self.core.former.ready_batches() > 0
+
+    def idle(self) -> bool:
+        """Nothing queued, pending or in flight (a drain may end)."""
+        return self.core.former.queued() == 0 and not self._pending and self.inflight_requests == 0
+
+    def next_wake(self) -> float | None:
+        return self.core.former.next_wake()
+
+    # -- intake and endings ----------------------------------------------------------
+
+    def submit(self, req: Request) -> int:
+        """Queue ``req``; returns its bin.  Raises ``Rejected`` when refused."""
+        if not self.accepting:
+            raise Rejected("unavailable", "the sidecar is shutting down and accepts no new requests")
+        refused = self._refusal(req)
+        if refused is not None:
+            self.totals["rejected"] += 1
+            raise refused
+        req.predicted_tokens = self.core.predictor.predict(req)
+        try:
+            bin_ = self.core.former.submit(req)
+        except QueueFull as exc:
+            self.totals["rejected"] += 1
+            if self.breaker.state == "open":
+                raise Rejected("unavailable", f"{self.breaker.describe(self.clock.now())}; queue full: {exc}") from None
+            raise Rejected("resource_exhausted", f"queue full: {exc}") from None
+        self.totals["accepted"] += 1
+        self._open.add(req)
+        return bin_
+
+    def end(self, req: Request, outcome: str) -> bool:
+        """End ``req`` with ``outcome``; True only the first time (the caller answers it then)."""
+        if req not in self._open:
+            return False
+        self._open.discard(req)
+        self.totals[outcome] += 1
+        return True
+
+    def cancel(self, req: Request, now: float) -> str | None:
+        """The caller went away: withdraw ``req``; the outcome it ended with
+        ("expired" or "cancelled"), or None if it had ended already.  One taken but
+        not admitted is skipped at admission; one in flight stays in its slot until
+        its call ends (the driver aborts the call)."""
+        self.core.former.cancel(req)  # marks req.cancelled; leaves the bin if still there
+        outcome = "expired" if req.expired(now) else "cancelled"
+        return outcome if self.end(req, outcome) else None
+
+    # -- what to dispatch now ---------------------------------------------------------
+
+    def step(self, now: float) -> StepResult:
+        """Expire what is due and decide what goes to the engine now."""
+        out = StepResult()
+        former = self.core.former
+        for req in former.poll().expired:
+            if self.end(req, "expired"):
+                out.expired.append(req)
+        if self.mode == "gang":
+            while self.inflight_batches < self.max_inflight_batches and self.breaker.allows_dispatch(
+                self.inflight_batches
+            ):
+                batch = former.take(idle=True)
+                if batch is None:
+                    break
+                out.batches.append(batch)
+                live = tuple(r for r in batch.requests if not r.cancelled)
+                out.dispatches.append(Dispatch(self._enter(batch.bin, live, batch=True, now=now), batch, live))
+        else:
+            self._admit_continuous(now, out)
+        return out
+
+    def _admit_continuous(self, now: float, out: StepResult) -> None:
+        former = self.core.former
+        while self.breaker.allows_dispatch(self.inflight_requests):
+            if not self._pending:
+                batch = former.take(idle=self.inflight_requests == 0)
+                if batch is None:
+                    return
+                out.batches.append(batch)
+                self._pending.extend((batch, r) for r in batch.requests)
+            batch, req = self._pending[0]
+            if req not in self._open:  # cancelled while waiting: ended already
+                self._pending.popleft()
+                continue
+            sizes = former.target_sizes
+            limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
+            if self.inflight_requests >= limit:
+                return
+            self._pending.popleft()
+            if req.expired(now):
+                if self.end(req, "expired"):
+                    out.expired.append(req)
+                continue
+            out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now), batch, (req,)))
+
+    def _enter(self, bin_: int, reqs: tuple[Request, ...], *, batch: bool, now: float) -> Slot:
+        slot = self.ledger.acquire(bin_, reqs, batch=batch, now=now)
+        for req in reqs:
+            self._slot_of[req] = slot
+        return slot
+
+    # -- answers -----------------------------------------------------------------------
+
+    def complete(self, req: Request, outcome: Outcome, now: float) -> Verdict | None:
+        """An engine call answered for ``req``.  Returns what became of it, or None
+        if it had ended already (cancelled while in flight)."""
+        self.breaker.on_result(outcome.outage, now)  # a driver compares the breaker's state to see a change
+        if not outcome.unavailable:
+            self.service_rate.completed(now, self.saturated())
+        elif self._requeue(req, outcome, now):
+            return "requeued"
+        if outcome.completion_tokens is None:
+            return "failed" if self.end(req, "failed") else None
+        core = self.core
+        actual = float(outcome.completion_tokens)
+        req.actual_tokens = actual
+        predicted = req.predicted_tokens if req.predicted_tokens is not None else actual
+        core.predictor.observe(req, actual)
+        core.binner.observe(actual)
+        if req.bin is not None:
+            core.sizer.observe(req.bin, outcome.prompt_tokens, actual)
+        core.accuracy.record(predicted, actual, req.prediction_source)
+        return "completed" if self.end(req, "completed") else None
+
+    def _requeue(self, req: Request, outcome: Outcome, now: float) -> bool:
+        """Queue ``req`` again if the engine never received it and it may still wait."""
+        if outcome.sent or req.cancelled or req not in self._open or req.expired(now) or not self.accepting:
+            return False
+        try:
+            self.core.former.submit(req)
+        except QueueFull:
+            return False
+        self._slot_of.pop(req, None)  # its old call's end must not answer it
+        return True
+
+    def release(self, slot: Slot, now: float) -> tuple[list[Request], bool]:
+        """An engine call ended, however it ended.  Returns the requests it leaves
+        unanswered (still open and still held by this slot: the driver ends them)
+        and whether the slot was held until now (False: released already)."""
+        orphans = []
+        for req in slot.requests:
+            if self._slot_of.get(req) is slot:
+                del self._slot_of[req]
+                if req in self._open:
+                    orphans.append(req)
+        return orphans, self.ledger.release(slot, now)
+
+    # -- engine health and queue time ------------------------------------------------
+
+    def on_engine_health(self, ok: bool, now: float) -> bool:
+        """A health probe's result; True if the breaker changed state."""
+        return self.breaker.on_probe(ok, now)
+
+    def _refusal(self, req: Request) -> Rejected | None:
+        """Why ``req`` is refused before it is queued (None: accept it)."""
+        now = self.clock.now()
+        remaining = None if req.deadline is None else req.deadline - now
+        if self.breaker.state == "open":
+            if remaining is None:
+                return Rejected("unavailable", f"{self.breaker.describe(now)}; a request without a deadline "
+                                               "is not held for its return")  # fmt: skip
+            return None  # held up to its deadline (bounded by the queue)
+        if self.breaker.state == "half_open" or remaining is None:
+            return None  # half-open: the measured rate describes the engine before the outage
+        why = refusal(self.backlog(), self.service_rate.rate(now), remaining)
+        return None if why is None else Rejected("resource_exhausted", why)
+
+    # -- sizing ----------------------------------------------------------------------
+
+    def on_snapshot(self, snapshot: EngineSnapshot | None, now: float) -> tuple[SizeDecision, list[Change]]:
+        """Recompute B_t from a metrics snapshot (None: no metrics source); also
+        the adaptive binner's n_max and rebalance.  Returns the decision and the
+        changes it made."""
+        core = self.core
+        changes: list[Change] = []
+        observed = self.ledger.mean_requests(now)
+        if isinstance(core.binner, AdaptiveBinner) and snapshot is not None and snapshot.kv_capacity_tokens:
+            mu = core.sizer.overall.mu
+            if mu:
+                core.binner.n_max = n_max_from_memory(snapshot.kv_capacity_tokens, mu)
+        core.binner.rebalance(core.former.queued_predictions())
+        if core.binner.version != self._binner_version:
+            self._binner_version = core.binner.version
+            core.sizer.reset_bins()
+            why = f"{REBALANCE_REASON}: the binner moved its boundaries"
+            changes.append(Change("binBoundaries", "", fmt(core.binner.boundaries), why, REBALANCE_REASON))
+        core.former.poll()  # re-bins the queue if the binner moved, before sizes are set
+        old = list(core.former.target_sizes)
+        decision = core.sizer.update(snapshot, core.binner.k, observed_batch=observed)
+        core.former.set_target_sizes(decision.sizes)
+        self.last_decision = decision
+        if decision.sizes != old:
+            reason = f"{decision.reason}: {decision.detail}"
+            changes.append(Change("batchSize", fmt(old), fmt(decision.sizes), reason, decision.reason))
+        return decision, changes
+
+    # -- reload and shutdown -----------------------------------------------------------
+
+    def replace_core(self, core: Core, *, mode: Mode, max_inflight_batches: int) -> list[Request]:
+        """Swap in a core built from a new config; queued requests move over in
+        order.  Returns those the new queue refused, ended as "rejected"."""
+        old = self.core.former
+        old.drain()
+        moved: list[Request] = []
+        while (batch := old.take()) is not None:
+            moved.extend(batch.requests)
+        moved.sort(key=lambda r: r.arrival)
+        self.core = core
+        self.mode, self.max_inflight_batches = mode, max_inflight_batches
+        self._binner_version = core.binner.version
+        refused = []
+        for req in moved:
+            req.bin = None
+            req.predicted_tokens = core.predictor.predict(req)
+            try:
+                core.former.submit(req)
+            except QueueFull:
+                if self.end(req, "rejected"):
+                    refused.append(req)
+        return refused
+
+    def start_drain(self) -> None:
+        """Stop intake and release every queued request into batches."""
+        self.accepting = False
+        self.core.former.drain()
+
+    def cut_queued(self) -> list[Request]:
+        """The drain ran out of time: end everything not yet sent ("unavailable");
+        returns the requests this ended."""
+        cut = []
+        former = self.core.former
+        while (batch := former.take()) is not None:
+            cut.extend(r for r in batch.requests if self.end(r, "unavailable"))
+        while self._pending:
+            _, req = self._pending.popleft()
+            if self.end(req, "unavailable"):
+                cut.append(req)
+        return cut
+
+    def held(self) -> list[Slot]:
+        """Slots of engine calls not yet ended."""
+        return self.ledger.held()
+
+
+def fmt(values) -> str:
+    return "[" + ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values) + "]"

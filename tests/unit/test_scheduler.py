@@ -1,0 +1,220 @@
+"""The core Scheduler on its own: no event loop, time passed in.
+
+These are the decisions the dispatcher used to make inside asyncio; here they are
+driven call by call, as the simulator drives them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from binbatch_sidecar.core.binner import FixedBinner
+from binbatch_sidecar.core.clock import ManualClock
+from binbatch_sidecar.core.former import BatchFormer
+from binbatch_sidecar.core.predictor import HintPredictor
+from binbatch_sidecar.core.request import Request
+from binbatch_sidecar.core.scheduler import Core, Outcome, Rejected, Scheduler
+from binbatch_sidecar.core.sizer import BatchSizer, EngineSnapshot
+
+OK = Outcome(completion_tokens=5.0, prompt_tokens=3.0)
+REFUSED = Outcome(unavailable=True, sent=False, outage="connection refused")
+
+
+def make(mode="gang", size=2, k=1, max_wait=1.0, inflight=1, max_queue=100, sizing="static"):
+    clock = ManualClock()
+    binner = FixedBinner.uniform(k, 1, 100) if k > 1 else FixedBinner(())
+    former = BatchFormer(binner, clock, target_size=size, max_wait=max_wait, max_queue=max_queue)
+    sizer = BatchSizer(mode=sizing, static_size=size, max_size=256, min_samples=4)
+    return Scheduler(Core(HintPredictor(), binner, former, sizer), clock, mode=mode, max_inflight_batches=inflight), clock
+
+
+def req(i: int, clock: ManualClock, tokens: int = 10, deadline: float | None = None) -> Request:
+    return Request(id=str(i), arrival=clock.now(), max_tokens=tokens, hint_tokens=tokens, deadline=deadline)
+
+
+def ids(step) -> list[list[str]]:
+    return [[r.id for r in d.requests] for d in step.dispatches]
+
+
+def test_gang_dispatches_full_batches_up_to_the_inflight_limit():
+    s, clock = make(size=2, inflight=1)
+    rs = [req(i, clock) for i in range(4)]
+    for r in rs:
+        s.submit(r)
+    first = s.step(clock.now())
+    assert ids(first) == [["0", "1"]] and s.inflight_batches == 1 and s.inflight_requests == 2
+    assert ids(s.step(clock.now())) == []  # the one batch slot is held
+    for r in rs[:2]:
+        assert s.complete(r, OK, clock.now()) == "completed"
+    assert s.release(first.dispatches[0].slot, clock.now()) == ([], True)
+    assert ids(s.step(clock.now())) == [["2", "3"]]
+
+
+def test_continuous_admits_one_request_per_call_up_to_the_bins_target():
+    s, clock = make(mode="continuous", size=2, max_wait=0.0)
+    rs = [req(i, clock) for i in range(3)]
+    for r in rs:
+        s.submit(r)
+    step = s.step(clock.now())
+    assert ids(step) == [["0"], ["1"]] and s.inflight_requests == 2 and s.pending_requests() == 1
+    s.complete(rs[0], OK, clock.now())
+    s.release(step.dispatches[0].slot, clock.now())
+    assert ids(s.step(clock.now())) == [["2"]]
+
+
+def test_refusals_draining_queue_full_breaker_open_and_predicted_wait():
+    s, clock = make(max_queue=1)
+    s.submit(req(0, clock))
+    with pytest.raises(Rejected) as full:
+        s.submit(req(1, clock))
+    assert full.value.kind == "resource_exhausted" and s.totals["rejected"] == 1
+    s.on_engine_health(False, clock.now())
+    with pytest.raises(Rejected) as down:
+        s.submit(req(2, clock))  # no deadline: not held for the engine's return
+    assert down.value.kind == "unavailable"
+    s.start_drain()
+    with pytest.raises(Rejected, match="shutting down"):
+        s.submit(req(3, clock, deadline=10.0))
+    assert s.totals["rejected"] == 2  # draining refusals are not counted as rejected
+
+
+def test_a_request_the_engine_never_received_is_queued_again_and_its_old_call_leaves_it():
+    s, clock = make(mode="continuous", size=1, max_wait=0.0)
+    r = req(0, clock, deadline=30.0)
+    s.submit(r)
+    first = s.step(clock.now()).dispatches[0]
+    assert s.complete(r, REFUSED, clock.now()) == "requeued"
+    assert s.breaker.state == "open" and s.is_open(r)
+    assert s.release(first.slot, clock.now()) == ([], True)  # not an orphan of the old call
+    assert s.step(clock.now()).dispatches == []  # held while the breaker is open
+    s.on_engine_health(True, clock.now())
+    again = s.step(clock.now()).dispatches
+    assert [d.requests for d in again] == [(r,)]
+    assert s.complete(r, OK, clock.now()) == "completed" and s.breaker.state == "closed"
+
+
+def test_a_call_that_ends_without_answers_leaves_its_requests_to_the_driver_once():
+    s, clock = make(size=2)
+    rs = [req(i, clock) for i in range(2)]
+    for r in rs:
+        s.submit(r)
+    d = s.step(clock.now()).dispatches[0]
+    s.complete(rs[0], OK, clock.now())
+    orphans, released = s.release(d.slot, clock.now())
+    assert orphans == [rs[1]] and released
+    assert s.release(d.slot, clock.now()) == ([], False)  # released once only
+    assert s.end(rs[1], "failed") and not s.end(rs[1], "failed")
+    assert s.totals["completed"] == 1 and s.totals["failed"] == 1 and s.idle()
+
+
+def test_expired_and_cancelled_requests_end_once_and_are_never_dispatched():
+    s, clock = make(size=5, max_wait=10.0)
+    a, b = req(0, clock, deadline=1.0), req(1, clock)
+    s.submit(a)
+    s.submit(b)
+    assert s.cancel(b, clock.now()) == "cancelled" and s.cancel(b, clock.now()) is None
+    clock.advance(2.0)
+    step = s.step(clock.now())
+    assert step.expired == [a] and step.dispatches == []
+    assert s.totals["expired"] == 1 and s.totals["cancelled"] == 1 and s.idle()
+
+
+def test_a_snapshot_sets_sizes_and_reports_the_change():
+    s, clock = make(mode="continuous", size=4, sizing="memory")
+    for i in range(8):  # enough completions for the length statistics
+        r = req(i, clock)
+        s.submit(r)
+    while s.pending_requests() or s.core.former.queued():
+        for d in s.step(clock.now()).dispatches:
+            for r in d.requests:
+                s.complete(r, Outcome(completion_tokens=100.0, prompt_tokens=100.0), clock.now())
+            s.release(d.slot, clock.now())
+        clock.advance(1.0)
+    decision, changes = s.on_snapshot(EngineSnapshot(kv_capacity_tokens=3000.0, running=0, fresh=True), clock.now())
+    assert decision.reason == "memory" and decision.sizes == [3000 // 200]  # σ = 0: b_mem = η / μ
+    assert [c.field for c in changes] == ["batchSize"] and changes[0].old == "[4]"
+    assert s.core.former.target_sizes == tuple(decision.sizes)
+
+
+OPS = st.one_of(
+    st.tuples(st.just("submit"), st.integers(1, 100), st.one_of(st.none(), st.floats(0.1, 3.0))),
+    st.tuples(st.just("cancel"), st.integers(0, 50)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("advance"), st.floats(0.05, 2.0)),
+    st.tuples(st.just("answer"), st.integers(0, 50), st.sampled_from(["ok", "error", "refused", "none"])),
+    st.tuples(st.just("probe"), st.booleans()),
+    st.tuples(st.just("resize"), st.integers(1, 3)),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mode=st.sampled_from(["gang", "continuous"]), k=st.integers(1, 3), size=st.integers(1, 3),
+    inflight=st.integers(1, 3), program=st.lists(OPS, min_size=10, max_size=80),
+)  # fmt: skip
+def test_every_accepted_request_ends_exactly_once_and_the_ledger_returns_to_zero(mode, k, size, inflight, program):
+    s, clock = make(mode=mode, size=size, k=k, inflight=inflight, max_queue=20)
+    accepted: list[Request] = []
+    calls: list = []  # dispatches not yet released
+    ended: dict[Request, int] = {}
+
+    def end(r: Request, outcome: str) -> None:
+        if s.end(r, outcome):
+            ended[r] = ended.get(r, 0) + 1
+
+    def answer(i: int, how: str) -> None:
+        d = calls.pop(i % len(calls))
+        outcome = {"ok": OK, "error": Outcome(), "refused": REFUSED}.get(how)
+        for r in d.requests:
+            if outcome is not None:
+                verdict = s.complete(r, outcome, clock.now())
+                if verdict in ("completed", "failed"):
+                    ended[r] = ended.get(r, 0) + 1
+        orphans, released = s.release(d.slot, clock.now())
+        assert released
+        for r in orphans:
+            end(r, "failed")
+
+    def step() -> None:
+        out = s.step(clock.now())
+        for r in out.expired:
+            ended[r] = ended.get(r, 0) + 1
+        calls.extend(out.dispatches)
+
+    for op in program:
+        match op:
+            case ("submit", tokens, deadline):
+                r = req(len(accepted), clock, tokens, None if deadline is None else clock.now() + deadline)
+                try:
+                    s.submit(r)
+                except Rejected:
+                    continue
+                accepted.append(r)
+            case ("cancel", i) if accepted:
+                r = accepted[i % len(accepted)]
+                if s.cancel(r, clock.now()) is not None:
+                    ended[r] = ended.get(r, 0) + 1
+            case ("step",):
+                step()
+            case ("advance", dt):
+                clock.advance(dt)
+            case ("answer", i, how) if calls:
+                answer(i, how)
+            case ("probe", ok):
+                s.on_engine_health(ok, clock.now())
+            case ("resize", n):
+                s.core.former.set_target_sizes(n)
+    s.on_engine_health(True, clock.now())
+    s.on_engine_health(True, clock.now())
+    for _ in range(500):
+        step()
+        while calls:
+            answer(0, "ok")
+        clock.advance(1.0)
+        if s.idle():
+            break
+    assert all(ended.get(r) == 1 for r in accepted), "each accepted request ends exactly once"
+    assert sum(ended.values()) == len(accepted) == s.totals["accepted"]
+    assert (s.inflight_requests, s.inflight_batches, s.held(), s.pending_requests()) == (0, 0, [], 0)
