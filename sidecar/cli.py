@@ -166,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--requests", type=_positive_int, help="requests per chat/short run (default 64)")
     e2.add_argument("--loads", type=_load_fraction, nargs="+", metavar="FRACTION",
                     help="Poisson loads as fractions of direct capacity (default 0.5 0.8 0.95 1.1)")  # fmt: skip
-    e2.add_argument("--slo-ttft-ms", type=_positive_float, default=1000.0, help="TTFT SLO of goodput (default 1000)")
-    e2.add_argument("--slo-tpot-ms", type=_positive_float, default=25.0, help="TPOT SLO of goodput (default 25)")
+    e2.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0, help="TTFT SLO of goodput (default 500)")
+    e2.add_argument("--slo-tpot-ms", type=_positive_float, default=20.0, help="TPOT SLO of goodput (default 20)")
     e2.add_argument("--seed", type=int, default=1, help="random seed of the workloads (default 1)")
     e2.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     e2.set_defaults(func=_bench_e2e)

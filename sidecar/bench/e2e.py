@@ -76,8 +76,8 @@ class E2EConfig:
     loads: tuple[float, ...] = (0.5, 0.8, 0.95, 1.1)
     repeats: int = 2
     seed: int = 1
-    slo_ttft_s: float = 1.0
-    slo_tpot_s: float = 0.025
+    slo_ttft_s: float = 0.5
+    slo_tpot_s: float = 0.020
     scale: float = 1.0
     gang_scale: float = 0.5
     kv_engine: EngineShape = KV_LIMITED

@@ -29,15 +29,6 @@ SHAPES = ("chat", "short", "mixed")
 
 
 @dataclass(frozen=True, slots=True)
-class Shape:
-    """Output-length distribution of one workload, in tokens."""
-
-    name: str
-    median: int
-    max_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
 class BenchRequest:
     """One request: its prompt, its true output length and when it is sent."""
 
@@ -66,7 +57,7 @@ def longest(shape: str, scale: float) -> int:
     return {"chat": round(320 * scale), "short": round(48 * scale), "mixed": round(200 * scale)}[shape]
 
 
-def build(shape: str, count: int, *, rate: float | None, seed: int, scale: float = 1.0, tag: str = "") -> list[BenchRequest]:
+def build(shape: str, count: int, *, rate: float | None, seed: int, scale: float = 1.0) -> list[BenchRequest]:
     """``count`` requests of ``shape``, Poisson at ``rate`` per second (None: all at once).
 
     The lengths and prompts depend only on ``(shape, count, seed, scale)``: every
@@ -85,12 +76,13 @@ def build(shape: str, count: int, *, rate: float | None, seed: int, scale: float
         n = output_length(shape, body_rng, scale)
         if rate is not None and i > 0:
             t += arrival_rng.expovariate(rate)
-        out.append(BenchRequest(prompt=f"{tag}{shape}-{seed}-{i}: {words}", output_tokens=n, arrival_s=t))
+        out.append(BenchRequest(prompt=f"{shape}-{seed}-{i}: {words}", output_tokens=n, arrival_s=t))
     return out
 
 
 def equal_mass_bins(lengths: list[int], k: int) -> list[list[int]]:
-    """Indices of ``lengths`` sorted by length and cut into ``k`` bins of equal count
-    (the ideal gang client's bins: equal probability mass, true lengths known)."""
+    """Indices of ``lengths`` cut by length into ``k`` bins of equal count (the ideal
+    gang client's bins: equal probability mass, true lengths known), each bin in
+    arrival order -- a bin is a FIFO, as the sidecar's are, so k = 1 is no sorting."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    return [order[len(order) * j // k : len(order) * (j + 1) // k] for j in range(k)]
+    return [sorted(order[len(order) * j // k : len(order) * (j + 1) // k]) for j in range(k)]

@@ -99,13 +99,14 @@ def test_workload_replays_the_same_requests_at_every_load():
     assert workloads.build("chat", 50, rate=None, seed=4) != burst
 
 
-def test_ideal_gang_bins_hold_equal_counts_in_length_order():
+def test_ideal_gang_bins_cut_by_length_and_keep_arrival_order():
     lengths = [5, 90, 7, 60, 1, 33, 2, 8]
 
-    bins = workloads.equal_mass_bins(lengths, 4)
-
-    assert [len(b) for b in bins] == [2, 2, 2, 2]
-    assert [[lengths[i] for i in b] for b in bins] == [[1, 2], [5, 7], [8, 33], [60, 90]]
+    assert [[lengths[i] for i in b] for b in workloads.equal_mass_bins(lengths, 4)] == [
+        [1, 2], [5, 7], [33, 8], [90, 60]
+    ]  # fmt: skip
+    # one bin is the arrival order itself: k = 1 must not sort (that would be binning)
+    assert workloads.equal_mass_bins(lengths, 1) == [list(range(len(lengths)))]
 
 
 @pytest.mark.parametrize("shape", workloads.SHAPES)
