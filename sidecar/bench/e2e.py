@@ -305,6 +305,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         "capacity_requests_per_s": capacity, "repeats": cfg.repeats, "seed": cfg.seed, "failures": failures,
         "slo": f"TTFT <= {cfg.slo_ttft_s * 1e3:g} ms and TPOT <= {cfg.slo_tpot_s * 1e3:g} ms", **notes,
     }  # fmt: skip
+    say("setup: " + ", ".join(f"{k} {v}" for k, v in setup.items()))
     return {"runs": rows, "ratios": ratios, "_setup": setup}
 
 
