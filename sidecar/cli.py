@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.set_defaults(func=_bench_chaos)
 
     e2 = bench_sub.add_parser(
-        "e2e", help="the sidecar against calling the engine directly, same workload, same run (~4 min; --quick ~1 min)"
+        "e2e", help="the sidecar against calling the engine directly, same workload, same run (~3.5 min; --quick < 1 min)"
     )  # fmt: skip
     e2.add_argument("--engine", metavar="URL", help="an OpenAI-compatible server (e.g. vLLM); default: the embedded engine")
     e2.add_argument("--json", action="store_true", help="print one JSON document {runs, ratios} instead of tables")
