@@ -63,6 +63,44 @@ def _bench_sim(args: argparse.Namespace) -> int:
     return sim.main(args.json, cfg=cfg)
 
 
+def _bench_e2e(args: argparse.Namespace) -> int:
+    from .bench import e2e
+
+    cfg = e2e.E2EConfig(engine_url=args.engine, seed=args.seed, slo_ttft_s=args.slo_ttft_ms / 1e3,
+                        slo_tpot_s=args.slo_tpot_ms / 1e3)  # fmt: skip
+    cfg = e2e.quick(cfg) if args.quick else cfg
+    cfg = replace(cfg, repeats=args.repeats) if args.repeats else cfg
+    cfg = replace(cfg, requests=args.requests) if args.requests else cfg
+    cfg = replace(cfg, loads=tuple(args.loads)) if args.loads else cfg
+    say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench e2e] {m}", file=sys.stderr, flush=True))
+    doc = e2e.run(cfg, say)
+    if args.plot:
+        e2e.plot(doc, args.plot)
+    if args.json:
+        json.dump({"runs": doc["runs"], "ratios": doc["ratios"]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        e2e.print_tables(doc)
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _bench_overhead(args: argparse.Namespace) -> int:
+    from .bench import overhead
+
+    cfg = overhead.quick() if args.quick else overhead.OverheadConfig()
+    cfg = replace(cfg, profile=args.profile) if args.profile else cfg
+    say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench overhead] {m}", file=sys.stderr, flush=True))
+    doc = overhead.run(cfg, say)
+    if args.json:
+        json.dump({k: doc[k] for k in overhead.JSON_KEYS}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        overhead.print_table(doc)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .bench import demo
 
@@ -133,6 +171,31 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     sm.set_defaults(func=_bench_sim)
 
+    e2 = bench_sub.add_parser(
+        "e2e", help="the sidecar against calling the engine directly, same workload, same run (~3.5 min; --quick < 1 min)"
+    )  # fmt: skip
+    e2.add_argument("--engine", metavar="URL", help="an OpenAI-compatible server (e.g. vLLM); default: the embedded engine")
+    e2.add_argument("--json", action="store_true", help="print one JSON document {runs, ratios} instead of tables")
+    e2.add_argument("--plot", metavar="FILE.png", help="also draw latency and goodput vs load to this PNG")
+    e2.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
+    e2.add_argument("--repeats", type=_positive_int, help="interleaved repeats of every run (default 2)")
+    e2.add_argument("--requests", type=_positive_int, help="requests per chat/short run (default 64)")
+    e2.add_argument("--loads", type=_load_fraction, nargs="+", metavar="FRACTION",
+                    help="Poisson loads as fractions of direct capacity (default 0.5 0.8 0.95 1.1)")  # fmt: skip
+    e2.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0, help="TTFT SLO of goodput (default 500)")
+    e2.add_argument("--slo-tpot-ms", type=_positive_float, default=20.0, help="TPOT SLO of goodput (default 20)")
+    e2.add_argument("--seed", type=int, default=1, help="random seed of the workloads (default 1)")
+    e2.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    e2.set_defaults(func=_bench_e2e)
+    oh = bench_sub.add_parser(
+        "overhead", help="added latency and the most requests/s through one sidecar vs an instant engine called directly"
+    )  # fmt: skip
+    oh.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    oh.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
+    oh.add_argument("--profile", metavar="FILE.prof", help="run the sidecar under cProfile and write its stats here")
+    oh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    oh.set_defaults(func=_bench_overhead)
+
     dm = sub.add_parser("demo", help="the data plane on the embedded engine: multi-bin vs one bin, side by side")
     dm.add_argument("--requests", type=_positive_int, default=384, help="requests per scenario (default 384)")
     dm.add_argument("--seed", type=int, default=1, help="random seed for the lengths (default 1)")
@@ -188,6 +251,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not (v > 0 and v < 86400):
         raise argparse.ArgumentTypeError(f"must be > 0 and < 86400, got {text}")
+    return v
+
+
+def _load_fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction of direct capacity, got {text!r}") from None
+    if not (v > 0 and v <= 10):
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= 10, got {text}")
     return v
 
 

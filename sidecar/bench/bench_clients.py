@@ -1,0 +1,189 @@
+"""The benches' clients: the same workload sent direct to the engine, through a
+sidecar, or by an ideal gang client, each timed the same way.
+
+TTFT is the time from sending a request to its first non-empty text piece, E2E
+the time to its last byte, TPOT = (E2E - TTFT) / (tokens - 1).  Direct and
+sidecar calls both stream (SSE from the engine, ``GenerateStream`` from the
+sidecar), so the two paths are measured alike.  Calls answered in one piece (a
+gang list call) have TTFT = E2E, as the caller sees it.
+
+A workload is replayed open-loop: each request is sent at its arrival time
+whether or not earlier ones have finished (Poisson load is not throttled by the
+system under test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+
+from binbatch_api.v1 import binbatch_pb2 as pb
+from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
+
+from .chaos_load import percentile  # noqa: F401  (re-exported for the benches)
+from .workloads import BenchRequest, equal_mass_bins
+
+CALL_TIMEOUT_S = 600.0
+
+
+@dataclass(slots=True)
+class Sample:
+    """One request as its caller saw it (seconds from its own send time)."""
+
+    ttft_s: float
+    e2e_s: float
+    tokens: int
+
+    @property
+    def tpot_s(self) -> float | None:
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One replay of a workload: every answered request, failures, wall time."""
+
+    samples: list[Sample] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    preemptions: float | None = None
+
+
+class CallFailed(RuntimeError):
+    """A request the system under test did not answer with its full length."""
+
+
+async def replay(requests: Sequence[BenchRequest], call: Callable[[BenchRequest], Awaitable[Sample]]) -> RunResult:
+    """Send every request at its arrival time (open loop); wait for all answers."""
+    result = RunResult()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+
+    async def one(req: BenchRequest) -> None:
+        delay = t0 + req.arrival_s - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the arrival process itself, not synchronisation
+        try:
+            sample = await call(req)
+        except (CallFailed, aiohttp.ClientError, grpc.aio.AioRpcError, TimeoutError) as exc:
+            result.failures.append(f"{type(exc).__name__}: {exc}"[:300])
+            return
+        if sample.tokens != req.output_tokens:
+            result.failures.append(f"asked for {req.output_tokens} tokens, got {sample.tokens}")
+            return
+        result.samples.append(sample)
+
+    await asyncio.gather(*(one(r) for r in requests))
+    result.elapsed_s = loop.time() - t0
+    return result
+
+
+def completion_body(model: str, prompt: str | list[str], tokens: int, stream: bool) -> dict[str, object]:
+    """An OpenAI ``/v1/completions`` body whose answer is exactly ``tokens`` long."""
+    body: dict[str, object] = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def direct_caller(session: aiohttp.ClientSession, url: str, model: str) -> Callable[[BenchRequest], Awaitable[Sample]]:
+    """Streams each request straight to the engine's ``/v1/completions``."""
+
+    async def call(req: BenchRequest) -> Sample:
+        t0 = time.perf_counter()
+        ttft = None
+        tokens = 0
+        body = completion_body(model, req.prompt, req.output_tokens, stream=True)
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise CallFailed(f"engine answered HTTP {resp.status}: {(await resp.text())[:200]}")
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if ttft is None and any(c.get("text") for c in chunk.get("choices") or ()):
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"]["completion_tokens"])
+        e2e = time.perf_counter() - t0
+        return Sample(ttft_s=e2e if ttft is None else ttft, e2e_s=e2e, tokens=tokens)
+
+    return call
+
+
+def sidecar_caller(channel: grpc.aio.Channel, *, hint: bool) -> Callable[[BenchRequest], Awaitable[Sample]]:
+    """Streams each request through the sidecar's ``GenerateStream``; with
+    ``hint`` it carries the true length as ``expected_output_tokens`` (an oracle)."""
+    stub = pb_grpc.InferenceStub(channel)
+
+    async def call(req: BenchRequest) -> Sample:
+        msg = pb.GenerateRequest(prompt=req.prompt, max_tokens=req.output_tokens, ignore_eos=True)
+        if hint:
+            msg.expected_output_tokens = req.output_tokens
+        t0 = time.perf_counter()
+        ttft = None
+        tokens = 0
+        async for chunk in stub.GenerateStream(msg, timeout=CALL_TIMEOUT_S):
+            if ttft is None and chunk.text:
+                ttft = time.perf_counter() - t0
+            if chunk.HasField("final"):
+                tokens = chunk.final.completion_tokens
+        e2e = time.perf_counter() - t0
+        return Sample(ttft_s=e2e if ttft is None else ttft, e2e_s=e2e, tokens=tokens)
+
+    return call
+
+
+async def ideal_gang(
+    session: aiohttp.ClientSession, url: str, model: str, requests: Sequence[BenchRequest], *, k: int, batch: int
+) -> RunResult:
+    """The gang client that knows every true length: all requests are there at
+    once; it sorts them into ``k`` equal-mass bins and sends full batches of
+    ``batch`` prompts, one batch in the engine at a time (the sidecar's gang
+    setting ``maxInflightBatches: 1``).  A batch goes as one list call per
+    distinct length (one ``max_tokens`` per call, as the sidecar groups them),
+    and holds the engine until its longest member is done."""
+    result = RunResult()
+    t0 = time.perf_counter()
+    lengths = [r.output_tokens for r in requests]
+    for members in equal_mass_bins(lengths, k):
+        for start in range(0, len(members), batch):
+            chunk = [requests[i] for i in members[start : start + batch]]
+            groups: dict[int, list[BenchRequest]] = {}
+            for req in chunk:
+                groups.setdefault(req.output_tokens, []).append(req)
+            outcomes = await asyncio.gather(
+                *(_list_call(session, url, model, reqs) for reqs in groups.values()), return_exceptions=True
+            )
+            done = time.perf_counter() - t0  # every request of the batch arrived at t0
+            for reqs, outcome in zip(groups.values(), outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    result.failures.extend(f"{type(outcome).__name__}: {outcome}"[:300] for _ in reqs)
+                else:
+                    result.samples.extend(Sample(ttft_s=done, e2e_s=done, tokens=r.output_tokens) for r in reqs)
+    result.elapsed_s = time.perf_counter() - t0
+    return result
+
+
+async def _list_call(session: aiohttp.ClientSession, url: str, model: str, reqs: list[BenchRequest]) -> None:
+    body = completion_body(model, [r.prompt for r in reqs], reqs[0].output_tokens, stream=False)
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise CallFailed(f"engine answered HTTP {resp.status}: {(await resp.text())[:200]}")
+        data = await resp.json()
+    want = reqs[0].output_tokens * len(reqs)
+    got = int(data["usage"]["completion_tokens"])
+    if got != want or len(data["choices"]) != len(reqs):
+        raise CallFailed(f"list call of {len(reqs)} x {reqs[0].output_tokens} tokens came back with {got}")
+

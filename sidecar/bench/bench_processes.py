@@ -1,0 +1,124 @@
+"""The e2e and overhead benches' processes: the embedded engine and the sidecars.
+
+Each runs as its own child of this interpreter on 127.0.0.1, so the bench's
+client, the sidecar and the engine do not share one event loop (or one core's
+GIL) and a user's view is reproduced: a client, a sidecar process, an engine.
+
+The engine is started through the ``binbatch emulate-engine`` command only
+(:func:`emulator_args` is the one place that knows its flags), never imported,
+so the emulator can move between packages without touching the bench.  The
+sidecar is ``binbatch sidecar --config FILE``.  Readiness is the line each
+prints when it serves (see :mod:`.chaos_processes`), never a sleep.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from .chaos_processes import SidecarProcess, _Child
+
+_ENGINE_READY = re.compile(r"binbatch emulate-engine: .* on http://127\.0\.0\.1:(\d+)")
+# vLLM's preemption counter: the family name the parser reports for
+# ``vllm:num_preemptions_total`` (and the pre-0.10 spelling without _total).
+_PREEMPTIONS = ("vllm:num_preemptions", "vllm:num_preemptions_total")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """The embedded engine: τ(b) = a + c·b seconds per step and a KV budget."""
+
+    step_a: float
+    step_c: float
+    num_gpu_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_model_len: int = 512
+
+    def describe(self) -> str:
+        return (f"tau(b) = {self.step_a * 1e3:g} ms + {self.step_c * 1e3:g} ms*b, "
+                f"KV {self.num_gpu_blocks}x{self.block_size} tokens, max {self.max_num_seqs} seqs")  # fmt: skip
+
+
+def emulator_args(shape: EngineShape) -> list[str]:
+    """``binbatch emulate-engine`` flags for ``shape`` on a free loopback port."""
+    return ["-m", "binbatch_sidecar.cli", "emulate-engine", "--host", "127.0.0.1", "--port", "0",
+            "--step-a", repr(shape.step_a), "--step-c", repr(shape.step_c),
+            "--num-gpu-blocks", str(shape.num_gpu_blocks), "--block-size", str(shape.block_size),
+            "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len)]  # fmt: skip
+
+
+class EngineProcess(_Child):
+    """The embedded engine as a child process."""
+
+    def __init__(self, shape: EngineShape, cwd: Path) -> None:
+        super().__init__("embedded engine")
+        self.shape = shape
+        self.cwd = cwd
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.port = await self._spawn(emulator_args(self.shape), _ENGINE_READY, self.cwd)
+
+    async def stop(self) -> None:
+        await self.signal_and_wait(signal.SIGTERM, 15)
+
+
+async def start_sidecar(doc: dict[str, Any], path: Path, cwd: Path) -> SidecarProcess:
+    """Write ``doc`` to ``path`` and start ``binbatch sidecar --config path``."""
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    proc = SidecarProcess(path, cwd)
+    await proc.start()
+    return proc
+
+
+def sidecar_doc(engine_url: str, model: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A sidecar config for ``engine_url``: loopback ports, Info logs (the ready
+    line is an Info record), metrics scraped every 200 ms, then ``overrides``."""
+    return {
+        "engine": {"url": engine_url, "model": model},
+        "metrics": {"url": f"{engine_url}/metrics", "intervalMilliseconds": 200},
+        "server": {"grpcPort": 0, "metricsPort": 0, "drainGraceSeconds": 5},
+        "logging": {"level": "Info"},
+        **overrides,
+    }
+
+
+async def served_model(session: aiohttp.ClientSession, url: str) -> str:
+    """The first model the engine lists on ``/v1/models``."""
+    async with session.get(f"{url}/v1/models") as resp:
+        resp.raise_for_status()
+        data = (await resp.json())["data"]
+    if not data:
+        raise RuntimeError(f"{url}/v1/models lists no model")
+    return str(data[0]["id"])
+
+
+async def preemptions(session: aiohttp.ClientSession, url: str) -> float | None:
+    """The engine's cumulative preemption count from ``/metrics`` (summed over
+    its label sets), or None when the engine exposes none."""
+    try:
+        async with session.get(f"{url}/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except aiohttp.ClientError:
+        return None
+    total = None
+    for family in text_string_to_metric_families(text):
+        if family.name in _PREEMPTIONS:
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):
+                    total = (total or 0.0) + sample.value
+    return total

@@ -1,0 +1,374 @@
+"""``binbatch bench e2e``: the sidecar against calling the engine directly, side by side.
+
+What a platform team compares binbatch with is its engine called directly, so
+every scenario runs "direct to the engine" first and then the sidecar
+configurations on the very same workload (same prompts, lengths and arrival
+times), in one run, interleaved and repeated (``--repeats``) so a noisy machine
+moves both sides alike.  Ratios are always sidecar over direct from the same run.
+
+The engine is the embedded one by default -- the emulator as a child process
+with a GPU-like step time τ(b) = a + c·b (a fixed cost a per step dominates) and
+a KV budget small enough that concurrency is KV-limited, as on a GPU serving a
+large model -- or, with ``--engine URL``, any OpenAI-compatible server (a real
+vLLM included).  Each sidecar is a ``binbatch sidecar --config FILE`` child
+process in front of the same engine.
+
+Scenarios (DESIGN §3.6, issue 11):
+
+* ``chat``, KV-limited engine: the capacity is measured first with an all-at-once
+  burst sent direct; then Poisson arrivals at fractions of it (``--loads``) and a
+  burst (KV pressure).  Clients: direct, sidecar with oracle hints, sidecar with
+  the online predictor (no hint).  The sidecars get the SLOs of ``--slo-ttft-ms``
+  / ``--slo-tpot-ms``; goodput counts requests meeting both.
+* ``short``, ample KV, burst: nothing to win; the sidecar without SLOs must not
+  cost throughput.
+* ``mixed``, ample KV, burst, gang mode: the sidecar's k = 4 over k = 1 gain
+  against an ideal gang client that knows every length (batch-locked engines).
+
+Preemptions are the delta of the engine's ``vllm:num_preemptions_total`` around
+each run (runs never overlap).  A run's row pools the requests of all repeats:
+requests/s = all answered / all wall time; percentiles over all samples;
+preemptions the mean per repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import signal
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+
+from . import workloads
+from .bench_clients import RunResult, direct_caller, ideal_gang, percentile, replay, sidecar_caller
+from .bench_processes import EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar
+
+# GPU-like: the fixed step cost dominates (a large model's weights are read once
+# per step), so batching pays; the KV cache holds ~12 chat sequences at a time.
+KV_LIMITED = EngineShape(step_a=0.006, step_c=0.0002, num_gpu_blocks=48, block_size=16, max_model_len=512)
+AMPLE_KV = EngineShape(step_a=0.006, step_c=0.0002, num_gpu_blocks=8192, block_size=16, max_model_len=512)
+
+RATIO_KEYS = (
+    "e2e_mean_at_95pct_load", "e2e_p99_at_95pct_load", "goodput_at_slo", "preemptions_under_kv_pressure",
+    "throughput_under_kv_pressure", "throughput_nothing_to_win", "gang_k4_gain_vs_ideal",
+)  # fmt: skip
+ROW_KEYS = (
+    "name", "mode", "k", "load", "requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+    "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "e2e_p99_s", "goodput_per_s", "preemptions",
+)  # fmt: skip
+RATIO_LOAD = 0.95  # the load of the latency ratios (fraction of direct's burst capacity)
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    engine_url: str | None = None
+    requests: int = 64
+    gang_requests: int = 64
+    gang_batch: int = 8
+    loads: tuple[float, ...] = (0.5, 0.8, 0.95, 1.1)
+    repeats: int = 2
+    seed: int = 1
+    slo_ttft_s: float = 0.5
+    slo_tpot_s: float = 0.020
+    scale: float = 1.0
+    gang_scale: float = 0.5
+    kv_engine: EngineShape = KV_LIMITED
+    ample_engine: EngineShape = AMPLE_KV
+
+
+def quick(cfg: E2EConfig) -> E2EConfig:
+    """The seconds-long version (the test suite's): few, short requests, one repeat."""
+    return replace(cfg, requests=12, gang_requests=16, gang_batch=4, loads=(RATIO_LOAD,), repeats=1, scale=0.25,
+                   gang_scale=0.25)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Client:
+    """One way of sending a scenario's workload."""
+
+    key: str
+    label: str
+    mode: str  # direct | continuous | gang | ideal-gang
+    k: int
+    sidecar: str | None = None  # key of the sidecar process it goes through
+    hint: bool = True
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    label: str
+    engine: str  # "kv" | "ample"
+    shape: str
+    count: int
+    load: float | None  # fraction of direct capacity; None is all at once
+    clients: tuple[Client, ...]
+    scale: float
+
+
+DIRECT = Client("direct", "direct", "direct", 1)
+HINT = Client("hint", "sidecar continuous k=4 hint", "continuous", 4, "kv-hint")
+ONLINE = Client("online", "sidecar continuous k=4 online", "continuous", 4, "kv-online", hint=False)
+FREE = Client("free", "sidecar continuous k=4 hint, no SLO", "continuous", 4, "ample-free")
+IDEAL1 = Client("ideal1", "ideal gang k=1", "ideal-gang", 1)
+IDEAL4 = Client("ideal4", "ideal gang k=4", "ideal-gang", 4)
+GANG1 = Client("gang1", "sidecar gang k=1", "gang", 1, "ample-gang1")
+GANG4 = Client("gang4", "sidecar gang k=4", "gang", 4, "ample-gang4")
+
+
+def scenarios(cfg: E2EConfig) -> list[Scenario]:
+    chat = [Scenario(f"chat@{x:g}", f"chat load {x:g}", "kv", "chat", cfg.requests, x, (DIRECT, HINT, ONLINE), cfg.scale)
+            for x in cfg.loads]  # fmt: skip
+    return [
+        *chat,
+        Scenario("chat@burst", "chat burst, KV pressure", "kv", "chat", cfg.requests, None, (DIRECT, HINT, ONLINE),
+                 cfg.scale),  # fmt: skip
+        Scenario("short@ample", "short burst, ample KV", "ample", "short", cfg.requests, None, (DIRECT, FREE), cfg.scale),
+        Scenario("mixed@gang", "mixed burst, gang", "ample", "mixed", cfg.gang_requests, None,
+                 (DIRECT, IDEAL1, IDEAL4, GANG1, GANG4), cfg.gang_scale),  # fmt: skip
+    ]
+
+
+def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Each sidecar process: the engine it fronts and its config (the one place a
+    scheduling change picks the configuration the bench measures)."""
+    slo = {"tpotMilliseconds": round(cfg.slo_tpot_s * 1e3), "ttftMilliseconds": round(cfg.slo_ttft_s * 1e3)}
+    chat_max = workloads.longest("chat", cfg.scale)
+    cont = {"mode": "Continuous", "sizing": "Combined", "maxWaitMilliseconds": 0}
+    gang = {"mode": "Gang", "sizing": "Static", "staticSize": cfg.gang_batch, "maxWaitMilliseconds": 200,
+            "maxInflightBatches": 1}  # fmt: skip
+    gang_bins = {"mode": "Fixed", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}
+    return {
+        "kv-hint": ("kv", {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max},
+                           "batch": cont, "latency": slo}),  # fmt: skip
+        "kv-online": ("kv", {"predictor": {"kind": "Online"}, "bins": {"count": 4, "maxOutputTokens": chat_max},
+                             "batch": cont, "latency": slo}),  # fmt: skip
+        "ample-free": ("ample", {"predictor": {"kind": "Hint"},
+                                 "bins": {"count": 4, "maxOutputTokens": workloads.longest("short", cfg.scale)},
+                                 "batch": cont}),  # fmt: skip
+        "ample-gang1": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 1}, "batch": gang}),
+        "ample-gang4": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 4}, "batch": gang}),
+    }
+
+
+@dataclass
+class _Acc:
+    """The pooled repeats of one (scenario, client)."""
+
+    scenario: Scenario
+    client: Client
+    runs: list[RunResult] = field(default_factory=list)
+
+    def row(self, slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
+        samples = [s for r in self.runs for s in r.samples]
+        wall = sum(r.elapsed_s for r in self.runs)
+        tpots = [t for s in samples if (t := s.tpot_s) is not None]
+        good = sum(1 for s in samples if s.ttft_s <= slo_ttft and (s.tpot_s or 0.0) <= slo_tpot)
+        pre = [r.preemptions for r in self.runs if r.preemptions is not None]
+        return {
+            "name": f"{self.scenario.label} | {self.client.label}",
+            "mode": self.client.mode,
+            "k": self.client.k,
+            "load": self.scenario.load,
+            "requests_per_s": len(samples) / wall if wall > 0 else 0.0,
+            "output_tokens_per_s": sum(s.tokens for s in samples) / wall if wall > 0 else 0.0,
+            "ttft_p50_s": percentile([s.ttft_s for s in samples], 0.5),
+            "ttft_p99_s": percentile([s.ttft_s for s in samples], 0.99),
+            "tpot_p50_s": percentile(tpots, 0.5),
+            "tpot_p99_s": percentile(tpots, 0.99),
+            "e2e_p50_s": percentile([s.e2e_s for s in samples], 0.5),
+            "e2e_p99_s": percentile([s.e2e_s for s in samples], 0.99),
+            "goodput_per_s": good / wall if wall > 0 else 0.0,
+            "preemptions": statistics.fmean(pre) if pre else None,
+        }
+
+    def e2e_mean(self) -> float | None:
+        values = [s.e2e_s for r in self.runs for s in r.samples]
+        return statistics.fmean(values) if values else None
+
+    def failures(self) -> int:
+        return sum(len(r.failures) for r in self.runs)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or not den > 0 or not math.isfinite(num / den):
+        return None
+    return num / den
+
+
+def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """The headline ratios, each sidecar (hinted) over direct from the same run;
+    also where each came from (for the table)."""
+    rows = {key: acc.row(cfg.slo_ttft_s, cfg.slo_tpot_s) for key, acc in accs.items()}
+    out: dict[str, float | None] = dict.fromkeys(RATIO_KEYS)
+    notes: dict[str, Any] = {}
+    at95 = f"chat@{RATIO_LOAD:g}"
+    if (at95, "direct") in accs:
+        out["e2e_mean_at_95pct_load"] = _ratio(accs[at95, "hint"].e2e_mean(), accs[at95, "direct"].e2e_mean())
+        out["e2e_p99_at_95pct_load"] = _ratio(rows[at95, "hint"]["e2e_p99_s"], rows[at95, "direct"]["e2e_p99_s"])
+    # goodput at the lowest load where direct meets the SLO for < 90% of requests
+    # (else at the highest load): where an upstream admission can make a difference
+    loads = sorted(cfg.loads)
+    if loads:
+        pick = loads[-1]
+        for x in loads:
+            d = rows[f"chat@{x:g}", "direct"]
+            if d["requests_per_s"] > 0 and d["goodput_per_s"] < 0.9 * d["requests_per_s"]:
+                pick = x
+                break
+        notes["goodput_load"] = pick
+        out["goodput_at_slo"] = _ratio(rows[f"chat@{pick:g}", "hint"]["goodput_per_s"],
+                                       rows[f"chat@{pick:g}", "direct"]["goodput_per_s"])  # fmt: skip
+    burst = ("chat@burst", "hint"), ("chat@burst", "direct")
+    out["preemptions_under_kv_pressure"] = _ratio(rows[burst[0]]["preemptions"], rows[burst[1]]["preemptions"])
+    out["throughput_under_kv_pressure"] = _ratio(rows[burst[0]]["requests_per_s"], rows[burst[1]]["requests_per_s"])
+    out["throughput_nothing_to_win"] = _ratio(rows["short@ample", "free"]["requests_per_s"],
+                                              rows["short@ample", "direct"]["requests_per_s"])  # fmt: skip
+    g = {c: rows["mixed@gang", c]["requests_per_s"] for c in ("ideal1", "ideal4", "gang1", "gang4")}
+    out["gang_k4_gain_vs_ideal"] = _ratio(_ratio(g["gang4"], g["gang1"]), _ratio(g["ideal4"], g["ideal1"]))
+    return out, notes
+
+
+async def run_async(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="binbatch-bench-e2e-") as tmp:
+        async with contextlib.AsyncExitStack() as stack:
+            return await _run(cfg, say, Path(tmp), stack)
+
+
+async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: contextlib.AsyncExitStack) -> dict[str, Any]:
+    urls: dict[str, str] = {}
+    if cfg.engine_url:
+        urls = {"kv": cfg.engine_url.rstrip("/"), "ample": cfg.engine_url.rstrip("/")}
+        say(f"engine {urls['kv']} (every scenario on it)")
+    else:
+        for name, shape in (("kv", cfg.kv_engine), ("ample", cfg.ample_engine)):
+            engine = EngineProcess(shape, tmp)
+            await engine.start()
+            stack.push_async_callback(engine.stop)
+            urls[name] = engine.url
+            say(f"embedded engine ({name}): {shape.describe()} on {engine.url}")
+    session = await stack.enter_async_context(
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
+    )
+    models = {name: await served_model(session, url) for name, url in urls.items()}
+    channels: dict[str, grpc.aio.Channel] = {}
+    for key, (engine, overrides) in sidecar_overrides(cfg).items():
+        proc = await start_sidecar(sidecar_doc(urls[engine], models[engine], overrides), tmp / f"{key}.yaml", tmp)
+        stack.push_async_callback(proc.signal_and_wait, signal.SIGTERM, 15)
+        channels[key] = await stack.enter_async_context(grpc.aio.insecure_channel(proc.target))
+        say(f"sidecar {key} on {proc.target}")
+
+    async def run_one(sc: Scenario, client: Client, requests: list[workloads.BenchRequest]) -> RunResult:
+        url, model = urls[sc.engine], models[sc.engine]
+        before = await preemptions(session, url)
+        if client.mode == "ideal-gang":
+            result = await ideal_gang(session, url, model, requests, k=client.k, batch=cfg.gang_batch)
+        elif client.sidecar is None:
+            result = await replay(requests, direct_caller(session, url, model))
+        else:
+            result = await replay(requests, sidecar_caller(channels[client.sidecar], hint=client.hint))
+        after = await preemptions(session, url)
+        result.preemptions = None if before is None or after is None else after - before
+        return result
+
+    cap_reqs = workloads.build("chat", cfg.requests, rate=None, seed=cfg.seed, scale=cfg.scale)
+    cap_run = await run_one(Scenario("cap", "capacity", "kv", "chat", cfg.requests, None, (), cfg.scale), DIRECT, cap_reqs)
+    capacity = len(cap_run.samples) / cap_run.elapsed_s
+    say(f"direct capacity (chat burst of {cfg.requests}): {capacity:.2f} requests/s")
+
+    accs: dict[tuple[str, str], _Acc] = {}
+    plan = scenarios(cfg)
+    for rep in range(cfg.repeats):
+        for sc in plan:
+            rate = None if sc.load is None else sc.load * capacity
+            reqs = workloads.build(sc.shape, sc.count, rate=rate, seed=cfg.seed, scale=sc.scale)
+            for client in sc.clients:
+                result = await run_one(sc, client, reqs)
+                acc = accs.setdefault((sc.key, client.key), _Acc(sc, client))
+                acc.runs.append(result)
+                failed = f", {len(result.failures)} FAILED: {result.failures[0]}" if result.failures else ""
+                say(f"repeat {rep + 1}/{cfg.repeats} {sc.label} | {client.label}: {len(result.samples)} answered "
+                    f"in {result.elapsed_s:.2f} s{failed}")  # fmt: skip
+    rows = [acc.row(cfg.slo_ttft_s, cfg.slo_tpot_s) for acc in accs.values()]
+    ratios, notes = compute_ratios(accs, cfg)
+    failures = sum(acc.failures() for acc in accs.values())
+    setup = {
+        "engine": cfg.engine_url or f"embedded: {cfg.kv_engine.describe()} (ample: {cfg.ample_engine.num_gpu_blocks} blocks)",
+        "capacity_requests_per_s": capacity, "repeats": cfg.repeats, "seed": cfg.seed, "failures": failures,
+        "slo": f"TTFT <= {cfg.slo_ttft_s * 1e3:g} ms and TPOT <= {cfg.slo_tpot_s * 1e3:g} ms", **notes,
+    }  # fmt: skip
+    say("setup: " + ", ".join(f"{k} {v}" for k, v in setup.items()))
+    return {"runs": rows, "ratios": ratios, "_setup": setup}
+
+
+def run(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any]:
+    """The bench's document: ``runs`` and ``ratios`` (and ``_setup``, which the
+    CLI prints with the tables and leaves out of ``--json``)."""
+    return asyncio.run(run_async(cfg, say))
+
+
+def _fmt(v: float | None, scale: float = 1.0, digits: int = 0) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def print_tables(doc: dict[str, Any]) -> None:
+    setup = doc.get("_setup", {})
+    print(f"binbatch bench e2e: engine {setup.get('engine')}; direct capacity "
+          f"{setup.get('capacity_requests_per_s', 0):.2f} req/s; SLO {setup.get('slo')}; repeats {setup.get('repeats')}, "
+          f"seed {setup.get('seed')}; failed requests {setup.get('failures')}")  # fmt: skip
+    head = (f"{'run':62} {'req/s':>7} {'tok/s':>7} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} "
+            f"{'E2E p50/p99 s':>14} {'goodput':>7} {'preempt':>7}")  # fmt: skip
+    print(head)
+    for r in doc["runs"]:
+        print(f"{r['name'][:62]:62} {r['requests_per_s']:7.2f} {r['output_tokens_per_s']:7.0f} "
+              f"{_fmt(r['ttft_p50_s'], 1e3):>7}/{_fmt(r['ttft_p99_s'], 1e3):<8} "
+              f"{_fmt(r['tpot_p50_s'], 1e3, 1):>7}/{_fmt(r['tpot_p99_s'], 1e3, 1):<8} "
+              f"{_fmt(r['e2e_p50_s'], 1, 2):>6}/{_fmt(r['e2e_p99_s'], 1, 2):<7} "
+              f"{r['goodput_per_s']:7.2f} {_fmt(r['preemptions'], 1, 1):>7}")  # fmt: skip
+    print("ratios, sidecar over direct in this run" + (f" (goodput at load {setup['goodput_load']:g})"
+                                                       if "goodput_load" in setup else "") + ":")  # fmt: skip
+    for key, value in doc["ratios"].items():
+        print(f"  {key:32} {_fmt(value, 1, 3)}")
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Latency vs load and goodput vs load, direct and the sidecars on the same axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (lat, good) = plt.subplots(1, 2, figsize=(12, 4.8))
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in doc["runs"]:
+        if r["load"] is not None:
+            series.setdefault(r["name"].split(" | ", 1)[1], []).append(r)
+    for (label, rows), color in zip(series.items(), ("black", "tab:blue", "tab:orange", "tab:green"), strict=False):
+        rows.sort(key=lambda r: r["load"])
+        x = [r["load"] for r in rows]
+        lat.plot(x, [r["e2e_p50_s"] for r in rows], "-o", color=color, label=f"{label} p50")
+        lat.plot(x, [r["e2e_p99_s"] for r in rows], "--s", color=color, label=f"{label} p99")
+        good.plot(x, [r["goodput_per_s"] for r in rows], "-o", color=color, label=label)
+    capacity = doc.get("_setup", {}).get("capacity_requests_per_s")
+    if capacity and series:
+        xs = sorted({r["load"] for rows in series.values() for r in rows})
+        good.plot(xs, [x * capacity for x in xs], ":", color="grey", label="offered load")
+    lat.set(xlabel="offered load (fraction of direct capacity)", ylabel="E2E latency (s)", title="latency vs load")
+    good.set(xlabel="offered load (fraction of direct capacity)", ylabel="goodput (requests/s meeting the SLO)",
+             title=f"goodput vs load ({doc.get('_setup', {}).get('slo', 'SLO')})")  # fmt: skip
+    lat.set_yscale("log")
+    for ax in (lat, good):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"binbatch bench e2e: {doc.get('_setup', {}).get('engine', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

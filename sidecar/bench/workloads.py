@@ -1,0 +1,88 @@
+"""The end-to-end bench's workloads: who arrives when, asking for how many tokens.
+
+A workload is a fixed list of requests built from a seed, so "direct to the
+engine" and every sidecar configuration see exactly the same prompts, lengths
+and arrival times.  Output lengths are controlled the way a real vLLM allows it,
+``max_tokens`` with ``ignore_eos`` (the emulator honours both the same way), so
+the true length of every request is known and an oracle hint can carry it.
+
+Length shapes (the three the field benchmarks with):
+
+* ``chat``: long-tailed, lognormal (a few long answers behind many short ones:
+  where head-of-line blocking hurts FCFS);
+* ``short``: GSM8K-like short answers, narrow around one length;
+* ``mixed``: bimodal, mostly short answers with a share of long ones.
+
+Arrivals are Poisson at a rate (a fraction of the measured direct capacity) or
+all at once (a burst).  Prompts are unique (no prefix cache can share work) with
+a word count drawn independently of the output length: nothing in the prompt
+gives the length away to the online predictor.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+SHAPES = ("chat", "short", "mixed")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request: its prompt, its true output length and when it is sent."""
+
+    prompt: str
+    output_tokens: int
+    arrival_s: float
+
+
+def output_length(shape: str, rng: random.Random, scale: float) -> int:
+    """One output length of ``shape``; ``scale`` stretches every length (1.0 = default)."""
+    if shape == "chat":
+        n = rng.lognormvariate(math.log(40 * scale), 0.8)
+        return max(2, min(round(n), round(320 * scale)))
+    if shape == "short":
+        n = rng.gauss(24 * scale, 4 * scale)
+        return max(2, min(round(n), round(48 * scale)))
+    if shape == "mixed":
+        if rng.random() < 0.75:
+            return max(2, round(rng.uniform(8, 24) * scale))
+        return max(2, round(rng.uniform(120, 200) * scale))
+    raise ValueError(f"shape: expected one of {', '.join(SHAPES)}, got {shape!r}")
+
+
+def longest(shape: str, scale: float) -> int:
+    """The largest length ``output_length`` can return (the bins' upper end)."""
+    return {"chat": round(320 * scale), "short": round(48 * scale), "mixed": round(200 * scale)}[shape]
+
+
+def build(shape: str, count: int, *, rate: float | None, seed: int, scale: float = 1.0) -> list[BenchRequest]:
+    """``count`` requests of ``shape``, Poisson at ``rate`` per second (None: all at once).
+
+    The lengths and prompts depend only on ``(shape, count, seed, scale)``: every
+    load of one shape replays the same requests, only their arrival times differ.
+    """
+    if count < 1:
+        raise ValueError(f"count: must be >= 1, got {count}")
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate: must be a finite number > 0, got {rate}")
+    body_rng = random.Random(f"{seed}/{shape}/{scale}/body")
+    arrival_rng = random.Random(f"{seed}/{shape}/{rate}/arrivals")
+    t = 0.0
+    out = []
+    for i in range(count):
+        words = " ".join(f"w{body_rng.randrange(1000)}" for _ in range(body_rng.randint(8, 40)))
+        n = output_length(shape, body_rng, scale)
+        if rate is not None and i > 0:
+            t += arrival_rng.expovariate(rate)
+        out.append(BenchRequest(prompt=f"{shape}-{seed}-{i}: {words}", output_tokens=n, arrival_s=t))
+    return out
+
+
+def equal_mass_bins(lengths: list[int], k: int) -> list[list[int]]:
+    """Indices of ``lengths`` cut by length into ``k`` bins of equal count (the ideal
+    gang client's bins: equal probability mass, true lengths known), each bin in
+    arrival order -- a bin is a FIFO, as the sidecar's are, so k = 1 is no sorting."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [sorted(order[len(order) * j // k : len(order) * (j + 1) // k]) for j in range(k)]

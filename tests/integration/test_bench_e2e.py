@@ -1,0 +1,117 @@
+"""``binbatch bench e2e`` and ``binbatch bench overhead``, quick, end to end.
+
+The benches start the embedded engine and sidecars as child processes on
+127.0.0.1.  The test holds their output to its contract -- the exact JSON schema,
+direct first, ratios computed from the same run's rows, a PNG -- and makes no
+claim about the figures themselves (timing belongs in benchmarks, not tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+
+import pytest
+
+from binbatch_sidecar.bench import workloads
+from binbatch_sidecar.bench.e2e import RATIO_KEYS, ROW_KEYS
+
+BENCH_TIMEOUT = 300  # seconds; the quick e2e bench takes about a minute on 2 busy cores
+NUMBER_OR_NONE = (int, float, type(None))
+
+
+async def _bench(tmp_path, *args: str) -> dict:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "binbatch_sidecar.cli", "bench", *args, "--quick", "--json",
+        cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(BENCH_TIMEOUT):
+            out, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert b"[bench " in err, "progress goes to stderr"
+    return json.loads(out)  # exactly one JSON document on stdout
+
+
+def _row(runs: list[dict], *, mode: str, load: float | None, k: int = 1, name_has: str = "") -> dict:
+    (row,) = [r for r in runs if r["mode"] == mode and r["load"] == load and r["k"] == k and name_has in r["name"]]
+    return row
+
+
+async def test_quick_e2e_bench_prints_runs_direct_first_and_ratios_from_the_same_rows(tmp_path):
+    png = tmp_path / "e2e.png"
+    doc = await _bench(tmp_path, "e2e", "--plot", str(png))
+
+    assert list(doc) == ["runs", "ratios"]
+    runs = doc["runs"]
+    assert runs and runs[0]["mode"] == "direct"
+    for row in runs:
+        assert tuple(row) == ROW_KEYS, row
+        assert type(row["name"]) is str and type(row["mode"]) is str and type(row["k"]) is int
+        assert isinstance(row["load"], NUMBER_OR_NONE)
+        for key in ROW_KEYS[4:]:
+            assert isinstance(row[key], NUMBER_OR_NONE), (row["name"], key)
+        assert row["requests_per_s"] > 0 and row["output_tokens_per_s"] > 0, row["name"]
+    # every scenario sends direct first: the row before a scenario's first non-direct row is its direct row
+    scenarios = [r["name"].split(" | ")[0] for r in runs]
+    for i, row in enumerate(runs):
+        if i == 0 or scenarios[i] != scenarios[i - 1]:
+            assert row["mode"] == "direct", row["name"]
+    assert {"direct", "continuous", "gang", "ideal-gang"} == {r["mode"] for r in runs}
+
+    ratios = doc["ratios"]
+    assert tuple(ratios) == RATIO_KEYS
+    for key, value in ratios.items():
+        assert value is None or (type(value) is float and math.isfinite(value)), key
+    direct, sidecar = _row(runs, mode="direct", load=0.95), _row(runs, mode="continuous", load=0.95, k=4,
+                                                                  name_has="hint")  # fmt: skip
+    assert ratios["e2e_p99_at_95pct_load"] == pytest.approx(sidecar["e2e_p99_s"] / direct["e2e_p99_s"])
+    gain = {(m, k): _row(runs, mode=m, load=None, k=k)["requests_per_s"] for m in ("gang", "ideal-gang") for k in (1, 4)}
+    assert ratios["gang_k4_gain_vs_ideal"] == pytest.approx(
+        (gain["gang", 4] / gain["gang", 1]) / (gain["ideal-gang", 4] / gain["ideal-gang", 1])
+    )
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_quick_overhead_bench_prints_its_three_keys(tmp_path):
+    doc = await _bench(tmp_path, "overhead")
+
+    assert list(doc) == ["added_p50_ms", "added_p99_ms", "max_requests_per_s"]
+    assert all(type(v) is float and math.isfinite(v) for v in doc.values()), doc
+    assert doc["max_requests_per_s"] > 0
+
+
+def test_workload_replays_the_same_requests_at_every_load():
+    burst = workloads.build("chat", 50, rate=None, seed=3)
+    poisson = workloads.build("chat", 50, rate=10.0, seed=3)
+
+    assert [(r.prompt, r.output_tokens) for r in burst] == [(r.prompt, r.output_tokens) for r in poisson]
+    assert all(r.arrival_s == 0 for r in burst)
+    arrivals = [r.arrival_s for r in poisson]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+    assert workloads.build("chat", 50, rate=None, seed=4) != burst
+
+
+def test_ideal_gang_bins_cut_by_length_and_keep_arrival_order():
+    lengths = [5, 90, 7, 60, 1, 33, 2, 8]
+
+    assert [[lengths[i] for i in b] for b in workloads.equal_mass_bins(lengths, 4)] == [
+        [1, 2], [5, 7], [33, 8], [90, 60]
+    ]  # fmt: skip
+    # one bin is the arrival order itself: k = 1 must not sort (that would be binning)
+    assert workloads.equal_mass_bins(lengths, 1) == [list(range(len(lengths)))]
+
+
+@pytest.mark.parametrize("shape", workloads.SHAPES)
+def test_lengths_stay_within_the_shape_bounds(shape):
+    lengths = [r.output_tokens for r in workloads.build(shape, 400, rate=None, seed=1)]
+
+    assert 2 <= min(lengths) and max(lengths) <= workloads.longest(shape, 1.0)
+    assert len(set(lengths)) > 5
