@@ -21,16 +21,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from binbatch_api.v1 import binbatch_pb2 as pb
 
 from ..config import ConfigError, ConfigWatcher, LoadedConfig, SidecarConfig, config_json, restart_required
-from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock, MonotonicClock
-from ..core.former import BatchFormer
-from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
-from ..core.sizer import INITIAL_REASON, BatchSizer
-from ..engine.dispatcher import Core, Dispatcher
+from ..core.sizer import INITIAL_REASON
+from ..engine.dispatcher import Dispatcher
 from ..engine.engine_client import EngineClient
-from ..engine.metrics_feed import NO_SOURCE_KIND, MetricsFeed, PromQLSource, ScrapeSource
+from ..engine.metrics_feed import NO_SOURCE_KIND, MetricsFeed
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs
+from .assembly import build_core, dispatch_mode, metrics_source
 from .reflection import enable_reflection
 from .servicer import AdminServicer, InferenceServicer, add_servicers
 
@@ -45,57 +43,6 @@ def sidecar_version() -> str:
         return version("binbatch")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-def build_binner(cfg: SidecarConfig) -> Binner:
-    b = cfg.bins
-    if b.mode == "Fixed":
-        if b.boundaries:
-            return FixedBinner(b.boundaries)
-        return FixedBinner.uniform(b.count, 1, b.max_output_tokens)
-    if b.mode == "Auto":
-        return AutoBinner(
-            b.count, FixedBinner.uniform(b.count, 1, b.max_output_tokens).boundaries,
-            window=b.auto_window, min_samples=min(256, b.auto_window), refresh_every=b.auto_refresh_every,
-        )  # fmt: skip
-    n_max = b.max_requests_per_bin or cfg.batch.static_size  # 0: from KV memory once metrics arrive
-    return AdaptiveBinner(1, b.max_output_tokens, n_max, theta=b.split_threshold_percent / 100, max_buckets=b.count)
-
-
-def build_predictor(cfg: SidecarConfig) -> LengthPredictor:
-    hint = HintPredictor(cfg.predictor.default_output_tokens)
-    return hint if cfg.predictor.kind == "Hint" else OnlinePredictor(fallback=hint)
-
-
-def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -> Core:
-    """The scheduling core for ``cfg``; what an online predictor learned is kept
-    (with the new ``predictor.defaultOutputTokens``)."""
-    bt = cfg.batch
-    sizer = BatchSizer(
-        mode=bt.sizing.lower(),  # type: ignore[arg-type]
-        static_size=bt.static_size,
-        min_size=bt.min_batch_size,
-        max_size=bt.max_batch_size,
-        eps_m=cfg.eps_m,
-        kv_reserve_ratio=cfg.kv_reserve_ratio,
-        kv_saturation=cfg.kv_saturation,
-        d_sla=cfg.tpot_seconds,
-        eps_d=None if cfg.tpot_seconds is None else cfg.tpot_seconds * cfg.eps_d,
-    )
-    binner = build_binner(cfg)
-    former = BatchFormer(
-        binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests
-    )
-    predictor = build_predictor(cfg)
-    learned = previous.predictor if previous is not None else None
-    if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
-        learned.fallback = predictor.fallback
-        predictor = learned
-    return Core(predictor=predictor, binner=binner, former=former, sizer=sizer)
-
-
-def _mode(cfg: SidecarConfig):
-    return "gang" if cfg.batch.mode == "Gang" else "continuous"
 
 
 class Sidecar:
@@ -144,11 +91,11 @@ class Sidecar:
                                    max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
         self.dispatcher = Dispatcher(
             build_core(cfg, self.clock), self.client, self.clock, self.metrics,
-            mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
+            mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds, wall_time=time.time,
         )  # fmt: skip
         self.feed = MetricsFeed(
-            self._metrics_source(cfg), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
+            metrics_source(cfg), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
             clock=self.clock, on_snapshot=self._on_snapshot,
         )  # fmt: skip
         self.watcher = (
@@ -176,7 +123,7 @@ class Sidecar:
         if self.watcher:
             self._tasks.append(asyncio.create_task(self._watch()))
         log.info("sidecar serving gRPC on %s:%d, metrics on :%d, engine %s, mode %s",
-                 self.host, self.grpc_port, self.metrics_port, cfg.engine.url, _mode(cfg))  # fmt: skip
+                 self.host, self.grpc_port, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
 
     async def stop(self, grace: float | None = None) -> int:
         """Stop intake, drain within ``grace`` seconds, then shut everything down.
@@ -199,14 +146,6 @@ class Sidecar:
         return cut
 
     # -- background work ------------------------------------------------------------------
-
-    def _metrics_source(self, cfg: SidecarConfig):
-        m = cfg.metrics
-        if m.source == "Scrape":
-            return ScrapeSource(m.url)
-        if m.source == "PromQL":
-            return PromQLSource(m.url, m.promql_selector)
-        return None
 
     def _on_snapshot(self, snapshot) -> None:
         self.metrics.metrics_fresh.set(1 if snapshot is not None and snapshot.fresh else 0)
@@ -265,13 +204,13 @@ class Sidecar:
             raise ConfigError(refused)
         core = build_core(cfg, self.clock, previous=self.dispatcher.core)
         self.dispatcher.replace_core(
-            core, mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
+            core, mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds,
         )  # fmt: skip
         if (cfg.engine.url, cfg.engine.request_timeout_seconds) != (running.engine.url, running.engine.request_timeout_seconds):  # fmt: skip
             await self._swap_client(cfg, new_engine=cfg.engine.url != running.engine.url)
         self.client.max_body_bytes = cfg.engine.max_request_body_bytes  # read per call: applies live
-        self.feed.source = self._metrics_source(cfg)
+        self.feed.source = metrics_source(cfg)
         self.feed.interval = cfg.scrape_interval_seconds
         self.feed.stale_after = cfg.stale_after_seconds
         if self.watcher is not None:
