@@ -23,7 +23,7 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..config import ConfigError, ConfigWatcher, LoadedConfig, SidecarConfig, restart_required
+from ..config import ConfigError, LoadedConfig, SidecarConfig, restart_required
 from ..core.clock import Clock, MonotonicClock
 from ..engine.dispatcher import Dispatcher
 from ..engine.engine_client import EngineClient
@@ -31,6 +31,7 @@ from ..engine.metrics_feed import MetricsFeed
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs
 from .assembly import build_core, dispatch_mode, metrics_source
+from .config_watcher import ConfigWatcher
 from .metrics_endpoint import metrics_app
 from .reflection import enable_reflection
 from .replies import Replies
