@@ -98,7 +98,8 @@ class Sidecar:
         )  # fmt: skip
         self.watcher = (
             ConfigWatcher(self.config_path, initial=self.loaded, on_change=self._apply,
-                          poll_seconds=cfg.server.config_poll_milliseconds / 1000)  # fmt: skip
+                          poll_seconds=cfg.server.config_poll_milliseconds / 1000,
+                          on_refused=lambda _: self.metrics.config_reload_errors.inc())  # fmt: skip
             if self.config_path
             else None
         )
@@ -126,7 +127,7 @@ class Sidecar:
         await self._check_engine()
         self._tasks = [asyncio.create_task(t) for t in (self.dispatcher.run(), self.feed.run(), self._health_loop())]
         if self.watcher:
-            self._tasks.append(asyncio.create_task(self._watch()))
+            self._tasks.append(asyncio.create_task(self.watcher.run()))
         log.info("sidecar serving gRPC on %s:%d, metrics on :%d, engine %s, mode %s",
                  self.host, self.grpc_port, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
 
@@ -176,21 +177,6 @@ class Sidecar:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, status)
-
-    async def _watch(self) -> None:
-        assert self.watcher is not None
-        refused: str | None = None
-        while True:
-            await asyncio.sleep(self.watcher.poll_seconds)
-            try:
-                changed = await self.watcher.check()
-            except Exception:  # noqa: BLE001 - a reload must never take the sidecar down
-                log.exception("config check failed")
-                continue
-            error = self.watcher.last_error
-            if not changed and error and error != refused:
-                self.metrics.config_reload_errors.inc()  # once per refused file, not per poll
-            refused = error
 
     async def _apply(self, loaded: LoadedConfig) -> None:
         """A new valid config file: apply every key live, or refuse the whole file.

@@ -31,6 +31,8 @@ class ConfigWatcher:
 
     ``on_change`` (sync or async) is called with the new ``LoadedConfig`` before
     it becomes ``current``; if it raises, the new file is refused the same way.
+    ``on_refused`` (optional) is called once per refused file with the error, so
+    a counter counts files, not polls.
     """
 
     def __init__(
@@ -40,11 +42,13 @@ class ConfigWatcher:
         initial: LoadedConfig,
         on_change: Callable[[LoadedConfig], Awaitable[None] | None],
         poll_seconds: float,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.current = initial
         self.on_change = on_change
         self.poll_seconds = poll_seconds
+        self.on_refused = on_refused
         self.last_error: str | None = None
         self._refused: str | None = None  # sha256 (or error text) of the last refused file: logged once
 
@@ -82,10 +86,16 @@ class ConfigWatcher:
         return False
 
     async def run(self) -> None:
-        """Check every ``poll_seconds`` until cancelled."""
+        """Check every ``poll_seconds`` (read at each turn: a reload may change it) until cancelled."""
+        reported: str | None = None
         while True:
+            await asyncio.sleep(self.poll_seconds)
             try:
-                await self.check()
+                changed = await self.check()
             except Exception:  # noqa: BLE001 - a reload must never stop the watcher
                 log.exception("config check failed")
-            await asyncio.sleep(self.poll_seconds)
+                continue
+            error = self.last_error
+            if not changed and error and error != reported and self.on_refused is not None:
+                self.on_refused(error)
+            reported = error

@@ -168,3 +168,27 @@ async def test_a_truncated_file_on_reload_keeps_the_old_config(cfg_path):
     assert "holds no config" in (w.last_error or "")
     write(cfg_path, {"batch": {"staticSize": 8}})
     assert await w.check() and w.current.config.batch.static_size == 8
+
+
+async def test_run_reports_a_refused_file_once_however_often_it_polls(cfg_path):
+    refused: list[str] = []
+    watcher = ConfigWatcher(cfg_path, initial=load_config(cfg_path), on_change=lambda _: None,
+                            poll_seconds=0.001, on_refused=refused.append)  # fmt: skip
+    polls, enough = 0, asyncio.Event()
+    check = watcher.check
+
+    async def counted() -> bool:
+        nonlocal polls
+        polls += 1
+        if polls == 5:
+            enough.set()
+        return await check()
+
+    watcher.check = counted  # type: ignore[method-assign]
+    cfg_path.write_text("batch: [\n")
+    task = asyncio.create_task(watcher.run())
+    await asyncio.wait_for(enough.wait(), timeout=5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(refused) == 1 and "invalid YAML" in refused[0]
