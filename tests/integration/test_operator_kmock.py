@@ -47,7 +47,7 @@ from binbatch_operator.builders import (
 )
 from binbatch_operator.crd import GROUP, KIND, PLURAL, VERSION
 from binbatch_operator.kube import RESTART_ANNOTATION
-from binbatch_sidecar.engine.emulator import running_emulator
+from binbatch_sidecar.emulator import running_emulator
 
 os.environ.setdefault("BINBATCH_STATS_INTERVAL_SECONDS", "0.5")  # read when main is imported
 import binbatch_operator.main  # noqa: E402,F401 - registers the handlers with kopf
