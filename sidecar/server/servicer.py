@@ -36,6 +36,7 @@ from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 from ..config import CLASS_PRIORITY_LIMIT, SidecarConfig
 from ..core.clock import Clock
 from ..core.request import Request
+from ..core.stages import RequestDispatcher
 from ..engine.dispatcher import Call, Completion, Rejected
 from ..engine.engine_client import EngineError, EngineRequest, SamplingParams
 
@@ -145,14 +146,6 @@ def estimate_prompt_tokens(text: str) -> int:
     return max(1, len(text.encode()) // 4)
 
 
-class Intake(Protocol):
-    """What the Inference servicer needs of the dispatcher: take a request in, withdraw it."""
-
-    def submit(self, req: Request, call: Call) -> Any: ...
-
-    def cancel(self, req: Request) -> None: ...
-
-
 class AdminReplies(Protocol):
     """What the Admin servicer answers with (``replies.Replies``)."""
 
@@ -167,7 +160,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     from the engine after start-up)."""
 
     def __init__(
-        self, dispatcher: Intake, clock: Clock, *, config: Callable[[], SidecarConfig], default_model: Callable[[], str]
+        self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig], default_model: Callable[[], str]
     ) -> None:
         self.dispatcher = dispatcher
         self.clock = clock
