@@ -65,6 +65,7 @@ def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -
 
 
 def dispatch_mode(cfg: SidecarConfig) -> Mode:
+    """``batch.mode`` as the dispatcher spells it."""
     return "gang" if cfg.batch.mode == "Gang" else "continuous"
 
 

@@ -2,6 +2,10 @@
 
 Thin by design: translate a ``GenerateRequest`` into a core ``Request`` plus an
 engine request, hand it to the dispatcher, await the outcome, translate back.
+A servicer is given the few collaborators it calls (the dispatcher, a clock,
+getters for the running config and the default model; the Admin servicer its
+``AdminReplies``), never the process object, so this module does not import
+``app`` and a unit test builds one from fakes.
 Every error becomes a gRPC status in one place, ``_status_of``.  The gRPC deadline
 becomes the request's deadline (it leaves its bin when it passes).  When an RPC
 ends for any reason (the caller cancelled, its deadline passed, the stream was
