@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "fixed until restart)")
     sc.set_defaults(func=_sidecar)
 
-    from .engine import emulator
+    from . import emulator
 
     emulator.add_cli(sub)
     return p

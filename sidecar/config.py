@@ -1,4 +1,4 @@
-"""The sidecar's one config file: schema, loading, and reload without restart.
+"""The sidecar's one config file: schema, loading and validation.
 
 The operator renders this YAML from a ``BatchingPolicy`` spec into a ConfigMap
 (DESIGN §2 "Config"), so it follows the CRD's conventions (CONVENTIONS.md "CRD"):
@@ -34,22 +34,21 @@ a file that exists and holds no document (empty, whitespace or comments only) is
 an error, at start-up and on reload: an editor that truncates before it writes
 must not flip the engine URL and ports to the defaults for one poll.
 
-Reload (``ConfigWatcher``): a changed valid file is applied live, key by key (see
-``RESTART_KEYS`` for the only keys that are not: changing them is refused with a
-message saying a restart is needed, and the old config stays in effect), so what
-``GetConfig`` shows is always what runs.
+The operator imports this module, so it holds no I/O beyond reading a file:
+reloading on change is the server's (``server/config_watcher.py``): a changed
+valid file is applied live, key by key (``RESTART_KEYS`` lists the only keys
+that are not: changing them is refused with a message saying a restart is
+needed, and the old config stays in effect), so what ``GetConfig`` shows is
+always what runs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import inspect
 import json
-import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
@@ -60,7 +59,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-log = logging.getLogger("binbatch.config")
 
 BinMode = Literal["Fixed", "Auto", "Adaptive"]
 BatchMode = Literal["Gang", "Continuous"]
@@ -382,7 +380,8 @@ def parse_config(data: Mapping[str, Any] | None) -> SidecarConfig:
         raise ConfigError.from_validation(exc) from None
 
 
-def _parse_bytes(raw: bytes, source: str) -> SidecarConfig:
+def parse_config_bytes(raw: bytes, source: str) -> SidecarConfig:
+    """Parse and validate a config file's bytes; ``source`` names the file in errors."""
     try:
         data = yaml.safe_load(raw)
     except yaml.MarkedYAMLError as exc:
@@ -420,7 +419,7 @@ def load_config(path: str | os.PathLike[str], *, generation: int = 1) -> LoadedC
     """Read and validate ``path``; raises ``ConfigError`` or ``OSError``."""
     raw = Path(path).read_bytes()
     source = os.fspath(path)
-    return LoadedConfig(_parse_bytes(raw, source), hashlib.sha256(raw).hexdigest(), source, generation=generation)
+    return LoadedConfig(parse_config_bytes(raw, source), hashlib.sha256(raw).hexdigest(), source, generation=generation)
 
 
 def dump_config(cfg: SidecarConfig) -> dict[str, Any]:
@@ -430,75 +429,3 @@ def dump_config(cfg: SidecarConfig) -> dict[str, Any]:
 
 def config_json(cfg: SidecarConfig) -> str:
     return json.dumps(dump_config(cfg), sort_keys=True)
-
-
-class ConfigWatcher:
-    """Reloads the config file when its content changes; a bad file is refused.
-
-    It polls by content hash, not mtime or inotify, on purpose: Kubernetes updates
-    a ConfigMap volume by atomically swapping the ``..data`` symlink, which an
-    inotify watch on the file itself misses (and mtimes of the swapped-in files
-    are not reliable). Hashing a small file every poll is cheap and sees every
-    swap. A file that is missing for a moment during the swap is an error that
-    keeps the old config, like an invalid one.
-
-    ``on_change`` (sync or async) is called with the new ``LoadedConfig`` before
-    it becomes ``current``; if it raises, the new file is refused the same way.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        initial: LoadedConfig,
-        on_change: Callable[[LoadedConfig], Awaitable[None] | None],
-        poll_seconds: float,
-    ) -> None:
-        self.path = os.fspath(path)
-        self.current = initial
-        self.on_change = on_change
-        self.poll_seconds = poll_seconds
-        self.last_error: str | None = None
-        self._refused: str | None = None  # sha256 (or error text) of the last refused file: logged once
-
-    async def check(self) -> bool:
-        """Apply the file if its content changed and is valid; True if applied."""
-        try:
-            raw = Path(self.path).read_bytes()
-        except OSError as exc:
-            return self._refuse(str(exc), key=str(exc))
-        digest = hashlib.sha256(raw).hexdigest()
-        if digest == self.current.sha256:
-            self.last_error, self._refused = None, None  # back to the running config
-            return False
-        if digest == self._refused:
-            return False
-        try:
-            new = LoadedConfig(_parse_bytes(raw, self.path), digest, self.path, generation=self.current.generation + 1)
-        except ConfigError as exc:
-            return self._refuse(str(exc), key=digest)
-        try:
-            result = self.on_change(new)
-            if inspect.isawaitable(result):
-                await result
-        except Exception as exc:  # noqa: BLE001 - a config the server cannot apply is refused like an invalid one
-            return self._refuse(f"{self.path}: cannot apply: {exc}", key=digest)
-        self.current, self.last_error, self._refused = new, None, None
-        log.info("config %s: generation %d applied (sha256 %s)", self.path, new.generation, digest[:12])
-        return True
-
-    def _refuse(self, error: str, *, key: str) -> bool:
-        self.last_error = error
-        if key != self._refused:
-            self._refused = key
-            log.warning("config %s refused, keeping generation %d:\n%s", self.path, self.current.generation, error)
-        return False
-
-    async def run(self) -> None:
-        """Check every ``poll_seconds`` until cancelled."""
-        while True:
-            try:
-                await self.check()
-            except Exception:  # noqa: BLE001 - a reload must never stop the watcher
-                log.exception("config check failed")
-            await asyncio.sleep(self.poll_seconds)

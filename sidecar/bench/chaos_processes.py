@@ -142,7 +142,7 @@ class EmulatorProcess(_Child):
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        args = ["-m", "binbatch_sidecar.engine.emulator", "--host", "127.0.0.1", "--port", str(self.port),
+        args = ["-m", "binbatch_sidecar.emulator", "--host", "127.0.0.1", "--port", str(self.port),
                 "--receipts-file", str(self.receipts), *self.engine_args]  # fmt: skip
         await self._spawn(args, _EMULATOR_READY, self.cwd)
 

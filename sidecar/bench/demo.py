@@ -26,7 +26,7 @@ from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
 from ..config import load_config
-from ..engine.emulator import EmulatorConfig, running_emulator
+from ..emulator import EmulatorConfig, running_emulator
 from ..server.app import Sidecar
 
 ENGINE = EmulatorConfig(step_a=0.004, step_c=0.0001, num_gpu_blocks=8192, block_size=16, max_num_seqs=256)

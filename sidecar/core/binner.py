@@ -20,43 +20,14 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Sequence
+
+from .stages import Binner  # noqa: F401 - the contract, declared with the other stages
 
 
 def bin_index(boundaries: Sequence[float], value: float) -> int:
     """The bin of ``value``: bin i holds [b_{i-1}, b_i)."""
     return bisect.bisect_right(boundaries, value)
-
-
-class Binner(Protocol):
-    """What the batch former needs from a binner."""
-
-    @property
-    def k(self) -> int:
-        """The number of bins now: ``len(boundaries) + 1``."""
-        ...
-
-    @property
-    def boundaries(self) -> tuple[float, ...]:
-        """The k-1 strictly increasing interior cut points."""
-        ...
-
-    @property
-    def version(self) -> int:
-        """Incremented every time ``boundaries`` change."""
-        ...
-
-    def assign(self, predicted: float) -> int:
-        """The bin for a request of this predicted length."""
-        ...
-
-    def observe(self, actual: float) -> None:
-        """An observed completed output length."""
-        ...
-
-    def rebalance(self, queued: Sequence[Sequence[float]]) -> bool:
-        """Given the predicted lengths queued in each bin; True if boundaries changed."""
-        ...
 
 
 def _validated(boundaries: Iterable[float]) -> tuple[float, ...]:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from .binner import Binner
 from .clock import Clock
 from .request import Request
+from .stages import Batch, PollResult
 
 
 class QueueFull(Exception):
@@ -38,28 +38,6 @@ class DispatchPolicy(Protocol):
     """When a server is idle: how many of ``waiting`` requests to serve now (0 = wait)."""
 
     def decide(self, waiting: int) -> int: ...
-
-
-@dataclass(slots=True)
-class Batch:
-    bin: int
-    requests: list[Request]
-    reason: str  # "full" | "timeout" | "slo" | "policy" | "drain"
-    formed_at: float
-
-    @property
-    def size(self) -> int:
-        return len(self.requests)
-
-    @property
-    def priority(self) -> int:
-        return max(r.priority for r in self.requests)
-
-
-@dataclass(slots=True)
-class PollResult:
-    expired: list[Request] = field(default_factory=list)  # deadline passed while queued
-    formed: int = 0  # batches moved to the service queue by this poll
 
 
 class _Entry:

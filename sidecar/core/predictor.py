@@ -19,9 +19,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict, deque
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from .request import Request
+from .stages import LengthPredictor  # noqa: F401 - the contract, declared with the other stages
 
 _Key = tuple[str] | tuple[str, int]  # (request_class,) or (request_class, prompt bucket)
 
@@ -36,20 +37,6 @@ def _hinted(req: Request) -> float | None:
         return None
     hint = float(req.hint_tokens)
     return min(hint, float(req.max_tokens)) if req.max_tokens > 0 else hint
-
-
-class LengthPredictor(Protocol):
-    """What the batch former and the simulator need from a predictor."""
-
-    name: str
-
-    def predict(self, req: Request) -> float:
-        """Expected output tokens of ``req`` (> 0); sets ``req.prediction_source``."""
-        ...
-
-    def observe(self, req: Request, actual_tokens: float) -> None:
-        """A completion the sidecar saw: ``req`` produced ``actual_tokens``."""
-        ...
 
 
 class HintPredictor:

@@ -1,1 +1,1 @@
-"""Engines the sidecar talks to: the engine client, vLLM metrics and the vLLM emulator."""
+"""What the sidecar talks to: the engine client, vLLM's metrics, and the async driver of the scheduler."""

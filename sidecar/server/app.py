@@ -1,5 +1,11 @@
-"""The sidecar process: wiring of config, core, dispatcher, engine client, metrics
-feed, gRPC server and the metrics HTTP endpoint; lifecycle (start, reload, drain).
+"""The sidecar process's lifecycle: start (wire the dispatcher, engine client,
+metrics feed, gRPC server and metrics endpoint), the engine health loop, reload
+(apply a new config live), drain and stop.
+
+What it wires lives beside it: ``assembly`` turns a config into the scheduling
+core, ``servicer`` holds the gRPC servicers (given only the collaborators they
+call), ``replies`` builds the Admin replies, ``metrics_endpoint`` the HTTP
+``/metrics`` and ``/healthz``, ``config_watcher`` the reload by file content.
 
 ``Sidecar`` is usable in-process (tests start one on port 0 against the emulator
 or a real vLLM); ``serve`` runs it until SIGTERM/SIGINT.
@@ -12,90 +18,29 @@ import contextlib
 import logging
 import signal
 import time
-from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from binbatch_api.v1 import binbatch_pb2 as pb
-
-from ..config import ConfigError, ConfigWatcher, LoadedConfig, SidecarConfig, config_json, restart_required
-from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
+from ..config import ConfigError, LoadedConfig, SidecarConfig, restart_required
 from ..core.clock import Clock, MonotonicClock
-from ..core.former import BatchFormer
-from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
-from ..core.sizer import INITIAL_REASON, BatchSizer
-from ..engine.dispatcher import Core, Dispatcher
+from ..engine.dispatcher import Dispatcher
 from ..engine.engine_client import EngineClient
-from ..engine.metrics_feed import NO_SOURCE_KIND, MetricsFeed, PromQLSource, ScrapeSource
+from ..engine.metrics_feed import MetricsFeed
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs
+from .assembly import build_core, dispatch_mode, metrics_source
+from .config_watcher import ConfigWatcher
+from .metrics_endpoint import metrics_app
 from .reflection import enable_reflection
+from .replies import Replies
 from .servicer import AdminServicer, InferenceServicer, add_servicers
 
 log = logging.getLogger("binbatch.sidecar")
 
 SERVICE_NAMES = ("binbatch.v1.Inference", "binbatch.v1.Admin")
 HEALTH_INTERVAL = 1.0
-
-
-def sidecar_version() -> str:
-    try:
-        return version("binbatch")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
-def build_binner(cfg: SidecarConfig) -> Binner:
-    b = cfg.bins
-    if b.mode == "Fixed":
-        if b.boundaries:
-            return FixedBinner(b.boundaries)
-        return FixedBinner.uniform(b.count, 1, b.max_output_tokens)
-    if b.mode == "Auto":
-        return AutoBinner(
-            b.count, FixedBinner.uniform(b.count, 1, b.max_output_tokens).boundaries,
-            window=b.auto_window, min_samples=min(256, b.auto_window), refresh_every=b.auto_refresh_every,
-        )  # fmt: skip
-    n_max = b.max_requests_per_bin or cfg.batch.static_size  # 0: from KV memory once metrics arrive
-    return AdaptiveBinner(1, b.max_output_tokens, n_max, theta=b.split_threshold_percent / 100, max_buckets=b.count)
-
-
-def build_predictor(cfg: SidecarConfig) -> LengthPredictor:
-    hint = HintPredictor(cfg.predictor.default_output_tokens)
-    return hint if cfg.predictor.kind == "Hint" else OnlinePredictor(fallback=hint)
-
-
-def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -> Core:
-    """The scheduling core for ``cfg``; what an online predictor learned is kept
-    (with the new ``predictor.defaultOutputTokens``)."""
-    bt = cfg.batch
-    sizer = BatchSizer(
-        mode=bt.sizing.lower(),  # type: ignore[arg-type]
-        static_size=bt.static_size,
-        min_size=bt.min_batch_size,
-        max_size=bt.max_batch_size,
-        eps_m=cfg.eps_m,
-        kv_reserve_ratio=cfg.kv_reserve_ratio,
-        kv_saturation=cfg.kv_saturation,
-        d_sla=cfg.tpot_seconds,
-        eps_d=None if cfg.tpot_seconds is None else cfg.tpot_seconds * cfg.eps_d,
-    )
-    binner = build_binner(cfg)
-    former = BatchFormer(
-        binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests
-    )
-    predictor = build_predictor(cfg)
-    learned = previous.predictor if previous is not None else None
-    if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
-        learned.fallback = predictor.fallback
-        predictor = learned
-    return Core(predictor=predictor, binner=binner, former=former, sizer=sizer)
-
-
-def _mode(cfg: SidecarConfig):
-    return "gang" if cfg.batch.mode == "Gang" else "continuous"
 
 
 class Sidecar:
@@ -144,28 +89,36 @@ class Sidecar:
                                    max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
         self.dispatcher = Dispatcher(
             build_core(cfg, self.clock), self.client, self.clock, self.metrics,
-            mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
+            mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds, wall_time=time.time,
         )  # fmt: skip
         self.feed = MetricsFeed(
-            self._metrics_source(cfg), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
+            metrics_source(cfg), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
             clock=self.clock, on_snapshot=self._on_snapshot,
         )  # fmt: skip
         self.watcher = (
             ConfigWatcher(self.config_path, initial=self.loaded, on_change=self._apply,
-                          poll_seconds=cfg.server.config_poll_milliseconds / 1000)  # fmt: skip
+                          poll_seconds=cfg.server.config_poll_milliseconds / 1000,
+                          on_refused=lambda _: self.metrics.config_reload_errors.inc())  # fmt: skip
             if self.config_path
             else None
         )
+        self.replies = Replies(
+            self.dispatcher, self.feed, self.clock, loaded=lambda: self.loaded, engine_serving=lambda: self.engine_serving,
+            reload_error=lambda: self.watcher.last_error if self.watcher else None, started_at=self.started_at,
+        )  # fmt: skip
+        inference = InferenceServicer(
+            self.dispatcher, self.clock, config=lambda: self.config, default_model=self.default_model
+        )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
-        add_servicers(self.server, InferenceServicer(self), AdminServicer(self))
+        add_servicers(self.server, inference, AdminServicer(self.replies))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
         self.grpc_port = self.server.add_insecure_port(f"{self.host}:{self._grpc_port_req}")
         await self._set_health(False)
         await self.server.start()
-        self._runner = web.AppRunner(self._metrics_app(), access_log=None)
+        self._runner = web.AppRunner(metrics_app(self.metrics.render, lambda: self.engine_serving), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._metrics_port_req)
         await site.start()
@@ -174,9 +127,9 @@ class Sidecar:
         await self._check_engine()
         self._tasks = [asyncio.create_task(t) for t in (self.dispatcher.run(), self.feed.run(), self._health_loop())]
         if self.watcher:
-            self._tasks.append(asyncio.create_task(self._watch()))
+            self._tasks.append(asyncio.create_task(self.watcher.run()))
         log.info("sidecar serving gRPC on %s:%d, metrics on :%d, engine %s, mode %s",
-                 self.host, self.grpc_port, self.metrics_port, cfg.engine.url, _mode(cfg))  # fmt: skip
+                 self.host, self.grpc_port, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
 
     async def stop(self, grace: float | None = None) -> int:
         """Stop intake, drain within ``grace`` seconds, then shut everything down.
@@ -199,14 +152,6 @@ class Sidecar:
         return cut
 
     # -- background work ------------------------------------------------------------------
-
-    def _metrics_source(self, cfg: SidecarConfig):
-        m = cfg.metrics
-        if m.source == "Scrape":
-            return ScrapeSource(m.url)
-        if m.source == "PromQL":
-            return PromQLSource(m.url, m.promql_selector)
-        return None
 
     def _on_snapshot(self, snapshot) -> None:
         self.metrics.metrics_fresh.set(1 if snapshot is not None and snapshot.fresh else 0)
@@ -233,21 +178,6 @@ class Sidecar:
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, status)
 
-    async def _watch(self) -> None:
-        assert self.watcher is not None
-        refused: str | None = None
-        while True:
-            await asyncio.sleep(self.watcher.poll_seconds)
-            try:
-                changed = await self.watcher.check()
-            except Exception:  # noqa: BLE001 - a reload must never take the sidecar down
-                log.exception("config check failed")
-                continue
-            error = self.watcher.last_error
-            if not changed and error and error != refused:
-                self.metrics.config_reload_errors.inc()  # once per refused file, not per poll
-            refused = error
-
     async def _apply(self, loaded: LoadedConfig) -> None:
         """A new valid config file: apply every key live, or refuse the whole file.
 
@@ -265,13 +195,13 @@ class Sidecar:
             raise ConfigError(refused)
         core = build_core(cfg, self.clock, previous=self.dispatcher.core)
         self.dispatcher.replace_core(
-            core, mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
+            core, mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds,
         )  # fmt: skip
         if (cfg.engine.url, cfg.engine.request_timeout_seconds) != (running.engine.url, running.engine.request_timeout_seconds):  # fmt: skip
             await self._swap_client(cfg, new_engine=cfg.engine.url != running.engine.url)
         self.client.max_body_bytes = cfg.engine.max_request_body_bytes  # read per call: applies live
-        self.feed.source = self._metrics_source(cfg)
+        self.feed.source = metrics_source(cfg)
         self.feed.interval = cfg.scrape_interval_seconds
         self.feed.stale_after = cfg.stale_after_seconds
         if self.watcher is not None:
@@ -309,113 +239,6 @@ class Sidecar:
         finally:
             self._retiring.discard(old)
             await old.close()
-
-    # -- views ------------------------------------------------------------------------------
-
-    def _metrics_app(self) -> web.Application:
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
-
-        async def healthz(_: web.Request) -> web.Response:
-            return web.Response(text="ok" if self.engine_serving else "engine not serving",
-                                status=200 if self.engine_serving else 503)  # fmt: skip
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/healthz", healthz)
-        return app
-
-    def stats(self) -> pb.Stats:
-        d = self.dispatcher
-        core = d.core
-        former = core.former
-        decision = d.last_decision
-        counts = d.totals
-        bounds = list(core.binner.boundaries)
-        edges = [0.0, *bounds, float(self.config.bins.max_output_tokens)]
-        oldest = former.oldest_arrivals()
-        now = self.clock.now()
-        bins = [
-            pb.BinStats(
-                index=i, lower_tokens=edges[i], upper_tokens=edges[i + 1] if i + 1 < len(edges) else edges[-1],
-                target_batch_size=former.target_sizes[i], queue_depth=depth,
-                oldest_wait_seconds=0.0 if oldest[i] is None else max(0.0, now - oldest[i]),
-            )  # fmt: skip
-            for i, depth in enumerate(former.bin_depths())
-        ]
-        stats = pb.Stats(
-            sidecar_version=sidecar_version(),
-            engine_health=pb.ENGINE_HEALTH_SERVING if self.engine_serving else pb.ENGINE_HEALTH_NOT_SERVING,
-            draining=not d.accepting,
-            target_batch_size=max(former.target_sizes),
-            sizer_reason=decision.reason if decision else INITIAL_REASON,
-            bin_boundaries=bounds,
-            bins=bins,
-            inflight_batches=d.inflight_batches,
-            inflight_requests=d.inflight_requests,
-            pending_requests=d.pending_requests(),
-            totals=pb.RequestTotals(
-                accepted=counts["accepted"],
-                completed=counts["completed"],
-                rejected=counts["rejected"],
-                expired=counts["expired"],
-                cancelled=counts["cancelled"],
-                failed=counts["failed"] + counts["unavailable"],
-            ),
-            predictor=pb.PredictorStats(
-                name=core.predictor.name, samples=len(core.accuracy),
-                bin_accuracy=core.accuracy.bin_accuracy(bounds) or 0.0,
-                within_one_bin_accuracy=core.accuracy.within_one_bin_accuracy(bounds) or 0.0,
-                sources=[
-                    pb.PredictorSourceStats(
-                        source=src, samples=core.accuracy.samples(src),
-                        bin_accuracy=core.accuracy.bin_accuracy(bounds, src) or 0.0,
-                        within_one_bin_accuracy=core.accuracy.within_one_bin_accuracy(bounds, src) or 0.0,
-                    )
-                    for src in core.accuracy.sources()
-                ],
-            ),  # fmt: skip
-            metrics_source=self._source_status(),
-            recent_adjustments=[
-                pb.Adjustment(time_unix_seconds=a.time, field=a.field, from_value=a.old, to_value=a.new, reason=a.reason)
-                for a in d.adjustments
-            ],
-            config_generation=self.loaded.generation,
-            uptime_seconds=time.monotonic() - self.started_at,
-            engine_breaker=pb.EngineBreakerStatus(
-                state=d.breaker.state, open_seconds=d.breaker.open_seconds(now), reason=d.breaker.reason,
-                opens=d.breaker.opens,
-            ),  # fmt: skip
-        )
-        if decision is not None:
-            mems = [m for m in decision.b_mem if m is not None]
-            if mems:
-                stats.b_mem = min(mems)
-            if decision.b_sla is not None:
-                stats.b_sla = decision.b_sla
-        return stats
-
-    def _source_status(self) -> pb.MetricsSourceStatus:
-        feed = self.feed
-        state = {"fresh": pb.METRICS_STATE_FRESH, "stale": pb.METRICS_STATE_STALE}.get(
-            feed.state, pb.METRICS_STATE_DISABLED
-        )
-        src = feed.source
-        out = pb.MetricsSourceStatus(
-            kind=src.kind if src else NO_SOURCE_KIND, url=src.url if src else "", state=state, last_error=feed.last_error or ""
-        )
-        age = feed.last_success_age()
-        if age is not None:
-            out.last_scrape_age_seconds = age
-        return out
-
-    def config_view(self) -> pb.ConfigView:
-        lc = self.loaded
-        return pb.ConfigView(
-            config_json=config_json(lc.config), generation=lc.generation, sha256=lc.sha256,
-            loaded_at_unix_seconds=lc.loaded_at, source=lc.source,
-            last_reload_error=(self.watcher.last_error or "") if self.watcher else "",
-        )  # fmt: skip
 
 
 async def serve(loaded: LoadedConfig, config_path: str | None, host: str,

@@ -2,6 +2,10 @@
 
 Thin by design: translate a ``GenerateRequest`` into a core ``Request`` plus an
 engine request, hand it to the dispatcher, await the outcome, translate back.
+A servicer is given the few collaborators it calls (the dispatcher, a clock,
+getters for the running config and the default model; the Admin servicer its
+``AdminReplies``), never the process object, so this module does not import
+``app`` and a unit test builds one from fakes.
 Every error becomes a gRPC status in one place, ``_status_of``.  The gRPC deadline
 becomes the request's deadline (it leaves its bin when it passes).  When an RPC
 ends for any reason (the caller cancelled, its deadline passed, the stream was
@@ -24,7 +28,8 @@ import itertools
 import logging
 import re
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -32,13 +37,12 @@ from google.protobuf.message import DecodeError
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
-from ..config import CLASS_PRIORITY_LIMIT
+from ..config import CLASS_PRIORITY_LIMIT, SidecarConfig
+from ..core.clock import Clock
 from ..core.request import Request
+from ..core.stages import RequestDispatcher
 from ..engine.dispatcher import Call, Completion, Rejected
 from ..engine.engine_client import EngineError, EngineRequest, SamplingParams
-
-if TYPE_CHECKING:
-    from .app import Sidecar
 
 log = logging.getLogger("binbatch.api")
 prompt_log = logging.getLogger("binbatch.prompts")  # only with logging.logPrompts
@@ -146,17 +150,33 @@ def estimate_prompt_tokens(text: str) -> int:
     return max(1, len(text.encode()) // 4)
 
 
+class AdminReplies(Protocol):
+    """What the Admin servicer answers with (``replies.Replies``)."""
+
+    def stats(self) -> pb.Stats: ...
+
+    def config_view(self) -> pb.ConfigView: ...
+
+
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sidecar = sidecar
+    """Given the few things it calls: the dispatcher, the clock, a getter for the
+    running config (a reload replaces it) and one for the default model (learned
+    from the engine after start-up)."""
+
+    def __init__(
+        self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig], default_model: Callable[[], str]
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.clock = clock
+        self.config = config
+        self.default_model = default_model
         self._ids = itertools.count(1)
 
     def _build(
         self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, stream: bool
     ) -> tuple[Request, Call]:
         """Validate ``msg`` and make the core request and the caller's handle."""
-        side = self.sidecar
-        cfg = side.config
+        cfg = self.config()
         if isinstance(msg, Undecodable):
             raise InvalidRequest(msg.message)
         which = msg.WhichOneof("input")
@@ -174,7 +194,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             messages = tuple((m.role, m.content) for m in msg.chat.messages)
         if len(msg.model) > MODEL_LIMIT:
             raise InvalidRequest(f"model: at most {MODEL_LIMIT} characters")
-        model = msg.model or side.default_model()
+        model = msg.model or self.default_model()
         if not model:
             raise InvalidRequest("model: required (the sidecar has no default model: set engine.model)")
         cap = cfg.bins.max_output_tokens
@@ -218,7 +238,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             min_tokens=msg.min_tokens if msg.HasField("min_tokens") else None,
         )
         engine_request = EngineRequest(params=params, prompt=msg.prompt if which == "prompt" else None, messages=messages)
-        now = side.clock.now()
+        now = self.clock.now()
         remaining = context.time_remaining()
         budget = cfg.queue_budget_seconds(slo.get("x-slo-ttft-ms"))  # TTFT SLO: bounds the wait in a bin
         text = msg.prompt if which == "prompt" else "".join(c for _, c in messages or ())
@@ -243,7 +263,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """Submit the request; None if it was refused (the RPC is aborted then)."""
         try:
             req, call = self._build(msg, context, stream)
-            self.sidecar.dispatcher.submit(req, call)
+            self.dispatcher.submit(req, call)
         except (InvalidRequest, Rejected) as exc:
             log.debug("refused: %s", exc)
             await _abort(context, exc)
@@ -254,10 +274,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _withdraw(self, req: Request, call: Call) -> None:
         """The RPC ended: a request still unanswered has nobody waiting for it."""
         if not call.future.done():
-            self.sidecar.dispatcher.cancel(req)
+            self.dispatcher.cancel(req)
 
     def _log_completion(self, req: Request, completion: Completion) -> None:
-        if self.sidecar.config.logging.log_prompts:
+        if self.config().logging.log_prompts:
             prompt_log.info("request %s completion: %s", req.id, completion.result.text)
 
     async def Generate(
@@ -270,7 +290,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             completion = await asyncio.shield(call.future)
         except asyncio.CancelledError:
-            self.sidecar.dispatcher.cancel(req)
+            self.dispatcher.cancel(req)
             raise
         except Exception as exc:  # noqa: BLE001 - every outcome becomes a status
             await _abort(context, exc)
@@ -361,16 +381,16 @@ def _read_slo(context: grpc.aio.ServicerContext) -> dict[str, int]:
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sidecar = sidecar
+    def __init__(self, replies: AdminReplies) -> None:
+        self.replies = replies
 
     async def GetStats(self, request: pb.GetStatsRequest | Undecodable, context: Any) -> pb.Stats:
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        return self.sidecar.stats()
+        return self.replies.stats()
 
     async def GetConfig(self, request: pb.GetConfigRequest | Undecodable, context: Any) -> pb.ConfigView:
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        return self.sidecar.config_view()
+        return self.replies.config_view()
 

@@ -25,15 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Generator, Iterator
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ → vllm_support
-
-from vllm_support.server import PROFILES, VllmServer, VllmStartError  # noqa: E402
+from vllm_support.server import PROFILES, VllmServer, VllmStartError
 
 _STASH_KEY = pytest.StashKey["VllmServer"]()
 

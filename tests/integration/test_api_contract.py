@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2 as pb
-from binbatch_sidecar.engine.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
 
 FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_size=16)
 PROTO_NAME = "binbatch_api/v1/binbatch.proto"

@@ -21,7 +21,7 @@ from binbatch_sidecar.bench import chaos
 from binbatch_sidecar.bench.bad_metrics import with_nan_gauges
 from binbatch_sidecar.bench.chaos_load import Outcome
 from binbatch_sidecar.bench.chaos_processes import read_receipts
-from binbatch_sidecar.engine.emulator import Emulator, EmulatorConfig
+from binbatch_sidecar.emulator import Emulator, EmulatorConfig
 
 BENCH_TIMEOUT = 300  # seconds; the quick bench takes about a minute on 2 busy cores
 COMMON_KEYS = {"lost", "duplicated", "hung", "exercised", "calls", "codes", "engine_prompts_received",

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from binbatch_sidecar.engine.emulator import (
+from binbatch_sidecar.emulator import (
     INTER_TOKEN_LATENCY_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from binbatch_sidecar.core.clock import ManualClock
-from binbatch_sidecar.engine.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
 from binbatch_sidecar.engine.engine_client import (
     EngineClient,
     EngineError,

@@ -21,7 +21,7 @@ STEP = 0.02  # seconds per engine step: a 1500-token request takes 30 s
 
 async def start_engine(port: int) -> tuple[asyncio.subprocess.Process, int]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "binbatch_sidecar.engine.emulator", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "binbatch_sidecar.emulator", "--host", "127.0.0.1", "--port", str(port),
         "--step-a", str(STEP), "--step-c", "0", stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stderr is not None

@@ -29,7 +29,7 @@ import jsonpatch
 import kopf
 import pytest
 import yaml
-from kopf._cogs.structs.credentials import Vault
+from kopf._cogs.structs.credentials import Vault  # no public name: kopf.operator(vault=) takes one, kopf exports none
 from test_operator_kmock import (  # noqa: F401 - the cluster fixture
     DEADLINE, POLICIES, WEBHOOK_CONFIG, admission, ca_bundle, cluster, controller_pod, free_port, obj, policy_doc,
     until,

@@ -47,12 +47,12 @@ from binbatch_operator.builders import (
 )
 from binbatch_operator.crd import GROUP, KIND, PLURAL, VERSION
 from binbatch_operator.kube import RESTART_ANNOTATION
-from binbatch_sidecar.engine.emulator import running_emulator
+from binbatch_sidecar.emulator import running_emulator
 
 os.environ.setdefault("BINBATCH_STATS_INTERVAL_SECONDS", "0.5")  # read when main is imported
 import binbatch_operator.main  # noqa: E402,F401 - registers the handlers with kopf
 import kopf  # noqa: E402
-from kopf._cogs.structs.credentials import Vault  # noqa: E402
+from kopf._cogs.structs.credentials import Vault  # noqa: E402 - no public name: kopf.operator(vault=) takes one, kopf exports none
 
 NS = "llm"
 WEBHOOK_CONFIG = "binbatch-test"

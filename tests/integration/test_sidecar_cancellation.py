@@ -14,7 +14,7 @@ import random
 import grpc
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
-from binbatch_sidecar.engine.emulator import Emulator, EmulatorConfig
+from binbatch_sidecar.emulator import Emulator, EmulatorConfig
 
 LONG = 8000  # tokens: > 20 s of engine time per request
 SLOW = EmulatorConfig(step_a=0.003, step_c=0.0001, num_gpu_blocks=40_000, block_size=16, max_model_len=16_384)

@@ -9,7 +9,7 @@ import asyncio
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2 as pb
-from binbatch_sidecar.engine.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
 
 FAST = EmulatorConfig(step_a=0.0005, step_c=0.00005)
 

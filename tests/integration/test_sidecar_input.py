@@ -17,7 +17,7 @@ import pytest
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2 as pb
-from binbatch_sidecar.engine.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
 
 FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_size=16)
 CAP = 512  # bins.maxOutputTokens of these tests

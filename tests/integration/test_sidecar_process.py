@@ -13,7 +13,7 @@ import yaml
 from sidecar_harness import prompt_request, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
-from binbatch_sidecar.engine.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
 
 STARTUP_TIMEOUT = 60
 

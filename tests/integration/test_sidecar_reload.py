@@ -28,7 +28,7 @@ from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_sidecar.config import Dispatch, SidecarConfig
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.request import Request
-from binbatch_sidecar.engine.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
 from binbatch_sidecar.server.app import Sidecar
 
 FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_size=16)

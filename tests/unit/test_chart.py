@@ -26,7 +26,7 @@ import yaml
 from binbatch_operator.builders import MANAGED_LABELS, build_service, sidecar_config
 from binbatch_sidecar.cli import build_parser
 from binbatch_sidecar.config import ConfigError
-from binbatch_sidecar.engine.emulator import config_from_args
+from binbatch_sidecar.emulator import config_from_args
 from binbatch_sidecar.engine.sidecar_metrics import SidecarMetrics
 
 ROOT = Path(__file__).resolve().parents[2]

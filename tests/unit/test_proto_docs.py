@@ -27,7 +27,7 @@ from binbatch_sidecar.engine.dispatcher import ADJUSTMENT_FIELDS, REBALANCE_REAS
 from binbatch_sidecar.engine.breaker import State as BreakerState
 from binbatch_sidecar.engine.engine_client import EngineError
 from binbatch_sidecar.engine.metrics_feed import NO_SOURCE_KIND, PromQLSource, ScrapeSource
-from binbatch_sidecar.server.app import build_predictor
+from binbatch_sidecar.server.assembly import build_predictor
 from binbatch_sidecar.server.servicer import _ENGINE_CODES, _REJECTED_CODES, InvalidRequest, _status_of
 
 PROTO_NAME = "binbatch_api/v1/binbatch.proto"

@@ -3,8 +3,6 @@ the engine's max_tokens cap, strict metadata numbers (binbatch_sidecar.server.se
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from binbatch_api.v1 import binbatch_pb2 as pb
@@ -33,8 +31,8 @@ class Context:
 
 
 def build(msg: pb.GenerateRequest, metadata=()):
-    sidecar = SimpleNamespace(config=CONFIG, clock=ManualClock(), default_model=lambda: "m")
-    return InferenceServicer(sidecar)._build(msg, Context(metadata), stream=False)  # type: ignore[arg-type]
+    servicer = InferenceServicer(None, ManualClock(), config=lambda: CONFIG, default_model=lambda: "m")  # type: ignore[arg-type]
+    return servicer._build(msg, Context(metadata), stream=False)  # type: ignore[arg-type]
 
 
 async def test_a_class_ranks_before_the_requests_own_priority_in_the_former():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from types import SimpleNamespace
 
 import grpc
 from grpc._cython import cygrpc  # the batch error gRPC's own server raises; no public name exists
@@ -56,8 +55,8 @@ def servicer() -> tuple[InferenceServicer, Dispatcher, ManualClock]:
     former = BatchFormer(binner, clock, target_size=8, max_wait=60.0)
     core = Core(HintPredictor(), binner, former, BatchSizer(mode="static", static_size=8))
     d = Dispatcher(core, None, clock, SidecarMetrics(), mode="continuous")  # type: ignore[arg-type]
-    side = SimpleNamespace(config=SidecarConfig(), default_model=lambda: "m", clock=clock, dispatcher=d)
-    return InferenceServicer(side), d, clock  # type: ignore[arg-type]
+    config = SidecarConfig()
+    return InferenceServicer(d, clock, config=lambda: config, default_model=lambda: "m"), d, clock
 
 
 async def test_a_deadline_racing_abort_ends_the_rpc_quietly(caplog):

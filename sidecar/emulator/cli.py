@@ -1,0 +1,93 @@
+"""``binbatch emulate-engine`` and ``python -m binbatch_sidecar.emulator``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+from dataclasses import fields
+from typing import Any
+
+from .config import EmulatorConfig
+from .server import serve
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The emulator's flags: ``--host``, ``--port`` and one per :class:`EmulatorConfig` field."""
+    d = EmulatorConfig()
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any (default 8000)")
+    parser.add_argument("--model", "--served-model-name", dest="model", default=d.model,
+                        help=f"served model name (default {d.model!r})")  # fmt: skip
+    parser.add_argument("--step-a", type=_seconds, default=d.step_a,
+                        help=f"fixed step time a in tau(b) = a + c*b, seconds (default {d.step_a})")  # fmt: skip
+    parser.add_argument("--step-c", type=_seconds, default=d.step_c,
+                        help=f"per-sequence step time c, seconds (default {d.step_c})")  # fmt: skip
+    parser.add_argument("--num-gpu-blocks", type=_positive_int, default=d.num_gpu_blocks,
+                        help=f"KV cache blocks (default {d.num_gpu_blocks})")  # fmt: skip
+    parser.add_argument("--block-size", type=_positive_int, default=d.block_size,
+                        help=f"tokens per KV block (default {d.block_size})")  # fmt: skip
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs,
+                        help=f"most sequences per step (default {d.max_num_seqs})")  # fmt: skip
+    parser.add_argument("--max-model-len", type=_positive_int, default=d.max_model_len,
+                        help=f"longest prompt + output in tokens (default {d.max_model_len})")  # fmt: skip
+    parser.add_argument("--legacy-names", action="store_true",
+                        help="expose vLLM's pre-0.10 metric names (gpu_cache_usage_perc, "
+                             "time_per_output_token_seconds)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=d.seed, help=f"output seed (default {d.seed})")
+    parser.add_argument("--max-request-body-bytes", type=_positive_int, default=d.max_request_body_bytes,
+                        help=f"largest request body; larger ones get HTTP 413 (default {d.max_request_body_bytes})")  # fmt: skip
+    parser.add_argument("--receipts-file", default=d.receipts_file, metavar="FILE",
+                        help="append every accepted prompt to FILE, one JSON string a line (default: off)")  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    """An :class:`EmulatorConfig` from parsed flags (raises ValueError naming a field)."""
+    return EmulatorConfig(**{f.name: getattr(args, f.name) for f in fields(EmulatorConfig)})
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the emulator until interrupted; the exit status."""
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        print(f"binbatch emulate-engine: {err}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(args.host, args.port, config))
+    return 0
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``emulate-engine`` on a ``binbatch`` subparsers object; it sets ``func``."""
+    parser = subparsers.add_parser(
+        "emulate-engine", help="run a vLLM-compatible engine emulator (OpenAI API, /metrics, KV blocks)",
+        description="A vLLM-compatible engine emulator: OpenAI API, /metrics, paged KV blocks.",
+    )  # fmt: skip
+    add_arguments(parser)
+    parser.set_defaults(func=run_from_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point: ``python -m binbatch_sidecar.emulator [flags]``."""
+    parser = argparse.ArgumentParser(
+        prog="binbatch emulate-engine", description="A vLLM-compatible engine emulator."
+    )
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+

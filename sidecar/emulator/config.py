@@ -1,0 +1,63 @@
+"""The emulator's settings: the engine's step time, KV cache, limits and seed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorConfig:
+    """How the emulated engine behaves; every field has a CLI flag of the same name."""
+
+    model: str = "emulated"
+    """Served model name: the only ``model`` accepted and the ``model_name`` label."""
+    step_a: float = 0.002
+    """Fixed part a of the step time τ(b) = a + c·b, seconds."""
+    step_c: float = 0.0002
+    """Per-sequence part c of the step time τ(b) = a + c·b, seconds."""
+    num_gpu_blocks: int = 512
+    """KV cache blocks."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    max_num_seqs: int = 256
+    """Most sequences running in one step (vLLM's ``--max-num-seqs``)."""
+    max_model_len: int = 2048
+    """Longest prompt + output, tokens; must fit in the KV cache, as vLLM requires."""
+    legacy_names: bool = False
+    """Expose the pre-0.10 metric names (``vllm:gpu_cache_usage_perc``,
+    ``vllm:time_per_output_token_seconds``) instead of the current ones."""
+    seed: int = 0
+    """Seed mixed into every sequence's output length and words."""
+    max_request_body_bytes: int = 1024 * 1024
+    """Largest request body accepted; a larger one gets HTTP 413 "Maximum request
+    body size ... exceeded", as from aiohttp's ``client_max_size`` (1 MiB by default)
+    in front of vLLM."""
+    receipts_file: str = ""
+    """Append every prompt the engine accepts to this file, one JSON string a line, so
+    a chaos bench can count prompts sent twice across engine restarts; "" is off."""
+
+    def __post_init__(self) -> None:
+        if not self.model or not self.model.strip():
+            raise ValueError("model: must be a non-empty name")
+        for name in ("step_a", "step_c"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_request_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
+        if self.max_model_len > self.kv_capacity_tokens:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} tokens do not fit in the KV cache "
+                f"({self.num_gpu_blocks} blocks x {self.block_size} = {self.kv_capacity_tokens} tokens)"
+            )
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """η = num_gpu_blocks × block_size (DESIGN §3.2)."""
+        return self.num_gpu_blocks * self.block_size
+
+    def step_seconds(self, running: int) -> float:
+        """τ(b) = a + c·b (DESIGN §4)."""
+        return self.step_a + self.step_c * running

@@ -1,0 +1,125 @@
+"""vLLM's scheduler in miniature: paged KV blocks, FIFO admission, recompute preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .model import SeqStatus, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one step runs, and how the scheduler got there."""
+
+    batch: list[Sequence]
+    admitted: list[Sequence]
+    preempted: list[Sequence]
+
+
+class BlockScheduler:
+    """vLLM-style continuous batching over a paged KV budget (no I/O, no clock)."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.free_blocks = num_blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of KV blocks in use, 0..1 (vLLM's ``kv_cache_usage_perc``)."""
+        return self.used_blocks / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """ceil((prompt + generated) / block_size)."""
+        return -(-seq.context_tokens // self.block_size)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back of the waiting queue."""
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> StepPlan:
+        """Grow the running sequences (preempting if needed), then admit waiting ones."""
+        preempted = self._grow_running()
+        admitted = [] if preempted else self._admit_waiting()
+        return StepPlan(batch=list(self.running), admitted=admitted, preempted=preempted)
+
+    def _grow_running(self) -> list[Sequence]:
+        """Give every running sequence the blocks of its next step, in admission
+        order; preempt from the most recently admitted end when none are free."""
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running):
+            if self._reserve(self.running[i]):
+                i += 1
+                continue
+            victim = self.running.pop()  # possibly running[i] itself
+            self._preempt(victim)
+            preempted.append(victim)
+        return preempted
+
+    def _admit_waiting(self) -> list[Sequence]:
+        """FIFO admission while blocks and sequence slots last (no skipping ahead)."""
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            if not self._reserve(self.waiting[0]):
+                break
+            seq = self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Allocate the blocks ``seq`` lacks for its next step, if they are free."""
+        lacking = self.blocks_needed(seq) - seq.blocks
+        if lacking > self.free_blocks:
+            return False
+        if lacking > 0:
+            self.free_blocks -= lacking
+            seq.blocks += lacking
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-mode preemption: free the blocks, back to the front of waiting."""
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+
+    def finish(self, seq: Sequence) -> None:
+        """A running sequence is done: free its blocks."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def abort(self, seq: Sequence) -> bool:
+        """Drop a sequence wherever it is; False if it had already ended."""
+        if seq.done:
+            return False
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.ABORTED
+        return True
+
+    def drain(self) -> list[Sequence]:
+        """Abort everything (shutdown); returns what was aborted."""
+        pending = [*self.running, *self.waiting]
+        for seq in pending:
+            self.abort(seq)
+        return pending

@@ -1,0 +1,79 @@
+"""Config → scheduling core: the one place a ``SidecarConfig`` becomes the
+predictor, binner, former and sizer the dispatcher runs (at start and on every
+reload), and the metrics source the feed reads.
+
+Pure construction, no I/O: the lifecycle (``app.py``) decides when to build.
+"""
+
+from __future__ import annotations
+
+from ..config import SidecarConfig
+from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
+from ..core.clock import Clock
+from ..core.former import BatchFormer
+from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
+from ..core.sizer import BatchSizer
+from ..engine.dispatcher import Core, Mode
+from ..engine.metrics_feed import MetricsSource, PromQLSource, ScrapeSource
+
+
+def build_binner(cfg: SidecarConfig) -> Binner:
+    b = cfg.bins
+    if b.mode == "Fixed":
+        if b.boundaries:
+            return FixedBinner(b.boundaries)
+        return FixedBinner.uniform(b.count, 1, b.max_output_tokens)
+    if b.mode == "Auto":
+        return AutoBinner(
+            b.count, FixedBinner.uniform(b.count, 1, b.max_output_tokens).boundaries,
+            window=b.auto_window, min_samples=min(256, b.auto_window), refresh_every=b.auto_refresh_every,
+        )  # fmt: skip
+    n_max = b.max_requests_per_bin or cfg.batch.static_size  # 0: from KV memory once metrics arrive
+    return AdaptiveBinner(1, b.max_output_tokens, n_max, theta=b.split_threshold_percent / 100, max_buckets=b.count)
+
+
+def build_predictor(cfg: SidecarConfig) -> LengthPredictor:
+    hint = HintPredictor(cfg.predictor.default_output_tokens)
+    return hint if cfg.predictor.kind == "Hint" else OnlinePredictor(fallback=hint)
+
+
+def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -> Core:
+    """The scheduling core for ``cfg``; what an online predictor learned is kept
+    (with the new ``predictor.defaultOutputTokens``)."""
+    bt = cfg.batch
+    sizer = BatchSizer(
+        mode=bt.sizing.lower(),  # type: ignore[arg-type]
+        static_size=bt.static_size,
+        min_size=bt.min_batch_size,
+        max_size=bt.max_batch_size,
+        eps_m=cfg.eps_m,
+        kv_reserve_ratio=cfg.kv_reserve_ratio,
+        kv_saturation=cfg.kv_saturation,
+        d_sla=cfg.tpot_seconds,
+        eps_d=None if cfg.tpot_seconds is None else cfg.tpot_seconds * cfg.eps_d,
+    )
+    binner = build_binner(cfg)
+    former = BatchFormer(
+        binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests
+    )
+    predictor = build_predictor(cfg)
+    learned = previous.predictor if previous is not None else None
+    if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
+        learned.fallback = predictor.fallback
+        predictor = learned
+    return Core(predictor=predictor, binner=binner, former=former, sizer=sizer)
+
+
+def dispatch_mode(cfg: SidecarConfig) -> Mode:
+    """``batch.mode`` as the dispatcher spells it."""
+    return "gang" if cfg.batch.mode == "Gang" else "continuous"
+
+
+def metrics_source(cfg: SidecarConfig) -> MetricsSource | None:
+    """What the metrics feed reads: vLLM's ``/metrics``, a PromQL API, or nothing."""
+    m = cfg.metrics
+    if m.source == "Scrape":
+        return ScrapeSource(m.url)
+    if m.source == "PromQL":
+        return PromQLSource(m.url, m.promql_selector)
+    return None
