@@ -36,11 +36,15 @@ class ServiceRate:
         self.max_age = max_age
         self.min_samples = min_samples
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (time, busy seconds it closes)
+        self._services: deque[tuple[float, float]] = deque(maxlen=window)  # (time, seconds in the engine)
         self._last: float | None = None
         self._busy = False  # was the engine saturated at the last completion?
 
-    def completed(self, now: float, saturated: bool) -> None:
-        """One completion at ``now``; ``saturated``: requests are waiting for a slot."""
+    def completed(self, now: float, saturated: bool, service_seconds: float | None = None) -> None:
+        """One completion at ``now``; ``saturated``: requests are waiting for a slot;
+        ``service_seconds``: how long the request was in the engine."""
+        if service_seconds is not None and math.isfinite(service_seconds) and service_seconds >= 0:
+            self._services.append((now, service_seconds))
         if self._last is not None and self._busy:
             self._samples.append((now, max(0.0, now - self._last)))
         self._last = now
@@ -55,19 +59,33 @@ class ServiceRate:
         busy = sum(dt for _, dt in self._samples)
         return len(self._samples) / busy if busy > 0 else None
 
+    def service_seconds(self, now: float) -> float:
+        """Mean seconds a request spends in the engine, over the recent window (0: unknown).
+
+        A request admitted after its predicted queue wait still needs this long to
+        finish: under load (many requests in the engine at once) it is seconds, so a
+        bound on the queue wait alone admits requests that then time out in the engine.
+        """
+        while self._services and now - self._services[0][0] > self.max_age:
+            self._services.popleft()
+        if len(self._services) < self.min_samples:
+            return 0.0
+        return sum(s for _, s in self._services) / len(self._services)
+
 
 def predicted_wait(ahead: int, rate: float) -> float:
     """Seconds until ``ahead`` requests have been served at ``rate`` per second."""
     return ahead / rate
 
 
-def refusal(ahead: int, rate: float | None, remaining: float | None) -> str | None:
+def refusal(ahead: int, rate: float | None, remaining: float | None, service: float = 0.0) -> str | None:
     """Why a request with ``remaining`` seconds to its deadline should be refused
-    (None: accept).  No deadline, no backlog or no rate estimate: accept."""
+    (None: accept): its predicted queue wait plus the mean ``service`` time in the
+    engine exceeds the deadline.  No deadline, no backlog or no rate estimate: accept."""
     if remaining is None or rate is None or ahead <= 0:
         return None
     wait = predicted_wait(ahead, rate)
-    if wait <= remaining:
+    if wait + service <= remaining:
         return None
     return (f"predicted queue wait {wait:.2f} s ({ahead} requests ahead, served at {rate:.1f}/s) "
-            f"exceeds the request's deadline of {max(0.0, remaining):.2f} s")  # fmt: skip
+            f"plus {service:.2f} s in the engine exceeds the request's deadline of {max(0.0, remaining):.2f} s")  # fmt: skip

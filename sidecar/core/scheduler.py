@@ -268,7 +268,8 @@ class Scheduler:
         if it had ended already (cancelled while in flight)."""
         self.breaker.on_result(outcome.outage, now)  # a driver compares the breaker's state to see a change
         if not outcome.unavailable:
-            self.service_rate.completed(now, self.saturated())
+            slot = self._slot_of.get(req)
+            self.service_rate.completed(now, self.saturated(), None if slot is None else now - slot.acquired_at)
         elif self._requeue(req, outcome, now):
             return "requeued"
         if outcome.completion_tokens is None:
@@ -324,7 +325,8 @@ class Scheduler:
             return None  # held up to its deadline (bounded by the queue)
         if self.breaker.state == "half_open" or remaining is None:
             return None  # half-open: the measured rate describes the engine before the outage
-        why = refusal(self.backlog(), self.service_rate.rate(now), remaining)
+        rate = self.service_rate
+        why = refusal(self.backlog(), rate.rate(now), remaining, rate.service_seconds(now))
         return None if why is None else Rejected("resource_exhausted", why)
 
     # -- sizing ----------------------------------------------------------------------

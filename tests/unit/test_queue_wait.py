@@ -61,7 +61,26 @@ def test_refusal_names_the_predicted_wait_and_the_deadline():
     assert refusal(ahead=100, rate=20.0, remaining=5.0) is None  # 5 s wait fits
     why = refusal(ahead=100, rate=20.0, remaining=2.0)
     assert why == ("predicted queue wait 5.00 s (100 requests ahead, served at 20.0/s) "
-                   "exceeds the request's deadline of 2.00 s")  # fmt: skip
+                   "plus 0.00 s in the engine exceeds the request's deadline of 2.00 s")  # fmt: skip
+
+
+def test_refusal_counts_the_time_in_the_engine_after_the_queue():
+    """Found by the chaos bench: under 10x overload with 120 requests in the engine, a
+    request spends ~4.4 s in the engine; a bound on the queue wait alone accepted
+    requests with 4 s of queue ahead, and 63% of calls then ran out their 5 s deadline."""
+    assert refusal(ahead=80, rate=20.0, remaining=5.0) is None  # 4 s of queue fits 5 s
+    why = refusal(ahead=80, rate=20.0, remaining=5.0, service=4.4)
+    assert why is not None and "plus 4.40 s in the engine" in why
+
+
+def test_service_time_is_the_recent_mean_once_there_are_enough_samples():
+    rate = ServiceRate(window=8, max_age=10.0, min_samples=4)
+    for i in range(3):
+        rate.completed(float(i), saturated=True, service_seconds=2.0)
+    assert rate.service_seconds(3.0) == 0.0  # too few: unknown, nothing added
+    rate.completed(3.0, saturated=True, service_seconds=4.0)
+    assert rate.service_seconds(3.0) == pytest.approx(2.5)
+    assert rate.service_seconds(20.0) == 0.0  # aged out
 
 
 class FakeClient:
