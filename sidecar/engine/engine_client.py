@@ -179,6 +179,7 @@ class EngineClient:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.max_body_bytes = max_body_bytes
+        self.context_lengths: dict[str, int] = {}  # model → max_model_len, from the last models()
         self.base_url = base_url.rstrip("/")
         self.timeout_seconds = float(timeout_seconds)
         self.connect_retries = connect_retries
@@ -461,7 +462,13 @@ class EngineClient:
         cards = data.get("data")
         if not isinstance(cards, list):
             raise EngineError("internal", 200, "GET /v1/models: no data list")
-        return [c["id"] for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        cards = [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        # vLLM's cards carry the context length (prompt + output, tokens).
+        self.context_lengths = {
+            c["id"]: c["max_model_len"] for c in cards
+            if type(c.get("max_model_len")) is int and c["max_model_len"] > 0
+        }  # fmt: skip
+        return [c["id"] for c in cards]
 
     # -- HTTP --------------------------------------------------------------------------
 

@@ -108,7 +108,8 @@ class Sidecar:
             reload_error=lambda: self.watcher.last_error if self.watcher else None, started_at=self.started_at,
         )  # fmt: skip
         inference = InferenceServicer(
-            self.dispatcher, self.clock, config=lambda: self.config, default_model=self.default_model
+            self.dispatcher, self.clock, config=lambda: self.config, default_model=self.default_model,
+            context_length=lambda model: self.client.context_lengths.get(model)
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()

@@ -144,6 +144,27 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
+# Tokens a chat template may add around the messages (roles, special tokens).
+TEMPLATE_TOKENS = 64
+
+
+def unset_max_tokens(cap: int, context_length: int | None, prompt: str) -> int:
+    """What to send as ``max_tokens`` when the caller set none: the policy's cap
+    (``bins.maxOutputTokens``), but no more than the engine's context leaves after
+    the prompt -- vLLM refuses prompt + max_tokens over ``max_model_len``, while a
+    request that names no limit expects whatever the context allows.  The prompt's
+    byte count bounds its token count (byte-level tokenizers give a token at least
+    one byte); when that bound leaves no room, the usual ~4 bytes per token does."""
+    if context_length is None:
+        return cap
+    nbytes = len(prompt.encode())
+    for prompt_tokens in (nbytes, max(1, nbytes // 4)):
+        room = context_length - prompt_tokens - TEMPLATE_TOKENS
+        if room >= 1:
+            return min(cap, room)
+    return cap  # the prompt alone fills the context: the engine says so
+
+
 def estimate_prompt_tokens(text: str) -> int:
     """A tokenizer-free estimate (~4 bytes per token) used only to bucket prompts
     for the online predictor before the engine reports the true count."""
@@ -164,12 +185,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     from the engine after start-up)."""
 
     def __init__(
-        self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig], default_model: Callable[[], str]
+        self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig],
+        default_model: Callable[[], str], context_length: Callable[[str], int | None] = lambda model: None,
     ) -> None:
         self.dispatcher = dispatcher
         self.clock = clock
         self.config = config
         self.default_model = default_model
+        self.context_length = context_length  # the engine's max_model_len for a model, if it said
         self._ids = itertools.count(1)
 
     def _build(
@@ -227,9 +250,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise InvalidRequest(f"request_class: unknown class {shown!r} (the policy's classes.classes defines: {names})")  # fmt: skip
             class_priority = found
         slo = _read_slo(context)
+        text = msg.prompt if which == "prompt" else "".join(c for _, c in messages or ())
         params = SamplingParams(
             model=model,
-            max_tokens=max_tokens or cap,  # never unset: bins.maxOutputTokens is the cap the docs promise
+            # never unset: bins.maxOutputTokens is the cap the docs promise, within the engine's context
+            max_tokens=max_tokens or unset_max_tokens(cap, self.context_length(model), text),
             temperature=msg.temperature if msg.HasField("temperature") else None,
             top_p=msg.top_p if msg.HasField("top_p") else None,
             stop=tuple(msg.stop),
@@ -241,7 +266,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         now = self.clock.now()
         remaining = context.time_remaining()
         budget = cfg.queue_budget_seconds(slo.get("x-slo-ttft-ms"))  # TTFT SLO: bounds the wait in a bin
-        text = msg.prompt if which == "prompt" else "".join(c for _, c in messages or ())
         req = Request(
             id=msg.request_id or uuid.uuid4().hex,
             arrival=now,

@@ -8,6 +8,7 @@ synchronise: tests await gRPC answers, or drive the sidecar's own loops one step
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.server.servicer import TEMPLATE_TOKENS
 
 FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_size=16)
 
@@ -245,6 +247,22 @@ async def test_memory_aware_size_follows_the_engines_kv_capacity(tmp_path):
                 assert fams["binbatch_target_batch_size"].samples[0].value == stats.target_batch_size
     assert sizes[64] < sizes[1024]
     assert sizes[64] <= 64 * 16 // 40  # no more requests than the cache can hold at ~50 tokens each
+
+
+async def test_unset_max_tokens_stays_within_the_engines_context(tmp_path):
+    """With the default cap (2048) an engine of a 256-token context refused every call
+    that named no max_tokens (prompt + 2048 > max_model_len): the cap now stops at what
+    the context leaves after the prompt, as the engine reports it in /v1/models."""
+    small = replace(FAST, max_model_len=256)
+    doc = sidecar_config("")
+    async with running_emulator(small) as url:
+        doc["engine"]["url"], doc["metrics"]["url"] = url, url + "/metrics"
+        async with running_sidecar(doc, tmp_path) as sc:
+            prompt = "no limit given"
+            msg = pb.GenerateRequest(prompt=prompt, ignore_eos=True)
+            resp = await sc.inference.Generate(msg, timeout=30)
+            expected = 256 - len(prompt.encode()) - TEMPLATE_TOKENS
+            assert (resp.completion_tokens, resp.finish_reason) == (expected, "length")
 
 
 async def test_unset_max_tokens_is_capped_at_bins_max_output_tokens(tmp_path):

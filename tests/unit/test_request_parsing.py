@@ -80,3 +80,14 @@ def test_a_corrupt_body_decodes_to_an_undecodable_marker():
     with pytest.raises(InvalidRequest, match="^request: "):
         build(bad)  # type: ignore[arg-type]
 
+
+
+def test_an_unset_max_tokens_is_the_cap_within_the_engines_context():
+    from binbatch_sidecar.server.servicer import TEMPLATE_TOKENS, unset_max_tokens
+
+    assert unset_max_tokens(2048, None, "hi") == 2048  # context unknown: the cap
+    assert unset_max_tokens(2048, 8192, "hi") == 2048  # room for the cap
+    assert unset_max_tokens(2048, 256, "hi") == 256 - 2 - TEMPLATE_TOKENS  # the context is the limit
+    long = "x" * 800  # 800 bytes: no room by bytes in a 512 context, room by ~4 bytes/token
+    assert unset_max_tokens(2048, 512, long) == 512 - 200 - TEMPLATE_TOKENS
+    assert unset_max_tokens(2048, 64, long) == 2048  # no room at all: the engine refuses, naming the context
