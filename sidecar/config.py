@@ -42,7 +42,6 @@ message saying a restart is needed, and the old config stays in effect), so what
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import inspect
 import json
@@ -493,12 +492,3 @@ class ConfigWatcher:
             self._refused = key
             log.warning("config %s refused, keeping generation %d:\n%s", self.path, self.current.generation, error)
         return False
-
-    async def run(self) -> None:
-        """Check every ``poll_seconds`` until cancelled."""
-        while True:
-            try:
-                await self.check()
-            except Exception:  # noqa: BLE001 - a reload must never stop the watcher
-                log.exception("config check failed")
-            await asyncio.sleep(self.poll_seconds)

@@ -396,20 +396,6 @@ async def test_config_the_server_cannot_apply_is_refused(cfg_path):
     assert watcher.last_error is not None and "cannot be reached" in watcher.last_error
 
 
-async def test_run_polls_until_cancelled(cfg_path):
-    applied = asyncio.Event()
-    watcher = ConfigWatcher(
-        cfg_path, initial=load_config(cfg_path), on_change=lambda _: applied.set(), poll_seconds=0.01
-    )
-    task = asyncio.create_task(watcher.run())
-    write(cfg_path, {"batch": {"staticSize": 24}})
-    await asyncio.wait_for(applied.wait(), timeout=5)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert watcher.current.generation == 2
-
-
 def _kubelet_publish(volume, data: dict, generation: int) -> None:
     """What kubelet's AtomicWriter does for a ConfigMap volume: write a fresh
     timestamped directory, point a new symlink at it and rename that over
