@@ -26,6 +26,8 @@ from ..core.clock import Clock, MonotonicClock
 from ..core.former import BatchFormer
 from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
 from ..core.sizer import INITIAL_REASON, BatchSizer
+from ..core.throughput import ThroughputWindow
+from ..core.tpot_gate import TpotGate
 from ..engine.dispatcher import Core, Dispatcher
 from ..engine.engine_client import EngineClient
 from ..engine.metrics_feed import NO_SOURCE_KIND, MetricsFeed, PromQLSource, ScrapeSource
@@ -84,8 +86,9 @@ def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -
     )
     binner = build_binner(cfg)
     former = BatchFormer(
-        binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests
-    )
+        binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests,
+        gate=TpotGate(cfg.tpot_seconds),
+    )  # fmt: skip
     predictor = build_predictor(cfg)
     learned = previous.predictor if previous is not None else None
     if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
@@ -119,6 +122,7 @@ class Sidecar:
         self._metrics_port_req = loaded.config.server.metrics_port if metrics_port is None else metrics_port
         self.metrics = SidecarMetrics()
         self.started_at = time.monotonic()
+        self.throughput = ThroughputWindow(self.clock.now())  # fed by the servicer per completion
         self.engine_serving = False
         self._models: list[str] = []
         self._tasks: list[asyncio.Task] = []
@@ -210,6 +214,9 @@ class Sidecar:
 
     def _on_snapshot(self, snapshot) -> None:
         self.metrics.metrics_fresh.set(1 if snapshot is not None and snapshot.fresh else 0)
+        gate = self.dispatcher.core.former.gate
+        if gate is not None:  # before on_snapshot, whose wake lets held requests go
+            gate.observe(snapshot.tpot_seconds if snapshot else None, fresh=snapshot is not None and snapshot.fresh)
         self.dispatcher.on_snapshot(snapshot)
 
     async def _check_engine(self) -> None:
@@ -335,6 +342,7 @@ class Sidecar:
         edges = [0.0, *bounds, float(self.config.bins.max_output_tokens)]
         oldest = former.oldest_arrivals()
         now = self.clock.now()
+        rates = self.throughput.rates(now)
         bins = [
             pb.BinStats(
                 index=i, lower_tokens=edges[i], upper_tokens=edges[i + 1] if i + 1 < len(edges) else edges[-1],
@@ -375,6 +383,8 @@ class Sidecar:
                     for src in core.accuracy.sources()
                 ],
             ),  # fmt: skip
+            throughput=pb.Throughput(window_seconds=rates.window_seconds, requests_per_second=rates.requests_per_second,
+                                     output_tokens_per_second=rates.output_tokens_per_second),  # fmt: skip
             metrics_source=self._source_status(),
             recent_adjustments=[
                 pb.Adjustment(time_unix_seconds=a.time, field=a.field, from_value=a.old, to_value=a.new, reason=a.reason)

@@ -20,7 +20,6 @@ deserializer never raises for that reason (``add_inference_servicer``).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import re
 import uuid
@@ -149,7 +148,6 @@ def estimate_prompt_tokens(text: str) -> int:
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, sidecar: Sidecar) -> None:
         self.sidecar = sidecar
-        self._ids = itertools.count(1)
 
     def _build(
         self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, stream: bool
@@ -231,6 +229,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             priority=class_priority * PRIORITY_SPAN + msg.priority,
             deadline=None if remaining is None else now + remaining,
             send_by=None if budget is None else now + budget,
+            tpot_slo=slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in slo else None,  # TpotGate
             request_class=msg.request_class,
         )
         if cfg.logging.log_prompts:
@@ -257,7 +256,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.sidecar.dispatcher.cancel(req)
 
     def _log_completion(self, req: Request, completion: Completion) -> None:
-        if self.sidecar.config.logging.log_prompts:
+        side = self.sidecar
+        side.throughput.completed(side.clock.now(), completion.result.completion_tokens)  # Stats.throughput
+        if side.config.logging.log_prompts:
             prompt_log.info("request %s completion: %s", req.id, completion.result.text)
 
     async def Generate(
