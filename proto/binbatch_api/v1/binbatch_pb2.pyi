@@ -549,7 +549,7 @@ Global___RequestTotals: _TypeAlias = RequestTotals  # noqa: Y015
 
 @_typing.final
 class Throughput(_message.Message):
-    """Throughput over a recent sliding window."""
+    """Throughput over a recent sliding window (the last 60 s of completions)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -557,7 +557,9 @@ class Throughput(_message.Message):
     REQUESTS_PER_SECOND_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     window_seconds: _builtins.float
-    """Length of the window in seconds."""
+    """Seconds the rates are averaged over: 60, or the sidecar's uptime while it
+    is younger.
+    """
     requests_per_second: _builtins.float
     """Completed requests per second over the window."""
     output_tokens_per_second: _builtins.float
