@@ -15,8 +15,9 @@ default. Cross-field rules mirror the CRD's CEL rules. Every problem is reported
 at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError``).
 
     engine:    {url, model, requestTimeoutSeconds, healthPath, maxRequestBodyBytes}
-    bins:      {mode: Fixed|Auto|Adaptive, count, boundaries, maxOutputTokens,
-                autoWindow, autoRefreshEvery, splitThresholdPercent, maxRequestsPerBin}
+    bins:      {mode: Fixed|Auto|Adaptive, count, countMode: Fixed|Auto, latencyTargetMilliseconds,
+                boundaries, maxOutputTokens, autoWindow, autoRefreshEvery,
+                splitThresholdPercent, maxRequestsPerBin}
     batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
                 maxQueuedRequests, dispatch: MaxWait}
@@ -62,6 +63,7 @@ from pydantic_core import PydanticCustomError
 log = logging.getLogger("binbatch.config")
 
 BinMode = Literal["Fixed", "Auto", "Adaptive"]
+CountMode = Literal["Fixed", "Auto"]
 BatchMode = Literal["Gang", "Continuous"]
 Sizing = Literal["Static", "Memory", "Sla", "Combined"]
 # The SMDP control limit (core/smdp.py) needs a cost model the sidecar cannot
@@ -123,7 +125,9 @@ class EngineConfig(_Section):
 
 class BinsConfig(_Section):
     mode: BinMode = Field("Fixed", description="Fixed boundaries, Auto (equal-mass quantiles of observed lengths), or Adaptive (split/merge by load).")  # fmt: skip
-    count: int = Field(4, ge=1, le=64, description="Number of bins k (the maximum number of buckets for Adaptive).")
+    count: int = Field(4, ge=1, le=64, description="Number of bins k (the maximum number of buckets for Adaptive; the most bins for countMode Auto).")  # fmt: skip
+    count_mode: CountMode = Field("Fixed", description="Fixed: k is count. Auto: the sidecar measures the arrival rate and re-chooses k in [1, count] (more bins raise throughput, Theorem 4.2, but fill more slowly, Lemma 5.1) to meet latencyTargetMilliseconds; not with mode Adaptive or boundaries.")  # fmt: skip
+    latency_target_milliseconds: int = Field(0, ge=0, le=600_000, description="countMode Auto: the latency target k is chosen for (Lemma 5.1: batch service plus the wait for a bin to fill); required (> 0) with countMode Auto.")  # fmt: skip
     boundaries: list[int] = Field(default_factory=list, max_length=63, description="Fixed only: count-1 strictly increasing token boundaries below maxOutputTokens; empty means uniform over [1, maxOutputTokens].")  # fmt: skip
     max_output_tokens: int = Field(2048, ge=1, le=1_000_000, description="Upper end of the uniform bins and the default max_tokens cap.")  # fmt: skip
     auto_window: int = Field(4096, ge=16, le=1_000_000, description="Auto: observed output lengths kept for the quantile estimate.")  # fmt: skip
@@ -142,6 +146,13 @@ class BinsConfig(_Section):
     @model_validator(mode="after")
     def _boundaries_fit(self) -> BinsConfig:
         b, problems = self.boundaries, []
+        if self.count_mode == "Auto":
+            if self.mode == "Adaptive":
+                problems.append(("countMode", "must be Fixed when mode is Adaptive (it splits and merges bins itself)"))
+            if self.latency_target_milliseconds == 0:
+                problems.append(("latencyTargetMilliseconds", "must be > 0 when countMode is Auto"))
+            if b:
+                problems.append(("boundaries", "must be empty when countMode is Auto"))
         if b and self.mode != "Fixed":
             problems.append(("boundaries", f"must be empty unless mode is Fixed (mode is {self.mode})"))
         elif b:

@@ -58,7 +58,7 @@ ADJUSTMENT_LOG_SECONDS = 30.0  # at most one INFO line per field this often, unl
 # Adjustment.field values (binbatch.proto lists them).  Adjustment.reason is
 # "<reason>: <detail>": for a batch size the sizer's reason (sizer.REASONS), for
 # bin boundaries REBALANCE_REASON.
-AdjustmentField = Literal["batchSize", "binBoundaries"]
+AdjustmentField = Literal["batchSize", "binBoundaries", "binCount"]
 ADJUSTMENT_FIELDS: tuple[AdjustmentField, ...] = get_args(AdjustmentField)
 REBALANCE_REASON = "rebalance"
 

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from binbatch_api.v1 import binbatch_pb2 as pb
 
 from ..config import ConfigError, ConfigWatcher, LoadedConfig, SidecarConfig, config_json, restart_required
+from ..core.autok import BinCountController
 from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock, MonotonicClock
 from ..core.former import BatchFormer
@@ -49,15 +50,17 @@ def sidecar_version() -> str:
         return "0+unknown"
 
 
-def build_binner(cfg: SidecarConfig) -> Binner:
+def build_binner(cfg: SidecarConfig, k: int | None = None) -> Binner:
+    """The binner for ``cfg``, with ``k`` bins instead of ``bins.count`` (countMode Auto)."""
     b = cfg.bins
+    k = b.count if k is None else k
     if b.mode == "Fixed":
         if b.boundaries:
             return FixedBinner(b.boundaries)
-        return FixedBinner.uniform(b.count, 1, b.max_output_tokens)
+        return FixedBinner.uniform(k, 1, b.max_output_tokens)
     if b.mode == "Auto":
         return AutoBinner(
-            b.count, FixedBinner.uniform(b.count, 1, b.max_output_tokens).boundaries,
+            k, FixedBinner.uniform(k, 1, b.max_output_tokens).boundaries,
             window=b.auto_window, min_samples=min(256, b.auto_window), refresh_every=b.auto_refresh_every,
         )  # fmt: skip
     n_max = b.max_requests_per_bin or cfg.batch.static_size  # 0: from KV memory once metrics arrive
@@ -69,9 +72,9 @@ def build_predictor(cfg: SidecarConfig) -> LengthPredictor:
     return hint if cfg.predictor.kind == "Hint" else OnlinePredictor(fallback=hint)
 
 
-def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -> Core:
-    """The scheduling core for ``cfg``; what an online predictor learned is kept
-    (with the new ``predictor.defaultOutputTokens``)."""
+def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None, k: int | None = None) -> Core:
+    """The scheduling core for ``cfg`` (with ``k`` bins: countMode Auto); what an
+    online predictor learned is kept (with the new ``predictor.defaultOutputTokens``)."""
     bt = cfg.batch
     sizer = BatchSizer(
         mode=bt.sizing.lower(),  # type: ignore[arg-type]
@@ -84,7 +87,7 @@ def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -
         d_sla=cfg.tpot_seconds,
         eps_d=None if cfg.tpot_seconds is None else cfg.tpot_seconds * cfg.eps_d,
     )
-    binner = build_binner(cfg)
+    binner = build_binner(cfg, k)
     former = BatchFormer(
         binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests,
         gate=TpotGate(cfg.tpot_seconds),
@@ -95,6 +98,15 @@ def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -
         learned.fallback = predictor.fallback
         predictor = learned
     return Core(predictor=predictor, binner=binner, former=former, sizer=sizer)
+
+
+def build_bin_count(cfg: SidecarConfig, previous: BinCountController | None = None) -> BinCountController | None:
+    """The k controller of ``bins.countMode: Auto`` (None: Fixed); a reload keeps the k chosen."""
+    b = cfg.bins
+    if b.count_mode != "Auto":
+        return None
+    k = b.count if previous is None else min(previous.k, b.count)
+    return BinCountController(k, b.count, b.latency_target_milliseconds / 1000)
 
 
 def _mode(cfg: SidecarConfig):
@@ -146,8 +158,9 @@ class Sidecar:
         cfg = self.config
         self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
                                    max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
+        self.bin_count = build_bin_count(cfg)
         self.dispatcher = Dispatcher(
-            build_core(cfg, self.clock), self.client, self.clock, self.metrics,
+            build_core(cfg, self.clock, k=self.bin_count and self.bin_count.k), self.client, self.clock, self.metrics,
             mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds, wall_time=time.time,
         )  # fmt: skip
@@ -214,10 +227,32 @@ class Sidecar:
 
     def _on_snapshot(self, snapshot) -> None:
         self.metrics.metrics_fresh.set(1 if snapshot is not None and snapshot.fresh else 0)
+        self._choose_bin_count(snapshot)
         gate = self.dispatcher.core.former.gate
         if gate is not None:  # before on_snapshot, whose wake lets held requests go
             gate.observe(snapshot.tpot_seconds if snapshot else None, fresh=snapshot is not None and snapshot.fresh)
         self.dispatcher.on_snapshot(snapshot)
+
+    def _choose_bin_count(self, snapshot) -> None:
+        """countMode Auto: re-choose k from the arrival rate; a new k rebuilds the
+        core (the queue moves over) and is recorded as a "binCount" adjustment."""
+        ctl = self.bin_count
+        if ctl is None:
+            return
+        cfg, d = self.config, self.dispatcher
+        fresh_tpot = snapshot.tpot_seconds if snapshot is not None and snapshot.fresh else None
+        decision = ctl.on_snapshot(
+            self.clock.now(), d.totals["accepted"], fresh_tpot or cfg.tpot_seconds,
+            batch=max(d.core.former.target_sizes), lmin=1.0, lmax=float(cfg.bins.max_output_tokens),
+        )  # fmt: skip
+        if decision is None:
+            return
+        d.replace_core(
+            build_core(cfg, self.clock, previous=d.core, k=decision.new), mode=_mode(cfg),
+            max_inflight_batches=cfg.batch.max_inflight_batches, engine_timeout=cfg.engine.request_timeout_seconds,
+        )  # fmt: skip
+        d._adjust("binCount", str(decision.old), str(decision.new), f"{decision.reason}: {decision.detail}", decision.reason)
+        self.metrics.bin_count_changes.labels(decision.reason).inc()
 
     async def _check_engine(self) -> None:
         ok = await self.client.health(self.config.engine.health_path)
@@ -270,7 +305,8 @@ class Sidecar:
         refused = restart_required(running, cfg)
         if refused:
             raise ConfigError(refused)
-        core = build_core(cfg, self.clock, previous=self.dispatcher.core)
+        self.bin_count = build_bin_count(cfg, self.bin_count)
+        core = build_core(cfg, self.clock, previous=self.dispatcher.core, k=self.bin_count and self.bin_count.k)
         self.dispatcher.replace_core(
             core, mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds,

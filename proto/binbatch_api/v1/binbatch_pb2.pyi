@@ -729,9 +729,10 @@ class Adjustment(_message.Message):
     """When the change happened, Unix time in seconds."""
     field: _builtins.str
     """What changed: "batchSize" (the bins' target batch sizes, as a list in
-    bin order) or "binBoundaries" (the bin boundaries, as a list; the value
-    before is not kept and is empty).
-    values: "batchSize" | "binBoundaries"
+    bin order), "binBoundaries" (the bin boundaries, as a list; the value
+    before is not kept and is empty) or "binCount" (the number of bins k,
+    chosen from the measured arrival rate with `bins.countMode: Auto`).
+    values: "batchSize" | "binBoundaries" | "binCount"
     """
     from_value: _builtins.str
     """Value before the change, rendered as text."""
@@ -741,10 +742,15 @@ class Adjustment(_message.Message):
     """Why, as "<reason>: <detail>": the reason is machine-readable, the detail
     a sentence for humans. For "batchSize" the reason is the sizer's (as in
     `Stats.sizer_reason`, e.g. "memory+sla: ..."); for "binBoundaries" it is
-    "rebalance" (the binner moved its boundaries).
+    "rebalance" (the binner moved its boundaries); for "binCount" how the
+    new k relates to `bins.latencyTargetMilliseconds`: "meets-target" (the
+    most bins that serve the arrival rate within the target), "overloaded"
+    (no k serves the rate: the most bins, for throughput) or
+    "target-unreachable" (the k with the lowest latency bound).
     values: "rebalance" | "static" | "no-metrics" | "stale-last-good"
       | "stale-static" | "stale-pressure" | "kv-saturated" | "warming-up"
-      | "no-kv-capacity" | "memory" | "sla"
+      | "no-kv-capacity" | "memory" | "sla" | "meets-target" | "overloaded"
+      | "target-unreachable"
     """
     def __init__(
         self,
