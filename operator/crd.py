@@ -62,6 +62,8 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
               "minBatchSize must be <= staticSize", ".minBatchSize"),
         _rule(("staticSize", "maxBatchSize"), "self.staticSize <= self.maxBatchSize",
               "staticSize must be <= maxBatchSize", ".staticSize"),
+        _rule(("dispatch", "mode"), "self.dispatch != 'Smdp' || self.mode == 'Gang'",
+              "dispatch Smdp needs mode Gang", ".dispatch"),
     ],
     "bins": [
         _rule(("boundaries", "mode"), "size(self.boundaries) == 0 || self.mode == 'Fixed'",

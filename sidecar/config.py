@@ -20,7 +20,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 splitThresholdPercent, maxRequestsPerBin}
     batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
-                maxQueuedRequests, dispatch: MaxWait}
+                maxQueuedRequests, dispatch: MaxWait|Smdp, smdpEngineWeight}
     memory:    {overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
     predictor: {kind: Hint|Online, defaultOutputTokens}
@@ -66,9 +66,9 @@ BinMode = Literal["Fixed", "Auto", "Adaptive"]
 CountMode = Literal["Fixed", "Auto"]
 BatchMode = Literal["Gang", "Continuous"]
 Sizing = Literal["Static", "Memory", "Sla", "Combined"]
-# The SMDP control limit (core/smdp.py) needs a cost model the sidecar cannot
-# measure yet (energy per batch); until it can, MaxWait is the only dispatch rule.
-Dispatch = Literal["MaxWait"]
+# Smdp: the control limit of core/smdp.py with engine time as the per-dispatch cost
+# (core/smdp_policy.py); gang mode only.
+Dispatch = Literal["MaxWait", "Smdp"]
 PredictorKind = Literal["Hint", "Online"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
@@ -176,7 +176,8 @@ class BatchConfig(_Section):
     max_wait_milliseconds: int = Field(50, ge=0, le=600_000, description="A partial batch leaves its bin once its oldest request waited this long.")  # fmt: skip
     max_inflight_batches: int = Field(4, ge=1, le=1024, description="Batches in the engine at once (the seed's servers).")  # fmt: skip
     max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED). A request whose predicted queue wait exceeds its deadline is refused too.")  # fmt: skip
-    dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds).")  # fmt: skip
+    dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds), or Smdp (Gang only: as soon as a slot is free and its bin holds the SMDP control limit, solved from the measured arrival rate and batch time l(b) = αb + β; maxWaitMilliseconds still bounds the wait, and alone decides until a solution exists).")  # fmt: skip
+    smdp_engine_weight: int = Field(16, ge=1, le=100_000, description="Smdp: request-seconds of waiting one engine-second is worth; larger sends fewer, fuller batches.")  # fmt: skip
 
     @model_validator(mode="after")
     def _sizes_ordered(self) -> BatchConfig:
@@ -185,6 +186,8 @@ class BatchConfig(_Section):
             problems.append(("minBatchSize", f"must be <= staticSize ({self.static_size}), got {self.min_batch_size}"))
         if self.static_size > self.max_batch_size:
             problems.append(("staticSize", f"must be <= maxBatchSize ({self.max_batch_size}), got {self.static_size}"))
+        if self.dispatch == "Smdp" and self.mode != "Gang":
+            problems.append(("dispatch", f"Smdp needs mode Gang (its cost is a gang batch's engine time), mode is {self.mode}"))
         if problems:
             _broken(problems)
         return self

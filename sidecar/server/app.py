@@ -21,12 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from binbatch_api.v1 import binbatch_pb2 as pb
 
 from ..config import ConfigError, ConfigWatcher, LoadedConfig, SidecarConfig, config_json, restart_required
-from ..core.autok import BinCountController
+from ..core.autok import ArrivalWindow, BinCountController
 from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock, MonotonicClock
 from ..core.former import BatchFormer
 from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
 from ..core.sizer import INITIAL_REASON, BatchSizer
+from ..core.smdp_policy import ServiceTimeFit, SmdpCache, SmdpDispatch, SmdpParams, solve_bucket
 from ..core.throughput import ThroughputWindow
 from ..core.tpot_gate import TpotGate
 from ..engine.dispatcher import Core, Dispatcher
@@ -72,7 +73,10 @@ def build_predictor(cfg: SidecarConfig) -> LengthPredictor:
     return hint if cfg.predictor.kind == "Hint" else OnlinePredictor(fallback=hint)
 
 
-def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None, k: int | None = None) -> Core:
+def build_core(
+    cfg: SidecarConfig, clock: Clock, previous: Core | None = None, k: int | None = None,
+    policy: SmdpDispatch | None = None,
+) -> Core:  # fmt: skip
     """The scheduling core for ``cfg`` (with ``k`` bins: countMode Auto); what an
     online predictor learned is kept (with the new ``predictor.defaultOutputTokens``)."""
     bt = cfg.batch
@@ -90,7 +94,7 @@ def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None, k
     binner = build_binner(cfg, k)
     former = BatchFormer(
         binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests,
-        gate=TpotGate(cfg.tpot_seconds),
+        gate=TpotGate(cfg.tpot_seconds), policy=policy,
     )  # fmt: skip
     predictor = build_predictor(cfg)
     learned = previous.predictor if previous is not None else None
@@ -107,6 +111,17 @@ def build_bin_count(cfg: SidecarConfig, previous: BinCountController | None = No
         return None
     k = b.count if previous is None else min(previous.k, b.count)
     return BinCountController(k, b.count, b.latency_target_milliseconds / 1000)
+
+
+def build_smdp(cfg: SidecarConfig, previous: SmdpDispatch | None = None) -> SmdpDispatch | None:
+    """The dispatch policy of ``batch.dispatch: Smdp`` (None: MaxWait); a reload with
+    the same weight keeps the solutions cached."""
+    if cfg.batch.dispatch != "Smdp":
+        return None
+    params = SmdpParams(w2=float(cfg.batch.smdp_engine_weight))
+    if previous is not None and previous.cache.params == params:
+        return previous
+    return SmdpDispatch(SmdpCache(params))
 
 
 def _mode(cfg: SidecarConfig):
@@ -135,6 +150,10 @@ class Sidecar:
         self.metrics = SidecarMetrics()
         self.started_at = time.monotonic()
         self.throughput = ThroughputWindow(self.clock.now())  # fed by the servicer per completion
+        self.service_fit = ServiceTimeFit()  # gang batches' l(b) = αb + β, for Smdp dispatch
+        self.arrivals = ArrivalWindow()  # λ, sampled per metrics snapshot, for Smdp dispatch
+        self._smdp_wanted = asyncio.Event()
+        self.smdp_solved = asyncio.Event()  # set after each background solve (tests await it)
         self.engine_serving = False
         self._models: list[str] = []
         self._tasks: list[asyncio.Task] = []
@@ -159,8 +178,9 @@ class Sidecar:
         self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
                                    max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
         self.bin_count = build_bin_count(cfg)
+        self.smdp = build_smdp(cfg)
         self.dispatcher = Dispatcher(
-            build_core(cfg, self.clock, k=self.bin_count and self.bin_count.k), self.client, self.clock, self.metrics,
+            build_core(cfg, self.clock, k=self.bin_count and self.bin_count.k, policy=self.smdp), self.client, self.clock, self.metrics,
             mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds, wall_time=time.time,
         )  # fmt: skip
@@ -189,7 +209,8 @@ class Sidecar:
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.metrics.config_generation.set(self.loaded.generation)
         await self._check_engine()
-        self._tasks = [asyncio.create_task(t) for t in (self.dispatcher.run(), self.feed.run(), self._health_loop())]
+        loops = (self.dispatcher.run(), self.feed.run(), self._health_loop(), self._solve_smdp())
+        self._tasks = [asyncio.create_task(t) for t in loops]
         if self.watcher:
             self._tasks.append(asyncio.create_task(self._watch()))
         log.info("sidecar serving gRPC on %s:%d, metrics on :%d, engine %s, mode %s",
@@ -228,6 +249,7 @@ class Sidecar:
     def _on_snapshot(self, snapshot) -> None:
         self.metrics.metrics_fresh.set(1 if snapshot is not None and snapshot.fresh else 0)
         self._choose_bin_count(snapshot)
+        self._update_smdp()
         gate = self.dispatcher.core.former.gate
         if gate is not None:  # before on_snapshot, whose wake lets held requests go
             gate.observe(snapshot.tpot_seconds if snapshot else None, fresh=snapshot is not None and snapshot.fresh)
@@ -248,11 +270,54 @@ class Sidecar:
         if decision is None:
             return
         d.replace_core(
-            build_core(cfg, self.clock, previous=d.core, k=decision.new), mode=_mode(cfg),
+            build_core(cfg, self.clock, previous=d.core, k=decision.new, policy=self.smdp), mode=_mode(cfg),
             max_inflight_batches=cfg.batch.max_inflight_batches, engine_timeout=cfg.engine.request_timeout_seconds,
         )  # fmt: skip
         d._adjust("binCount", str(decision.old), str(decision.new), f"{decision.reason}: {decision.detail}", decision.reason)
         self.metrics.bin_count_changes.labels(decision.reason).inc()
+
+    def on_completion(self, engine_seconds: float, batch_size: int, output_tokens: int) -> None:
+        """A request was answered (the servicer calls this): feeds Stats.throughput
+        and, in gang mode, the batch-time fit of Smdp dispatch."""
+        self.throughput.completed(self.clock.now(), output_tokens)
+        if self.dispatcher.mode == "gang":
+            self.service_fit.observe(batch_size, engine_seconds)
+
+    def _update_smdp(self) -> None:
+        """Smdp dispatch: point the policy at the bucket of the current load; a
+        bucket never solved wakes the background solver."""
+        rate = self.arrivals.sample(self.clock.now(), self.dispatcher.totals["accepted"])
+        if self.smdp is None:
+            return
+        former = self.dispatcher.core.former
+        self.smdp.update(rate, former.k, self.service_fit.fit(), max(former.target_sizes))
+        self._update_smdp_gauge()
+        if self.smdp.cache.wanted():
+            self._smdp_wanted.set()
+
+    async def _solve_smdp(self) -> None:
+        """Solve the SMDP for each wanted bucket in a worker thread (a solve takes
+        tens to hundreds of milliseconds of CPU: never on the event loop)."""
+        while True:
+            await self._smdp_wanted.wait()
+            self._smdp_wanted.clear()
+            policy = self.smdp
+            if policy is None:
+                continue
+            for key in policy.cache.wanted():
+                try:
+                    limit = await asyncio.to_thread(solve_bucket, key, policy.cache.params)
+                except Exception:  # noqa: BLE001 - a failed solve leaves maxWait in charge
+                    log.exception("SMDP solve failed for bucket %s", key)
+                    limit = None
+                policy.cache.put(key, limit)
+                self.smdp_solved.set()
+                log.info("SMDP control limit for bucket %s: %s", key, limit)
+            self._update_smdp_gauge()
+
+    def _update_smdp_gauge(self) -> None:
+        threshold = self.smdp.threshold if self.smdp is not None else None
+        self.metrics.smdp_control_limit.set(-1 if threshold is None else threshold)
 
     async def _check_engine(self) -> None:
         ok = await self.client.health(self.config.engine.health_path)
@@ -306,7 +371,9 @@ class Sidecar:
         if refused:
             raise ConfigError(refused)
         self.bin_count = build_bin_count(cfg, self.bin_count)
-        core = build_core(cfg, self.clock, previous=self.dispatcher.core, k=self.bin_count and self.bin_count.k)
+        self.smdp = build_smdp(cfg, self.smdp)
+        core = build_core(cfg, self.clock, previous=self.dispatcher.core, k=self.bin_count and self.bin_count.k,
+                          policy=self.smdp)  # fmt: skip
         self.dispatcher.replace_core(
             core, mode=_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds,

@@ -257,7 +257,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def _log_completion(self, req: Request, completion: Completion) -> None:
         side = self.sidecar
-        side.throughput.completed(side.clock.now(), completion.result.completion_tokens)  # Stats.throughput
+        side.on_completion(completion.engine_seconds, completion.batch_size, completion.result.completion_tokens)
         if side.config.logging.log_prompts:
             prompt_log.info("request %s completion: %s", req.id, completion.result.text)
 

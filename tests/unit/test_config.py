@@ -51,7 +51,8 @@ batch:
   maxWaitMilliseconds: 250
   maxInflightBatches: 2
   maxQueuedRequests: 500
-  dispatch: MaxWait
+  dispatch: Smdp
+  smdpEngineWeight: 8
 memory:
   overflowPerMille: 5
   kvReservePercent: 10
@@ -456,3 +457,9 @@ def test_count_mode_auto_needs_a_latency_target_and_free_bins():
         parse_config({"bins": {"countMode": "Auto", "latencyTargetMilliseconds": 500, "count": 2, "boundaries": [64]}})
     cfg = parse_config({"bins": {"countMode": "Auto", "latencyTargetMilliseconds": 500}})
     assert cfg.bins.count_mode == "Auto"
+
+
+def test_smdp_dispatch_needs_gang_mode():
+    with pytest.raises(ConfigError, match="batch.dispatch: Smdp needs mode Gang"):
+        parse_config({"batch": {"dispatch": "Smdp"}})
+    assert parse_config({"batch": {"dispatch": "Smdp", "mode": "Gang"}}).batch.dispatch == "Smdp"

@@ -321,6 +321,8 @@ CASES: dict[str, tuple[dict[str, Any], bool]] = {
     "batch in order": ({"batch": {"minBatchSize": 4, "staticSize": 16, "maxBatchSize": 64}}, False),
     "stale too soon": ({"metrics": {"intervalMilliseconds": 500, "staleAfterMilliseconds": 600}}, True),
     "stale too soon for default interval": ({"metrics": {"staleAfterMilliseconds": 600}}, True),
+    "Smdp in Gang": ({"batch": {"dispatch": "Smdp", "mode": "Gang"}}, False),
+    "Smdp in default Continuous": ({"batch": {"dispatch": "Smdp"}}, True),
     "countMode Auto with a target": ({"bins": {"countMode": "Auto", "latencyTargetMilliseconds": 2000}}, False),
     "countMode Auto without a target": ({"bins": {"countMode": "Auto"}}, True),
     "countMode Auto with Adaptive": ({"bins": {"countMode": "Auto", "mode": "Adaptive", "latencyTargetMilliseconds": 2000}}, True),
