@@ -39,7 +39,6 @@ ALLOWED_DEFAULT = {
     "bins[].lower_tokens": "bin 0 starts at 0 tokens",
     "bins[].queue_depth": "every bin is empty after the traffic",
     "bins[].oldest_wait_seconds": "every bin is empty after the traffic",
-    "recent_adjustments[].from_value": 'a "binBoundaries" change keeps no old value (proto: empty)',
 }
 
 
