@@ -30,7 +30,7 @@ from ..core.sizer import INITIAL_REASON, BatchSizer
 from ..core.smdp_policy import ServiceTimeFit, SmdpCache, SmdpDispatch, SmdpParams, solve_bucket
 from ..core.throughput import ThroughputWindow
 from ..core.tpot_gate import TpotGate
-from ..engine.dispatcher import Core, Dispatcher
+from ..engine.dispatcher import Adjustment, Core, Dispatcher
 from ..engine.engine_client import EngineClient
 from ..engine.metrics_feed import NO_SOURCE_KIND, MetricsFeed, PromQLSource, ScrapeSource
 from ..engine.sidecar_metrics import SidecarMetrics
@@ -273,7 +273,9 @@ class Sidecar:
             build_core(cfg, self.clock, previous=d.core, k=decision.new, policy=self.smdp), mode=_mode(cfg),
             max_inflight_batches=cfg.batch.max_inflight_batches, engine_timeout=cfg.engine.request_timeout_seconds,
         )  # fmt: skip
-        d._adjust("binCount", str(decision.old), str(decision.new), f"{decision.reason}: {decision.detail}", decision.reason)
+        why = f"{decision.reason}: {decision.detail}"
+        d.adjustments.append(Adjustment(time.time(), "binCount", str(decision.old), str(decision.new), why))
+        log.info("adjusted binCount: %d -> %d (%s)", decision.old, decision.new, why)  # rare: hysteresis
         self.metrics.bin_count_changes.labels(decision.reason).inc()
 
     def on_completion(self, engine_seconds: float, batch_size: int, output_tokens: int) -> None:
