@@ -62,6 +62,8 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
               "minBatchSize must be <= staticSize", ".minBatchSize"),
         _rule(("staticSize", "maxBatchSize"), "self.staticSize <= self.maxBatchSize",
               "staticSize must be <= maxBatchSize", ".staticSize"),
+        _rule(("dispatch", "mode"), "self.dispatch != 'Smdp' || self.mode == 'Gang'",
+              "dispatch Smdp needs mode Gang", ".dispatch"),
     ],
     "bins": [
         _rule(("boundaries", "mode"), "size(self.boundaries) == 0 || self.mode == 'Fixed'",
@@ -71,6 +73,12 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
         _rule(("boundaries",), "self.boundaries.isSorted()", "boundaries must be strictly increasing", ".boundaries"),
         _rule(("boundaries", "maxOutputTokens"), "self.boundaries.all(b, b < self.maxOutputTokens)",
               "every boundary must be below maxOutputTokens", ".boundaries"),
+        _rule(("countMode", "mode"), "self.countMode != 'Auto' || self.mode != 'Adaptive'",
+              "countMode must be Fixed when mode is Adaptive", ".countMode"),
+        _rule(("countMode",), "self.countMode != 'Auto' || (has(self.latencyTargetMilliseconds) && self.latencyTargetMilliseconds > 0)",
+              "latencyTargetMilliseconds must be > 0 when countMode is Auto", ".latencyTargetMilliseconds"),
+        _rule(("countMode", "boundaries"), "self.countMode != 'Auto' || size(self.boundaries) == 0",
+              "boundaries must be empty when countMode is Auto", ".boundaries"),
     ],
     "metrics": [
         _rule(("staleAfterMilliseconds", "intervalMilliseconds"),

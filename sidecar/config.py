@@ -15,11 +15,12 @@ default. Cross-field rules mirror the CRD's CEL rules. Every problem is reported
 at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError``).
 
     engine:    {url, model, requestTimeoutSeconds, healthPath, maxRequestBodyBytes}
-    bins:      {mode: Fixed|Auto|Adaptive, count, boundaries, maxOutputTokens,
-                autoWindow, autoRefreshEvery, splitThresholdPercent, maxRequestsPerBin}
+    bins:      {mode: Fixed|Auto|Adaptive, count, countMode: Fixed|Auto, latencyTargetMilliseconds,
+                boundaries, maxOutputTokens, autoWindow, autoRefreshEvery,
+                splitThresholdPercent, maxRequestsPerBin}
     batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
-                maxQueuedRequests, dispatch: MaxWait}
+                maxQueuedRequests, dispatch: MaxWait|Smdp, smdpEngineWeight}
     memory:    {overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
     predictor: {kind: Hint|Online, defaultOutputTokens}
@@ -61,11 +62,12 @@ from pydantic_core import PydanticCustomError
 
 
 BinMode = Literal["Fixed", "Auto", "Adaptive"]
+CountMode = Literal["Fixed", "Auto"]
 BatchMode = Literal["Gang", "Continuous"]
 Sizing = Literal["Static", "Memory", "Sla", "Combined"]
-# The SMDP control limit (core/smdp.py) needs a cost model the sidecar cannot
-# measure yet (energy per batch); until it can, MaxWait is the only dispatch rule.
-Dispatch = Literal["MaxWait"]
+# Smdp: the control limit of core/smdp.py with engine time as the per-dispatch cost
+# (core/smdp_policy.py); gang mode only.
+Dispatch = Literal["MaxWait", "Smdp"]
 PredictorKind = Literal["Hint", "Online"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
@@ -122,7 +124,9 @@ class EngineConfig(_Section):
 
 class BinsConfig(_Section):
     mode: BinMode = Field("Fixed", description="Fixed boundaries, Auto (equal-mass quantiles of observed lengths), or Adaptive (split/merge by load).")  # fmt: skip
-    count: int = Field(4, ge=1, le=64, description="Number of bins k (the maximum number of buckets for Adaptive).")
+    count: int = Field(4, ge=1, le=64, description="Number of bins k (the maximum number of buckets for Adaptive; the most bins for countMode Auto).")  # fmt: skip
+    count_mode: CountMode = Field("Fixed", description="Fixed: k is count. Auto: the sidecar measures the arrival rate and re-chooses k in [1, count] (more bins raise throughput, Theorem 4.2, but fill more slowly, Lemma 5.1) to meet latencyTargetMilliseconds; not with mode Adaptive or boundaries.")  # fmt: skip
+    latency_target_milliseconds: int = Field(0, ge=0, le=600_000, description="countMode Auto: the latency target k is chosen for (Lemma 5.1: batch service plus the wait for a bin to fill); required (> 0) with countMode Auto.")  # fmt: skip
     boundaries: list[int] = Field(default_factory=list, max_length=63, description="Fixed only: count-1 strictly increasing token boundaries below maxOutputTokens; empty means uniform over [1, maxOutputTokens].")  # fmt: skip
     max_output_tokens: int = Field(2048, ge=1, le=1_000_000, description="Upper end of the uniform bins and the default max_tokens cap.")  # fmt: skip
     auto_window: int = Field(4096, ge=16, le=1_000_000, description="Auto: observed output lengths kept for the quantile estimate.")  # fmt: skip
@@ -141,6 +145,13 @@ class BinsConfig(_Section):
     @model_validator(mode="after")
     def _boundaries_fit(self) -> BinsConfig:
         b, problems = self.boundaries, []
+        if self.count_mode == "Auto":
+            if self.mode == "Adaptive":
+                problems.append(("countMode", "must be Fixed when mode is Adaptive (it splits and merges bins itself)"))
+            if self.latency_target_milliseconds == 0:
+                problems.append(("latencyTargetMilliseconds", "must be > 0 when countMode is Auto"))
+            if b:
+                problems.append(("boundaries", "must be empty when countMode is Auto"))
         if b and self.mode != "Fixed":
             problems.append(("boundaries", f"must be empty unless mode is Fixed (mode is {self.mode})"))
         elif b:
@@ -164,7 +175,8 @@ class BatchConfig(_Section):
     max_wait_milliseconds: int = Field(50, ge=0, le=600_000, description="A partial batch leaves its bin once its oldest request waited this long.")  # fmt: skip
     max_inflight_batches: int = Field(4, ge=1, le=1024, description="Batches in the engine at once (the seed's servers).")  # fmt: skip
     max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED). A request whose predicted queue wait exceeds its deadline is refused too.")  # fmt: skip
-    dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds).")  # fmt: skip
+    dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds), or Smdp (Gang only: as soon as a slot is free and its bin holds the SMDP control limit, solved from the measured arrival rate and batch time l(b) = αb + β; maxWaitMilliseconds still bounds the wait, and alone decides until a solution exists).")  # fmt: skip
+    smdp_engine_weight: int = Field(16, ge=1, le=100_000, description="Smdp: request-seconds of waiting one engine-second is worth; larger sends fewer, fuller batches.")  # fmt: skip
 
     @model_validator(mode="after")
     def _sizes_ordered(self) -> BatchConfig:
@@ -173,6 +185,8 @@ class BatchConfig(_Section):
             problems.append(("minBatchSize", f"must be <= staticSize ({self.static_size}), got {self.min_batch_size}"))
         if self.static_size > self.max_batch_size:
             problems.append(("staticSize", f"must be <= maxBatchSize ({self.max_batch_size}), got {self.static_size}"))
+        if self.dispatch == "Smdp" and self.mode != "Gang":
+            problems.append(("dispatch", f"Smdp needs mode Gang (its cost is a gang batch's engine time), mode is {self.mode}"))
         if problems:
             _broken(problems)
         return self

@@ -10,9 +10,13 @@ over [lmin, lmax] as in the theory; callers pass observed low/high quantiles.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from .theory import latency_lower_bound, throughput
+
+
+K_REASONS = ("meets-target", "overloaded", "target-unreachable")  # KChoice.reason, Adjustment.reason of "binCount"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +75,99 @@ class ArrivalRate:
         if self._gap is None:
             return None
         return math.inf if self._gap == 0 else 1 / self._gap
+
+
+class ArrivalWindow:
+    """Arrival rate λ over the last ``window`` seconds, from a cumulative count of
+    accepted requests sampled at each metrics snapshot (no per-request hook)."""
+
+    def __init__(self, window: float = 30.0) -> None:
+        if not window > 0:
+            raise ValueError(f"window must be > 0 seconds, got {window}")
+        self.window = window
+        self._samples: deque[tuple[float, int]] = deque()  # (time, accepted so far)
+
+    def sample(self, now: float, accepted: int) -> float | None:
+        """Record the count at ``now``; the rate over the window (None: one sample)."""
+        self._samples.append((now, accepted))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window:
+            self._samples.popleft()
+        t0, n0 = self._samples[0]
+        if now <= t0:
+            return None
+        return max(0, accepted - n0) / (now - t0)
+
+
+@dataclass(frozen=True, slots=True)
+class KDecision:
+    """A new bin count and why: ``reason`` is a ``KChoice.reason``, ``detail`` a sentence."""
+
+    old: int
+    new: int
+    reason: str
+    detail: str
+
+
+class BinCountController:
+    """``bins.countMode: Auto``: re-choose k from the measured arrival rate.
+
+    Time in ``choose_k`` is in token steps (the theory's service time is the
+    longest length in a batch); the engine's seconds per output token converts λ
+    and the target into those units.  Two guards keep k from flapping: a band
+    (k stays while it lies between the choices at λ·(1−margin) and λ·(1+margin),
+    since the choice grows with λ), and a candidate must win ``confirm``
+    consecutive decisions, at least ``hold`` seconds after the last change.
+    """
+
+    def __init__(
+        self, k: int, k_max: int, latency_target: float, *, window: float = 30.0,
+        margin: float = 0.2, confirm: int = 3, hold: float = 10.0,
+    ) -> None:  # fmt: skip
+        if not 1 <= k <= k_max:
+            raise ValueError(f"k must be in [1, k_max={k_max}], got {k}")
+        if not latency_target > 0:
+            raise ValueError(f"latency_target must be > 0 seconds, got {latency_target}")
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
+        if confirm < 1:
+            raise ValueError(f"confirm must be >= 1, got {confirm}")
+        self.k, self.k_max, self.latency_target = k, k_max, latency_target
+        self.margin, self.confirm, self.hold = margin, confirm, hold
+        self.arrivals = ArrivalWindow(window)
+        self.rate: float | None = None
+        self._candidate: int | None = None
+        self._streak = 0
+        self._changed_at: float | None = None
+
+    def on_snapshot(
+        self, now: float, accepted: int, seconds_per_token: float | None, batch: int, lmin: float, lmax: float
+    ) -> KDecision | None:
+        """Sample λ; return a decision when k should change now, else None."""
+        lam = self.arrivals.sample(now, accepted)
+        self.rate = lam
+        if lam is None or lam <= 0 or not seconds_per_token or seconds_per_token <= 0:
+            self._candidate, self._streak = None, 0  # idle, or no time scale: keep k
+            return None
+        lam_tok = lam * seconds_per_token  # arrivals per token step
+        target_tok = self.latency_target / seconds_per_token
+
+        def pick(rate: float) -> KChoice:
+            return choose_k(rate, target_tok, batch, lmin, lmax, self.k_max)
+
+        choice = pick(lam_tok)
+        low, high = pick(lam_tok * (1 - self.margin)).k if self.margin else choice.k, pick(lam_tok * (1 + self.margin)).k
+        if min(low, high) <= self.k <= max(low, high) or choice.k == self.k:
+            self._candidate, self._streak = None, 0
+            return None
+        self._streak = self._streak + 1 if choice.k == self._candidate else 1
+        self._candidate = choice.k
+        if self._streak < self.confirm or (self._changed_at is not None and now - self._changed_at < self.hold):
+            return None
+        old, self.k = self.k, choice.k
+        self._changed_at, self._candidate, self._streak = now, None, 0
+        detail = (
+            f"arrival rate {lam:.3g}/s, {seconds_per_token * 1000:.3g} ms/token, batch {batch}: k={choice.k} "
+            f"bounds latency at {choice.latency_bound * seconds_per_token:.3g} s "
+            f"(target {self.latency_target:.3g} s), throughput {choice.throughput / seconds_per_token:.3g}/s"
+        )
+        return KDecision(old, choice.k, choice.reason, detail)

@@ -28,6 +28,7 @@ from .binner import Binner
 from .clock import Clock
 from .request import Request
 from .stages import Batch, PollResult
+from .tpot_gate import TpotGate
 
 
 class QueueFull(Exception):
@@ -106,6 +107,7 @@ class BatchFormer:
         max_wait: float | None = None,
         max_queue: int = 10_000,
         policy: DispatchPolicy | None = None,
+        gate: TpotGate | None = None,
     ) -> None:
         if max_wait is not None and max_wait < 0:
             raise ValueError(f"max_wait must be >= 0 or None, got {max_wait}")
@@ -116,6 +118,9 @@ class BatchFormer:
         self._max_wait = max_wait
         self._max_queue = max_queue
         self._policy = policy
+        self.gate = gate  # holds tight-TPOT requests in the service queue (take)
+        self._held_until: float | None = None  # earliest send_by among requests the gate held
+        self._draining = False
         self._seq = itertools.count()
         self._bins: list[_Bin] = [_Bin() for _ in range(binner.k)]
         self._version = binner.version
@@ -145,9 +150,6 @@ class BatchFormer:
         self._sizes = sizes
         for i in range(self.k):
             self._form_full(i)
-
-    def set_policy(self, policy: DispatchPolicy | None) -> None:
-        self._policy = policy
 
     # -- intake --------------------------------------------------------------------
 
@@ -190,7 +192,8 @@ class BatchFormer:
         result = PollResult()
         while self._deadlines and self._deadlines[0][0] <= now:
             e = heapq.heappop(self._deadlines)[2]
-            if self._entries.pop(e.req, None) is not None:
+            if self._entries.get(e.req) is e:  # not a stale entry of a request queued again since
+                del self._entries[e.req]
                 e.leave_bin(self._bins)
                 result.expired.append(e.req)
         self._sync_bins()
@@ -229,6 +232,8 @@ class BatchFormer:
                 oldest = b.oldest_arrival() if b.count else None
                 if oldest is not None:
                     times.append(oldest + self._max_wait)
+        if self._held_until is not None:
+            times.append(self._held_until)
         return min(times) if times else None
 
     # -- output ----------------------------------------------------------------------
@@ -240,11 +245,9 @@ class BatchFormer:
         none and ``idle`` (a server is free), the dispatch policy may release a
         partial batch from the bin with the most waiting.
         """
-        while self._service:
-            batch = heapq.heappop(self._service)[2]
-            batch.requests = [r for r in batch.requests if self._entries.pop(r, None) is not None]
-            if batch.requests:
-                return batch
+        batch = self._take_admitted()
+        if batch is not None:
+            return batch
         if idle and self._policy is not None:
             i = max(range(self.k), key=lambda j: self._bins[j].count)
             n = min(self._policy.decide(self._bins[i].count), self._sizes[i])
@@ -253,8 +256,39 @@ class BatchFormer:
                 return self.take()
         return None
 
+    def _take_admitted(self) -> Batch | None:
+        """The first formed batch in service order, without the requests the TPOT
+        gate holds (they stay in the service queue as a batch of their own)."""
+        now = self._clock.now()
+        held: list[tuple[int, int, Batch]] = []
+        self._held_until = None
+        out = None
+        while self._service and out is None:
+            item = heapq.heappop(self._service)
+            batch = item[2]
+            batch.requests = [r for r in batch.requests if r in self._entries]
+            go, wait = batch.requests, []
+            if self.gate is not None and not self._draining:
+                go = [r for r in batch.requests if self.gate.admits(r.tpot_slo, now, r.send_by)]
+                wait = [r for r in batch.requests if r not in go]
+            if wait:
+                held.append((item[0], item[1], Batch(batch.bin, wait, batch.reason, batch.formed_at)))
+                sends = [r.send_by for r in wait if r.send_by is not None]
+                if sends:
+                    self._held_until = min(sends + ([self._held_until] if self._held_until is not None else []))
+            if go:
+                for r in go:
+                    del self._entries[r]
+                batch.requests = go
+                out = batch
+        for item in held:
+            heapq.heappush(self._service, item)
+        return out
+
     def drain(self) -> None:
-        """Move everything still queued into batches (shutdown, end of a simulation)."""
+        """Move everything still queued into batches (shutdown, end of a simulation);
+        the TPOT gate holds nothing from now on."""
+        self._draining = True
         self._sync_bins()
         for i, b in enumerate(self._bins):
             while b.count:

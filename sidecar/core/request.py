@@ -26,6 +26,7 @@ class Request:
     priority: int = 0  # larger is more urgent
     deadline: float | None = None  # absolute clock time; None = no deadline
     send_by: float | None = None  # leave the bin by this clock time (a TTFT SLO's queue share)
+    tpot_slo: float | None = None  # x-slo-tpot-ms in seconds; a tight one waits for the engine (TpotGate)
     request_class: str = ""
     predicted_tokens: float | None = None  # set by the length predictor
     prediction_source: str = ""  # set by the length predictor: hint | online | max_tokens | default

@@ -43,7 +43,7 @@ Mode = Literal["gang", "continuous"]
 # Adjustment.field values (binbatch.proto lists them).  Adjustment.reason is
 # "<reason>: <detail>": for a batch size the sizer's reason (sizer.REASONS), for
 # bin boundaries REBALANCE_REASON.
-AdjustmentField = Literal["batchSize", "binBoundaries"]
+AdjustmentField = Literal["batchSize", "binBoundaries", "binCount"]
 ADJUSTMENT_FIELDS: tuple[AdjustmentField, ...] = get_args(AdjustmentField)
 REBALANCE_REASON = "rebalance"
 Verdict = Literal["completed", "failed", "requeued"]

@@ -50,6 +50,13 @@ class SidecarMetrics:
         self.size_changes = Counter(
             "binbatch_batch_size_changes", "Changes of B_t, by the sizer's reason", ["reason"], registry=r
         )
+        self.bin_count_changes = Counter(
+            "binbatch_bin_count_changes", "Changes of k by bins.countMode Auto, by reason", ["reason"], registry=r
+        )
+        self.smdp_control_limit = Gauge(
+            "binbatch_smdp_control_limit", "Smdp dispatch: the queue length that sends a partial batch (-1: none yet)",
+            registry=r,
+        )
         self.b_mem = Gauge("binbatch_b_mem", "Memory-aware batch size per bin (-1: not computed)", ["bin"], registry=r)
         self.b_sla = Gauge("binbatch_b_sla", "SLA-constrained batch size (-1: not computed)", registry=r)
         self.inflight_requests = Gauge("binbatch_inflight_requests", "Requests in the engine", registry=r)

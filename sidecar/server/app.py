@@ -24,13 +24,16 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..config import ConfigError, LoadedConfig, SidecarConfig, restart_required
+from ..core.autok import ArrivalWindow
 from ..core.clock import Clock, MonotonicClock
-from ..engine.dispatcher import Dispatcher
+from ..core.smdp_policy import ServiceTimeFit, solve_bucket
+from ..core.throughput import ThroughputWindow
+from ..engine.dispatcher import Adjustment, Dispatcher
 from ..engine.engine_client import EngineClient
 from ..engine.metrics_feed import MetricsFeed
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs
-from .assembly import build_core, dispatch_mode, metrics_source
+from .assembly import build_bin_count, build_core, build_smdp, dispatch_mode, metrics_source
 from .config_watcher import ConfigWatcher
 from .metrics_endpoint import metrics_app
 from .reflection import enable_reflection
@@ -64,6 +67,11 @@ class Sidecar:
         self._metrics_port_req = loaded.config.server.metrics_port if metrics_port is None else metrics_port
         self.metrics = SidecarMetrics()
         self.started_at = time.monotonic()
+        self.throughput = ThroughputWindow(self.clock.now())  # fed by the servicer per completion
+        self.service_fit = ServiceTimeFit()  # gang batches' l(b) = αb + β, for Smdp dispatch
+        self.arrivals = ArrivalWindow()  # λ, sampled per metrics snapshot, for Smdp dispatch
+        self._smdp_wanted = asyncio.Event()
+        self.smdp_solved = asyncio.Event()  # set after each background solve (tests await it)
         self.engine_serving = False
         self._models: list[str] = []
         self._tasks: list[asyncio.Task] = []
@@ -87,8 +95,11 @@ class Sidecar:
         cfg = self.config
         self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
                                    max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
+        self.bin_count = build_bin_count(cfg)
+        self.smdp = build_smdp(cfg)
         self.dispatcher = Dispatcher(
-            build_core(cfg, self.clock), self.client, self.clock, self.metrics,
+            build_core(cfg, self.clock, k=self.bin_count and self.bin_count.k, policy=self.smdp),
+            self.client, self.clock, self.metrics,
             mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds, wall_time=time.time,
         )  # fmt: skip
@@ -106,11 +117,12 @@ class Sidecar:
         self.replies = Replies(
             self.dispatcher, self.feed, self.clock, loaded=lambda: self.loaded, engine_serving=lambda: self.engine_serving,
             reload_error=lambda: self.watcher.last_error if self.watcher else None, started_at=self.started_at,
+            throughput=self.throughput,
         )  # fmt: skip
         inference = InferenceServicer(
             self.dispatcher, self.clock, config=lambda: self.config, default_model=self.default_model,
-            context_length=lambda model: self.client.context_lengths.get(model)
-        )
+            context_length=lambda model: self.client.context_lengths.get(model), on_completion=self.on_completion,
+        )  # fmt: skip
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
         add_servicers(self.server, inference, AdminServicer(self.replies))
@@ -126,7 +138,8 @@ class Sidecar:
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.metrics.config_generation.set(self.loaded.generation)
         await self._check_engine()
-        self._tasks = [asyncio.create_task(t) for t in (self.dispatcher.run(), self.feed.run(), self._health_loop())]
+        loops = (self.dispatcher.run(), self.feed.run(), self._health_loop(), self._solve_smdp())
+        self._tasks = [asyncio.create_task(t) for t in loops]
         if self.watcher:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         log.info("sidecar serving gRPC on %s:%d, metrics on :%d, engine %s, mode %s",
@@ -156,7 +169,78 @@ class Sidecar:
 
     def _on_snapshot(self, snapshot) -> None:
         self.metrics.metrics_fresh.set(1 if snapshot is not None and snapshot.fresh else 0)
+        self._choose_bin_count(snapshot)
+        self._update_smdp()
+        gate = self.dispatcher.core.former.gate
+        if gate is not None:  # before on_snapshot, whose wake lets held requests go
+            gate.observe(snapshot.tpot_seconds if snapshot else None, fresh=snapshot is not None and snapshot.fresh)
         self.dispatcher.on_snapshot(snapshot)
+
+    def _choose_bin_count(self, snapshot) -> None:
+        """countMode Auto: re-choose k from the arrival rate; a new k rebuilds the
+        core (the queue moves over) and is recorded as a "binCount" adjustment."""
+        ctl = self.bin_count
+        if ctl is None:
+            return
+        cfg, d = self.config, self.dispatcher
+        fresh_tpot = snapshot.tpot_seconds if snapshot is not None and snapshot.fresh else None
+        decision = ctl.on_snapshot(
+            self.clock.now(), d.totals["accepted"], fresh_tpot or cfg.tpot_seconds,
+            batch=max(d.core.former.target_sizes), lmin=1.0, lmax=float(cfg.bins.max_output_tokens),
+        )  # fmt: skip
+        if decision is None:
+            return
+        d.replace_core(
+            build_core(cfg, self.clock, previous=d.core, k=decision.new, policy=self.smdp), mode=dispatch_mode(cfg),
+            max_inflight_batches=cfg.batch.max_inflight_batches, engine_timeout=cfg.engine.request_timeout_seconds,
+        )  # fmt: skip
+        why = f"{decision.reason}: {decision.detail}"
+        d.adjustments.append(Adjustment(time.time(), "binCount", str(decision.old), str(decision.new), why))
+        log.info("adjusted binCount: %d -> %d (%s)", decision.old, decision.new, why)  # rare: hysteresis
+        self.metrics.bin_count_changes.labels(decision.reason).inc()
+
+    def on_completion(self, engine_seconds: float, batch_size: int, output_tokens: int) -> None:
+        """A request was answered (the servicer calls this): feeds Stats.throughput
+        and, in gang mode, the batch-time fit of Smdp dispatch."""
+        self.throughput.completed(self.clock.now(), output_tokens)
+        if self.dispatcher.mode == "gang":
+            self.service_fit.observe(batch_size, engine_seconds)
+
+    def _update_smdp(self) -> None:
+        """Smdp dispatch: point the policy at the bucket of the current load; a
+        bucket never solved wakes the background solver."""
+        rate = self.arrivals.sample(self.clock.now(), self.dispatcher.totals["accepted"])
+        if self.smdp is None:
+            return
+        former = self.dispatcher.core.former
+        self.smdp.update(rate, former.k, self.service_fit.fit(), max(former.target_sizes))
+        self._update_smdp_gauge()
+        if self.smdp.cache.wanted():
+            self._smdp_wanted.set()
+
+    async def _solve_smdp(self) -> None:
+        """Solve the SMDP for each wanted bucket in a worker thread (a solve takes
+        tens to hundreds of milliseconds of CPU: never on the event loop)."""
+        while True:
+            await self._smdp_wanted.wait()
+            self._smdp_wanted.clear()
+            policy = self.smdp
+            if policy is None:
+                continue
+            for key in policy.cache.wanted():
+                try:
+                    limit = await asyncio.to_thread(solve_bucket, key, policy.cache.params)
+                except Exception:  # noqa: BLE001 - a failed solve leaves maxWait in charge
+                    log.exception("SMDP solve failed for bucket %s", key)
+                    limit = None
+                policy.cache.put(key, limit)
+                self.smdp_solved.set()
+                log.info("SMDP control limit for bucket %s: %s", key, limit)
+            self._update_smdp_gauge()
+
+    def _update_smdp_gauge(self) -> None:
+        threshold = self.smdp.threshold if self.smdp is not None else None
+        self.metrics.smdp_control_limit.set(-1 if threshold is None else threshold)
 
     async def _check_engine(self) -> None:
         ok = await self.client.health(self.config.engine.health_path)
@@ -194,7 +278,10 @@ class Sidecar:
         refused = restart_required(running, cfg)
         if refused:
             raise ConfigError(refused)
-        core = build_core(cfg, self.clock, previous=self.dispatcher.core)
+        self.bin_count = build_bin_count(cfg, self.bin_count)
+        self.smdp = build_smdp(cfg, self.smdp)
+        core = build_core(cfg, self.clock, previous=self.dispatcher.core, k=self.bin_count and self.bin_count.k,
+                          policy=self.smdp)  # fmt: skip
         self.dispatcher.replace_core(
             core, mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds,

@@ -8,24 +8,29 @@ Pure construction, no I/O: the lifecycle (``app.py``) decides when to build.
 from __future__ import annotations
 
 from ..config import SidecarConfig
+from ..core.autok import BinCountController
 from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock
 from ..core.former import BatchFormer
 from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
 from ..core.sizer import BatchSizer
+from ..core.smdp_policy import SmdpCache, SmdpDispatch, SmdpParams
+from ..core.tpot_gate import TpotGate
 from ..engine.dispatcher import Core, Mode
 from ..engine.metrics_feed import MetricsSource, PromQLSource, ScrapeSource
 
 
-def build_binner(cfg: SidecarConfig) -> Binner:
+def build_binner(cfg: SidecarConfig, k: int | None = None) -> Binner:
+    """The binner for ``cfg``, with ``k`` bins instead of ``bins.count`` (countMode Auto)."""
     b = cfg.bins
+    k = b.count if k is None else k
     if b.mode == "Fixed":
         if b.boundaries:
             return FixedBinner(b.boundaries)
-        return FixedBinner.uniform(b.count, 1, b.max_output_tokens)
+        return FixedBinner.uniform(k, 1, b.max_output_tokens)
     if b.mode == "Auto":
         return AutoBinner(
-            b.count, FixedBinner.uniform(b.count, 1, b.max_output_tokens).boundaries,
+            k, FixedBinner.uniform(k, 1, b.max_output_tokens).boundaries,
             window=b.auto_window, min_samples=min(256, b.auto_window), refresh_every=b.auto_refresh_every,
         )  # fmt: skip
     n_max = b.max_requests_per_bin or cfg.batch.static_size  # 0: from KV memory once metrics arrive
@@ -37,9 +42,13 @@ def build_predictor(cfg: SidecarConfig) -> LengthPredictor:
     return hint if cfg.predictor.kind == "Hint" else OnlinePredictor(fallback=hint)
 
 
-def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -> Core:
-    """The scheduling core for ``cfg``; what an online predictor learned is kept
-    (with the new ``predictor.defaultOutputTokens``)."""
+def build_core(
+    cfg: SidecarConfig, clock: Clock, previous: Core | None = None, k: int | None = None,
+    policy: SmdpDispatch | None = None,
+) -> Core:  # fmt: skip
+    """The scheduling core for ``cfg`` (with ``k`` bins: countMode Auto; ``policy``:
+    Smdp dispatch); what an online predictor learned is kept (with the new
+    ``predictor.defaultOutputTokens``)."""
     bt = cfg.batch
     sizer = BatchSizer(
         mode=bt.sizing.lower(),  # type: ignore[arg-type]
@@ -52,16 +61,37 @@ def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -
         d_sla=cfg.tpot_seconds,
         eps_d=None if cfg.tpot_seconds is None else cfg.tpot_seconds * cfg.eps_d,
     )
-    binner = build_binner(cfg)
+    binner = build_binner(cfg, k)
     former = BatchFormer(
-        binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests
-    )
+        binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests,
+        gate=TpotGate(cfg.tpot_seconds), policy=policy,
+    )  # fmt: skip
     predictor = build_predictor(cfg)
     learned = previous.predictor if previous is not None else None
     if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
         learned.fallback = predictor.fallback
         predictor = learned
     return Core(predictor=predictor, binner=binner, former=former, sizer=sizer)
+
+
+def build_bin_count(cfg: SidecarConfig, previous: BinCountController | None = None) -> BinCountController | None:
+    """The k controller of ``bins.countMode: Auto`` (None: Fixed); a reload keeps the k chosen."""
+    b = cfg.bins
+    if b.count_mode != "Auto":
+        return None
+    k = b.count if previous is None else min(previous.k, b.count)
+    return BinCountController(k, b.count, b.latency_target_milliseconds / 1000)
+
+
+def build_smdp(cfg: SidecarConfig, previous: SmdpDispatch | None = None) -> SmdpDispatch | None:
+    """The dispatch policy of ``batch.dispatch: Smdp`` (None: MaxWait); a reload with
+    the same weight keeps the solutions cached."""
+    if cfg.batch.dispatch != "Smdp":
+        return None
+    params = SmdpParams(w2=float(cfg.batch.smdp_engine_weight))
+    if previous is not None and previous.cache.params == params:
+        return previous
+    return SmdpDispatch(SmdpCache(params))
 
 
 def dispatch_mode(cfg: SidecarConfig) -> Mode:

@@ -18,6 +18,7 @@ from binbatch_api.v1 import binbatch_pb2 as pb
 from ..config import LoadedConfig, config_json
 from ..core.clock import Clock
 from ..core.sizer import INITIAL_REASON
+from ..core.throughput import ThroughputWindow
 from ..engine.dispatcher import Dispatcher
 from ..engine.metrics_feed import NO_SOURCE_KIND, MetricsFeed
 
@@ -42,7 +43,9 @@ class Replies:
         engine_serving: Callable[[], bool],
         reload_error: Callable[[], str | None] = lambda: None,
         started_at: float | None = None,
+        throughput: ThroughputWindow | None = None,
     ) -> None:
+        self.throughput = throughput
         self.dispatcher = dispatcher
         self.feed = feed
         self.clock = clock
@@ -102,6 +105,7 @@ class Replies:
                     for src in core.accuracy.sources()
                 ],
             ),  # fmt: skip
+            throughput=self._throughput(now),
             metrics_source=source_status(self.feed),
             recent_adjustments=[
                 pb.Adjustment(time_unix_seconds=a.time, field=a.field, from_value=a.old, to_value=a.new, reason=a.reason)
@@ -121,6 +125,13 @@ class Replies:
             if decision.b_sla is not None:
                 stats.b_sla = decision.b_sla
         return stats
+
+    def _throughput(self, now: float) -> pb.Throughput | None:
+        if self.throughput is None:
+            return None
+        rates = self.throughput.rates(now)
+        return pb.Throughput(window_seconds=rates.window_seconds, requests_per_second=rates.requests_per_second,
+                             output_tokens_per_second=rates.output_tokens_per_second)  # fmt: skip
 
     def config_view(self) -> pb.ConfigView:
         lc = self.loaded()

@@ -24,7 +24,6 @@ deserializer never raises for that reason (``add_inference_servicer``).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import re
 import uuid
@@ -187,13 +186,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(
         self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig],
         default_model: Callable[[], str], context_length: Callable[[str], int | None] = lambda model: None,
+        on_completion: Callable[[float, int, int], None] = lambda engine_seconds, batch_size, output_tokens: None,
     ) -> None:
         self.dispatcher = dispatcher
         self.clock = clock
         self.config = config
         self.default_model = default_model
         self.context_length = context_length  # the engine's max_model_len for a model, if it said
-        self._ids = itertools.count(1)
+        self.on_completion = on_completion  # (engine seconds, batch size, output tokens): Stats.throughput, Smdp fit
 
     def _build(
         self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, stream: bool
@@ -275,6 +275,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             priority=class_priority * PRIORITY_SPAN + msg.priority,
             deadline=None if remaining is None else now + remaining,
             send_by=None if budget is None else now + budget,
+            tpot_slo=slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in slo else None,  # TpotGate
             request_class=msg.request_class,
         )
         if cfg.logging.log_prompts:
@@ -301,6 +302,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.dispatcher.cancel(req)
 
     def _log_completion(self, req: Request, completion: Completion) -> None:
+        self.on_completion(completion.engine_seconds, completion.batch_size, completion.result.completion_tokens)
         if self.config().logging.log_prompts:
             prompt_log.info("request %s completion: %s", req.id, completion.result.text)
 

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2 as pb
-from binbatch_sidecar.config import Dispatch, SidecarConfig
+from binbatch_sidecar.config import SidecarConfig
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.request import Request
 from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
@@ -71,6 +71,12 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ),  # fmt: skip
     ("bins", "mode"): ({"bins": {"mode": "Auto"}}, lambda s: type(_core(s).binner).__name__, "AutoBinner"),
     ("bins", "count"): ({"bins": {"count": 6}}, lambda s: _core(s).binner.k, 6),
+    ("bins", "count_mode"): (
+        {"bins": {"countMode": "Auto", "latencyTargetMilliseconds": 900}}, lambda s: s.bin_count.latency_target, 0.9,
+    ),  # fmt: skip
+    ("bins", "latency_target_milliseconds"): (
+        {"bins": {"countMode": "Auto", "latencyTargetMilliseconds": 700}}, lambda s: s.bin_count.latency_target, 0.7,
+    ),  # fmt: skip
     ("bins", "boundaries"): ({"bins": {"boundaries": [10, 100, 1000]}}, lambda s: list(_core(s).binner.boundaries), [10, 100, 1000]),  # fmt: skip
     ("bins", "max_output_tokens"): (
         {"bins": {"maxOutputTokens": 1000}}, lambda s: list(_core(s).binner.boundaries),
@@ -91,6 +97,12 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ("batch", "max_batch_size"): ({"batch": {"maxBatchSize": 100}}, lambda s: _core(s).sizer.max_size, 100),
     ("batch", "max_wait_milliseconds"): ({"batch": {"maxWaitMilliseconds": 250}}, lambda s: _core(s).former._max_wait, 0.25),  # fmt: skip
     ("batch", "max_inflight_batches"): ({"batch": {"maxInflightBatches": 7}}, lambda s: s.dispatcher.max_inflight_batches, 7),  # fmt: skip
+    ("batch", "dispatch"): (
+        {"batch": {"mode": "Gang", "dispatch": "Smdp"}}, lambda s: _core(s).former._policy is s.smdp is not None, True,
+    ),  # fmt: skip
+    ("batch", "smdp_engine_weight"): (
+        {"batch": {"mode": "Gang", "dispatch": "Smdp", "smdpEngineWeight": 5}}, lambda s: s.smdp.cache.params.w2, 5.0,
+    ),  # fmt: skip
     ("batch", "max_queued_requests"): ({"batch": {"maxQueuedRequests": 55}}, lambda s: _core(s).former._max_queue, 55),  # fmt: skip
     ("memory", "overflow_per_mille"): ({"memory": {"overflowPerMille": 20}}, lambda s: _core(s).sizer.eps_m, 0.02),
     ("memory", "kv_reserve_percent"): ({"memory": {"kvReservePercent": 10}}, lambda s: _core(s).sizer.kv_reserve_ratio, 0.1),  # fmt: skip
@@ -124,7 +136,7 @@ REFUSED: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("server", "grpc_port"): {"server": {"grpcPort": 12345}},
     ("server", "metrics_port"): {"server": {"metricsPort": 12346}},
 }
-SINGLE_VALUED = {("batch", "dispatch"): Dispatch}  # nothing to change it to
+SINGLE_VALUED: dict[tuple[str, str], Any] = {}  # keys with nothing to change them to
 
 
 def test_the_table_covers_every_config_key():

@@ -28,6 +28,8 @@ engine:
 bins:
   mode: Fixed
   count: 4
+  countMode: Fixed
+  latencyTargetMilliseconds: 3000
   boundaries: [64, 256, 1024]
   maxOutputTokens: 4096
   autoWindow: 1024
@@ -43,7 +45,8 @@ batch:
   maxWaitMilliseconds: 250
   maxInflightBatches: 2
   maxQueuedRequests: 500
-  dispatch: MaxWait
+  dispatch: Smdp
+  smdpEngineWeight: 8
 memory:
   overflowPerMille: 5
   kvReservePercent: 10
@@ -295,3 +298,20 @@ def test_a_policy_with_classes_renders_a_config_the_sidecar_enforces():
     assert schema["x-kubernetes-list-type"] == "map" and schema["x-kubernetes-list-map-keys"] == ["name"]
     priority = schema["items"]["properties"]["priority"]
     assert (priority["minimum"], priority["maximum"]) == (-1000, 1000)
+
+
+def test_count_mode_auto_needs_a_latency_target_and_free_bins():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"bins": {"countMode": "Auto", "mode": "Adaptive"}})
+    assert "bins.latencyTargetMilliseconds: must be > 0 when countMode is Auto" in str(err.value)
+    assert "bins.countMode: must be Fixed when mode is Adaptive" in str(err.value)
+    with pytest.raises(ConfigError, match="bins.boundaries: must be empty when countMode is Auto"):
+        parse_config({"bins": {"countMode": "Auto", "latencyTargetMilliseconds": 500, "count": 2, "boundaries": [64]}})
+    cfg = parse_config({"bins": {"countMode": "Auto", "latencyTargetMilliseconds": 500}})
+    assert cfg.bins.count_mode == "Auto"
+
+
+def test_smdp_dispatch_needs_gang_mode():
+    with pytest.raises(ConfigError, match="batch.dispatch: Smdp needs mode Gang"):
+        parse_config({"batch": {"dispatch": "Smdp"}})
+    assert parse_config({"batch": {"dispatch": "Smdp", "mode": "Gang"}}).batch.dispatch == "Smdp"

@@ -295,3 +295,19 @@ def test_every_request_leaves_exactly_once(clock):
         seen.extend(x.id for x in b.requests)
     assert sorted(seen) == sorted(r.id for r in submitted)
     assert f.queued() == 0
+
+
+def test_a_request_queued_again_expires_once_and_leaves_its_bin():
+    """Found by the scheduler's property test: a request sent, queued again (the engine
+    never received it) and then expired left its first deadline entry in the heap; that
+    stale entry removed the new one from the held set but not from its bin, so the
+    bin's depth stayed one above what the former held."""
+    clock = ManualClock()
+    f = BatchFormer(FixedBinner([10]), clock, target_size=1)
+    r = Request("r", arrival=0.0, deadline=0.5, predicted_tokens=5)
+    f.submit(r)
+    assert f.take().requests == [r]  # sent
+    f.submit(r)  # queued again
+    clock.advance(0.5)
+    assert f.poll().expired == [r]
+    assert f.queued() == 0 and f.bin_depths() == [0, 0]

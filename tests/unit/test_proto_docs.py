@@ -20,6 +20,7 @@ from google.protobuf import descriptor_pb2
 
 from binbatch_api.v1 import source_file_descriptors
 from binbatch_operator.builders import CONFIG_KEY, build_configmap
+from binbatch_sidecar.core.autok import K_REASONS
 from binbatch_sidecar.config import MetricsSource, PredictorKind, config_json, load_config, parse_config
 from binbatch_sidecar.core.predictor import SOURCES
 from binbatch_sidecar.core.sizer import INITIAL_REASON, REASONS, BatchSizer, EngineSnapshot
@@ -97,7 +98,7 @@ def _metrics_source_kinds() -> set[str]:
 CODE_VALUES = {
     f"{PACKAGE}.Stats.sizer_reason": lambda: [INITIAL_REASON, *REASONS],
     f"{PACKAGE}.Adjustment.field": lambda: list(ADJUSTMENT_FIELDS),
-    f"{PACKAGE}.Adjustment.reason": lambda: [REBALANCE_REASON, *REASONS],
+    f"{PACKAGE}.Adjustment.reason": lambda: [REBALANCE_REASON, *REASONS, *K_REASONS],
     f"{PACKAGE}.PredictorSourceStats.source": lambda: list(SOURCES),
     f"{PACKAGE}.PredictorStats.name": _predictor_names,
     f"{PACKAGE}.MetricsSourceStatus.kind": _metrics_source_kinds,

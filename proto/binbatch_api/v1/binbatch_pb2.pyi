@@ -549,7 +549,7 @@ Global___RequestTotals: _TypeAlias = RequestTotals  # noqa: Y015
 
 @_typing.final
 class Throughput(_message.Message):
-    """Throughput over a recent sliding window."""
+    """Throughput over a recent sliding window (the last 60 s of completions)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -557,7 +557,9 @@ class Throughput(_message.Message):
     REQUESTS_PER_SECOND_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     window_seconds: _builtins.float
-    """Length of the window in seconds."""
+    """Seconds the rates are averaged over: 60, or the sidecar's uptime while it
+    is younger.
+    """
     requests_per_second: _builtins.float
     """Completed requests per second over the window."""
     output_tokens_per_second: _builtins.float
@@ -727,9 +729,10 @@ class Adjustment(_message.Message):
     """When the change happened, Unix time in seconds."""
     field: _builtins.str
     """What changed: "batchSize" (the bins' target batch sizes, as a list in
-    bin order) or "binBoundaries" (the bin boundaries, as a list; the value
-    before is not kept and is empty).
-    values: "batchSize" | "binBoundaries"
+    bin order), "binBoundaries" (the bin boundaries, as a list; the value
+    before is not kept and is empty) or "binCount" (the number of bins k,
+    chosen from the measured arrival rate with `bins.countMode: Auto`).
+    values: "batchSize" | "binBoundaries" | "binCount"
     """
     from_value: _builtins.str
     """Value before the change, rendered as text."""
@@ -739,10 +742,15 @@ class Adjustment(_message.Message):
     """Why, as "<reason>: <detail>": the reason is machine-readable, the detail
     a sentence for humans. For "batchSize" the reason is the sizer's (as in
     `Stats.sizer_reason`, e.g. "memory+sla: ..."); for "binBoundaries" it is
-    "rebalance" (the binner moved its boundaries).
+    "rebalance" (the binner moved its boundaries); for "binCount" how the
+    new k relates to `bins.latencyTargetMilliseconds`: "meets-target" (the
+    most bins that serve the arrival rate within the target), "overloaded"
+    (no k serves the rate: the most bins, for throughput) or
+    "target-unreachable" (the k with the lowest latency bound).
     values: "rebalance" | "static" | "no-metrics" | "stale-last-good"
       | "stale-static" | "stale-pressure" | "kv-saturated" | "warming-up"
-      | "no-kv-capacity" | "memory" | "sla"
+      | "no-kv-capacity" | "memory" | "sla" | "meets-target" | "overloaded"
+      | "target-unreachable"
     """
     def __init__(
         self,

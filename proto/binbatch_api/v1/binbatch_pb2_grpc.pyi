@@ -59,8 +59,13 @@ class InferenceStub:
         the request waits in its bin at most `latency.queueSharePercent` of it,
         then its bin is sent, full or not (without the key, the policy's
         `latency.ttftMilliseconds` applies); and `x-slo-tpot-ms` (target time per
-        output token, milliseconds): validated, but a batch is shared, so its
-        size follows the policy's `latency.tpotMilliseconds`. They are metadata
+        output token, milliseconds): a batch is shared, so its size follows the
+        policy's `latency.tpotMilliseconds`; a request whose TPOT SLO is tighter
+        than that (or any, when the policy sets none) enters the engine only
+        while the engine's recent inter-token latency (from its metrics) meets
+        it, else it waits in the sidecar: at most until its TTFT budget above is
+        spent (then it is sent anyway), or its deadline passes (DEADLINE_EXCEEDED).
+        Without fresh metrics it is not held. They are metadata
         keys, not message fields. Values are plain ASCII digits (no sign, spaces
         or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
         `x-slo-tpot-ms` in [1, 100000].
@@ -106,8 +111,13 @@ class InferenceAsyncStub(InferenceStub):
         the request waits in its bin at most `latency.queueSharePercent` of it,
         then its bin is sent, full or not (without the key, the policy's
         `latency.ttftMilliseconds` applies); and `x-slo-tpot-ms` (target time per
-        output token, milliseconds): validated, but a batch is shared, so its
-        size follows the policy's `latency.tpotMilliseconds`. They are metadata
+        output token, milliseconds): a batch is shared, so its size follows the
+        policy's `latency.tpotMilliseconds`; a request whose TPOT SLO is tighter
+        than that (or any, when the policy sets none) enters the engine only
+        while the engine's recent inter-token latency (from its metrics) meets
+        it, else it waits in the sidecar: at most until its TTFT budget above is
+        spent (then it is sent anyway), or its deadline passes (DEADLINE_EXCEEDED).
+        Without fresh metrics it is not held. They are metadata
         keys, not message fields. Values are plain ASCII digits (no sign, spaces
         or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
         `x-slo-tpot-ms` in [1, 100000].
@@ -149,8 +159,13 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         the request waits in its bin at most `latency.queueSharePercent` of it,
         then its bin is sent, full or not (without the key, the policy's
         `latency.ttftMilliseconds` applies); and `x-slo-tpot-ms` (target time per
-        output token, milliseconds): validated, but a batch is shared, so its
-        size follows the policy's `latency.tpotMilliseconds`. They are metadata
+        output token, milliseconds): a batch is shared, so its size follows the
+        policy's `latency.tpotMilliseconds`; a request whose TPOT SLO is tighter
+        than that (or any, when the policy sets none) enters the engine only
+        while the engine's recent inter-token latency (from its metrics) meets
+        it, else it waits in the sidecar: at most until its TTFT budget above is
+        spent (then it is sent anyway), or its deadline passes (DEADLINE_EXCEEDED).
+        Without fresh metrics it is not held. They are metadata
         keys, not message fields. Values are plain ASCII digits (no sign, spaces
         or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
         `x-slo-tpot-ms` in [1, 100000].
