@@ -307,7 +307,9 @@ def test_a_request_queued_again_expires_once_and_leaves_its_bin():
     r = Request("r", arrival=0.0, deadline=0.5, predicted_tokens=5)
     f.submit(r)
     assert f.take().requests == [r]  # sent
+    f.set_target_sizes([2, 2])  # so that it waits in its bin this time
     f.submit(r)  # queued again
+    assert f.bin_depths() == [1, 0]
     clock.advance(0.5)
     assert f.poll().expired == [r]
     assert f.queued() == 0 and f.bin_depths() == [0, 0]
