@@ -10,6 +10,14 @@ Algorithm 1 of multi-bin-batching-v1.md, plus what a server needs around it:
   SMDP control limit of DESIGN §3.4);
 * emitted batches wait in one service queue: first completed batch, first served,
   a batch holding a higher priority first;
+* with ``partial_waits_for_server`` (gang mode: a batch holds a server until its
+  longest request ends) a bin that is due by max_wait or send-by is NOT cut while
+  every server is busy: it stays in its bin, still filling, and is cut only when
+  ``take(idle=True)`` says a server is free -- then it goes in completion order
+  with the full batches, a due bin counting as completed at its due time.  Cutting
+  it at its due time instead leaves a near-empty batch queued behind busy servers,
+  holding one of them for its longest request when it finally goes (batches of
+  ~1.1 requests in simulation);
 * within a bin, higher priority first, then earliest arrival;
 * a request whose deadline passes, or that is cancelled, leaves before dispatch.
 
@@ -82,6 +90,12 @@ class _Bin:
         self.count -= len(out)
         return out
 
+    def top_priority(self) -> int:
+        rank = self.by_rank
+        while rank and not rank[0][3].live:
+            heapq.heappop(rank)
+        return rank[0][3].req.priority if rank else 0
+
     def oldest_arrival(self) -> float | None:
         age = self.by_age
         while age and not age[0][2].live:
@@ -106,6 +120,7 @@ class BatchFormer:
         max_wait: float | None = None,
         max_queue: int = 10_000,
         policy: DispatchPolicy | None = None,
+        partial_waits_for_server: bool = False,
     ) -> None:
         if max_wait is not None and max_wait < 0:
             raise ValueError(f"max_wait must be >= 0 or None, got {max_wait}")
@@ -116,6 +131,7 @@ class BatchFormer:
         self._max_wait = max_wait
         self._max_queue = max_queue
         self._policy = policy
+        self._lazy = partial_waits_for_server
         self._seq = itertools.count()
         self._bins: list[_Bin] = [_Bin() for _ in range(binner.k)]
         self._version = binner.version
@@ -148,6 +164,10 @@ class BatchFormer:
 
     def set_policy(self, policy: DispatchPolicy | None) -> None:
         self._policy = policy
+
+    def set_partial_waits_for_server(self, on: bool) -> None:
+        """Gang mode: cut due partial batches only when a server is free (module doc)."""
+        self._lazy = on
 
     # -- intake --------------------------------------------------------------------
 
@@ -194,6 +214,8 @@ class BatchFormer:
                 e.leave_bin(self._bins)
                 result.expired.append(e.req)
         self._sync_bins()
+        if self._lazy:  # due bins are cut by take(idle=True), when a server is free
+            return result
         while self._send_by and self._send_by[0][0] <= now:
             e = self._send_by[0][2]
             if not e.live:  # already in a batch, cancelled or expired
@@ -213,13 +235,17 @@ class BatchFormer:
                     result.formed += 1
         return result
 
-    def next_wake(self) -> float | None:
-        """The earliest clock time at which ``poll()`` has work: a deadline, a send-by or a max_wait."""
+    def next_wake(self, releases: bool = True) -> float | None:
+        """The earliest clock time at which ``poll()`` or ``take(idle=True)`` has work:
+        a deadline, a send-by or a max_wait.  ``releases`` False: only deadlines (every
+        server is busy, so a due bin waits for a server's release, not for a time)."""
         times = []
         while self._deadlines and self._deadlines[0][2].req not in self._entries:
             heapq.heappop(self._deadlines)
         if self._deadlines:
             times.append(self._deadlines[0][0])
+        if not releases:
+            return min(times) if times else None
         while self._send_by and not self._send_by[0][2].live:
             heapq.heappop(self._send_by)
         if self._send_by:
@@ -236,14 +262,26 @@ class BatchFormer:
     def take(self, idle: bool = False) -> Batch | None:
         """The next batch to dispatch, or None.
 
-        Full and timed-out batches come first, in service-queue order.  If there are
-        none and ``idle`` (a server is free), the dispatch policy may release a
-        partial batch from the bin with the most waiting.
+        Full and timed-out batches come first, in service-queue order.  With
+        ``partial_waits_for_server`` and ``idle`` (a server is free), a due bin is cut
+        now and competes in that order as completed at its due time.  If there are
+        none and ``idle``, the dispatch policy may release a partial batch from the
+        bin with the most waiting.
         """
+        due = self._due_bin() if idle and self._lazy else None
         while self._service:
-            batch = heapq.heappop(self._service)[2]
+            key, _, batch = self._service[0]
+            if due is not None and (-due[2], due[0]) < (key, batch.formed_at):
+                break  # the due bin completed first
+            heapq.heappop(self._service)
             batch.requests = [r for r in batch.requests if self._entries.pop(r, None) is not None]
             if batch.requests:
+                return batch
+        if due is not None:
+            batch = self._cut(due[1], self._sizes[due[1]], due[3])
+            if batch is not None:
+                for r in batch.requests:
+                    del self._entries[r]
                 return batch
         if idle and self._policy is not None:
             i = max(range(self.k), key=lambda j: self._bins[j].count)
@@ -272,7 +310,17 @@ class BatchFormer:
         return [b.oldest_arrival() if b.count else None for b in self._bins]
 
     def ready_batches(self) -> int:
-        return len(self._service)
+        """Batches waiting for a server: formed ones and, with
+        ``partial_waits_for_server``, bins already due."""
+        if not self._lazy:
+            return len(self._service)
+        now = self._clock.now()
+        due = 0
+        if self._max_wait is not None:
+            due = sum(1 for t in self.oldest_arrivals() if t is not None and t + self._max_wait <= now)
+        if not due and self._send_by and any(t <= now and e.live for t, _, e in self._send_by):
+            due = 1
+        return len(self._service) + due
 
     def queued_predictions(self) -> list[list[float]]:
         """Predicted lengths of the requests in each bin (for adaptive binners)."""
@@ -283,18 +331,48 @@ class BatchFormer:
 
     # -- internals -------------------------------------------------------------------
 
+    def _due_bin(self) -> tuple[float, int, int, str] | None:
+        """The partial bin due first, as (due time, bin, priority, reason), or None.
+
+        A bin is due when its oldest request waited max_wait ("timeout") or one of
+        its requests reached its send-by time ("slo"); the earliest due time wins,
+        then the higher priority.
+        """
+        self._sync_bins()
+        now = self._clock.now()
+        best: tuple[float, int, int, str] | None = None
+        while self._send_by and not self._send_by[0][2].live:
+            heapq.heappop(self._send_by)
+        if self._send_by and self._send_by[0][0] <= now:
+            e = self._send_by[0][2]
+            best = (self._send_by[0][0], e.req.bin, self._bins[e.req.bin].top_priority(), "slo")  # type: ignore[arg-type,index]
+        if self._max_wait is not None:
+            for i, b in enumerate(self._bins):
+                oldest = b.oldest_arrival() if b.count else None
+                if oldest is None or oldest + self._max_wait > now:
+                    continue
+                cand = (oldest + self._max_wait, i, b.top_priority(), "timeout")
+                if best is None or (-cand[2], cand[0]) < (-best[2], best[0]):
+                    best = cand
+        return best
+
     def _form_full(self, i: int) -> None:
         while self._bins[i].count >= self._sizes[i]:
             self._form(i, self._sizes[i], "full")
 
     def _form(self, i: int, n: int, reason: str) -> None:
+        batch = self._cut(i, n, reason)
+        if batch is not None:
+            heapq.heappush(self._service, (-batch.priority, next(self._seq), batch))
+
+    def _cut(self, i: int, n: int, reason: str) -> Batch | None:
+        """Up to ``n`` requests out of bin ``i`` as a batch (still held in ``_entries``)."""
         entries = self._bins[i].pop(n)
         if not entries:
-            return
+            return None
         for e in entries:
             e.live = False  # out of the bin; still held in _entries until taken
-        batch = Batch(i, [e.req for e in entries], reason, self._clock.now())
-        heapq.heappush(self._service, (-batch.priority, next(self._seq), batch))
+        return Batch(i, [e.req for e in entries], reason, self._clock.now())
 
     def _sync_bins(self) -> None:
         """Re-bin queued requests if the binner's boundaries changed."""
