@@ -280,6 +280,7 @@ class BatchFormer:
         if due is not None:
             batch = self._cut(due[1], self._sizes[due[1]], due[3])
             if batch is not None:
+                self._top_up(batch, self._sizes[due[1]])
                 for r in batch.requests:
                     del self._entries[r]
                 return batch
@@ -335,12 +336,15 @@ class BatchFormer:
         """The partial bin due first, as (due time, bin, priority, reason), or None.
 
         A bin is due when its oldest request waited max_wait ("timeout") or one of
-        its requests reached its send-by time ("slo"); the earliest due time wins,
-        then the higher priority.
+        its requests reached its send-by time ("slo").  The due time (which orders it
+        among full batches) is the earliest, the higher priority first; the bin cut
+        is that one, except that of several bins timed out at that priority the
+        longest is cut (it takes the others along, ``_top_up``).
         """
         self._sync_bins()
         now = self._clock.now()
         best: tuple[float, int, int, str] | None = None
+        timed_out: list[tuple[float, int, int, str]] = []
         while self._send_by and not self._send_by[0][2].live:
             heapq.heappop(self._send_by)
         if self._send_by and self._send_by[0][0] <= now:
@@ -354,6 +358,12 @@ class BatchFormer:
                 cand = (oldest + self._max_wait, i, b.top_priority(), "timeout")
                 if best is None or (-cand[2], cand[0]) < (-best[2], best[0]):
                     best = cand
+                timed_out.append(cand)
+        if best is not None and best[3] == "timeout":
+            # Of the bins due alike, cut the longest: its batch can take the shorter
+            # ones' requests along (``_top_up``) without lasting longer.
+            top = max((c for c in timed_out if c[2] == best[2]), key=lambda c: c[1])
+            best = (best[0], top[1], best[2], "timeout")
         return best
 
     def _form_full(self, i: int) -> None:
@@ -364,6 +374,21 @@ class BatchFormer:
         batch = self._cut(i, n, reason)
         if batch is not None:
             heapq.heappush(self._service, (-batch.priority, next(self._seq), batch))
+
+    def _top_up(self, batch: Batch, size: int) -> None:
+        """Fill a partial batch's free places from the bins below its own, nearest first.
+
+        A batch holds its server until its longest request ends; requests of a lower
+        bin are predicted shorter, so they ride along at (almost) no cost to the
+        batch's service time instead of needing a batch, and a server, of their own.
+        """
+        for j in range(batch.bin - 1, -1, -1):
+            room = size - len(batch.requests)
+            if room <= 0:
+                return
+            for e in self._bins[j].pop(room):
+                e.live = False
+                batch.requests.append(e.req)
 
     def _cut(self, i: int, n: int, reason: str) -> Batch | None:
         """Up to ``n`` requests out of bin ``i`` as a batch (still held in ``_entries``)."""

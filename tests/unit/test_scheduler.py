@@ -315,3 +315,37 @@ def test_continuous_mode_still_cuts_due_partial_batches_at_their_due_time():
     clock.advance_to(1.0)
     s.core.former.poll()
     assert s.core.former.ready_batches() == 1 and s.core.former.bin_depths() == [0]
+
+
+def test_gang_due_partial_batch_takes_shorter_bins_requests_along():
+    """The tail of a burst: a long bin's partial batch and a short bin's each held
+    the one slot for a batch; the long batch now carries the short requests (they
+    end before its longest one), one slot-hold instead of two."""
+    s, clock = make(size=4, k=4, max_wait=1.0, inflight=1)
+    for i in range(4):
+        s.submit(req(i, clock, 90))
+    busy = s.step(clock.now())
+    s.submit(req(4, clock, 10))  # bin 0
+    s.submit(req(5, clock, 60))  # bin 2
+    s.submit(req(6, clock, 95))  # bin 3, timed out last
+    clock.advance_to(2.0)
+    _finish(s, busy, clock)
+    step = s.step(clock.now())
+    assert ids(step) == [["6", "5", "4"]]
+    assert step.batches[0].bin == 3 and s.core.former.queued() == 0
+
+
+def test_gang_top_up_never_exceeds_the_batch_size_and_takes_the_nearest_bin_first():
+    s, clock = make(size=2, k=4, max_wait=1.0, inflight=1)
+    for i in range(2):
+        s.submit(req(i, clock, 90))
+    busy = s.step(clock.now())
+    s.submit(req(2, clock, 10))  # bin 0
+    s.submit(req(3, clock, 60))  # bin 2
+    s.submit(req(4, clock, 95))  # bin 3
+    clock.advance_to(2.0)
+    _finish(s, busy, clock)
+    first = s.step(clock.now())
+    assert ids(first) == [["4", "3"]]
+    _finish(s, first, clock)
+    assert ids(s.step(clock.now())) == [["2"]]
