@@ -22,8 +22,9 @@ Scenarios (DESIGN §3.6, issue 11):
   / ``--slo-tpot-ms``; goodput counts requests meeting both.
 * ``short``, ample KV, burst: nothing to win; the sidecar without SLOs must not
   cost throughput.
-* ``mixed``, ample KV, burst, gang mode: the sidecar's k = 4 over k = 1 gain
-  against an ideal gang client that knows every length (batch-locked engines).
+* ``mixed``, ample KV, burst, gang mode: the sidecar's k = 4 and k = 8 over
+  k = 1 gains against an ideal gang client that knows every length
+  (batch-locked engines).
 
 Preemptions are the delta of the engine's ``vllm:num_preemptions_total`` around
 each run (runs never overlap).  A run's row pools the requests of all repeats:
@@ -59,6 +60,7 @@ AMPLE_KV = EngineShape(step_a=0.006, step_c=0.0002, num_gpu_blocks=8192, block_s
 RATIO_KEYS = (
     "e2e_mean_at_95pct_load", "e2e_p99_at_95pct_load", "goodput_at_slo", "preemptions_under_kv_pressure",
     "throughput_under_kv_pressure", "throughput_nothing_to_win", "gang_k4_gain_vs_ideal",
+    "gang_k8_gain_vs_ideal",
 )  # fmt: skip
 ROW_KEYS = (
     "name", "mode", "k", "load", "requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -126,6 +128,8 @@ IDEAL1 = Client("ideal1", "ideal gang k=1", "ideal-gang", 1)
 IDEAL4 = Client("ideal4", "ideal gang k=4", "ideal-gang", 4)
 GANG1 = Client("gang1", "sidecar gang k=1", "gang", 1, "ample-gang1")
 GANG4 = Client("gang4", "sidecar gang k=4", "gang", 4, "ample-gang4")
+IDEAL8 = Client("ideal8", "ideal gang k=8", "ideal-gang", 8)
+GANG8 = Client("gang8", "sidecar gang k=8", "gang", 8, "ample-gang8")
 
 
 def scenarios(cfg: E2EConfig) -> list[Scenario]:
@@ -137,7 +141,7 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
                  cfg.scale),  # fmt: skip
         Scenario("short@ample", "short burst, ample KV", "ample", "short", cfg.requests, None, (DIRECT, FREE), cfg.scale),
         Scenario("mixed@gang", "mixed burst, gang", "ample", "mixed", cfg.gang_requests, None,
-                 (DIRECT, IDEAL1, IDEAL4, GANG1, GANG4), cfg.gang_scale),  # fmt: skip
+                 (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8), cfg.gang_scale),  # fmt: skip
     ]
     if not cfg.only:
         return plan
@@ -163,6 +167,7 @@ def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
                                  "batch": cont}),  # fmt: skip
         "ample-gang1": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 1}, "batch": gang}),
         "ample-gang4": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 4}, "batch": gang}),
+        "ample-gang8": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 8}, "batch": gang}),
     }
 
 
@@ -241,9 +246,12 @@ def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[d
     out["preemptions_under_kv_pressure"] = pair(*burst, "preemptions")
     out["throughput_under_kv_pressure"] = pair(*burst, "requests_per_s")
     out["throughput_nothing_to_win"] = pair(("short@ample", "free"), ("short@ample", "direct"), "requests_per_s")
-    if all(("mixed@gang", c) in rows for c in ("ideal1", "ideal4", "gang1", "gang4")):
-        g = {c: rows["mixed@gang", c]["requests_per_s"] for c in ("ideal1", "ideal4", "gang1", "gang4")}
-        out["gang_k4_gain_vs_ideal"] = _ratio(_ratio(g["gang4"], g["gang1"]), _ratio(g["ideal4"], g["ideal1"]))
+    for k in (4, 8):
+        clients = ("ideal1", f"ideal{k}", "gang1", f"gang{k}")
+        if all(("mixed@gang", c) in rows for c in clients):
+            g = {c: rows["mixed@gang", c]["requests_per_s"] for c in clients}
+            out[f"gang_k{k}_gain_vs_ideal"] = _ratio(_ratio(g[f"gang{k}"], g["gang1"]),
+                                                     _ratio(g[f"ideal{k}"], g["ideal1"]))  # fmt: skip
     return out, notes
 
 
