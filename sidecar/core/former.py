@@ -13,11 +13,12 @@ Algorithm 1 of multi-bin-batching-v1.md, plus what a server needs around it:
 * with ``partial_waits_for_server`` (gang mode: a batch holds a server until its
   longest request ends) a bin that is due by max_wait or send-by is NOT cut while
   every server is busy: it stays in its bin, still filling, and is cut only when
-  ``take(idle=True)`` says a server is free -- then it goes in completion order
-  with the full batches, a due bin counting as completed at its due time.  Cutting
-  it at its due time instead leaves a near-empty batch queued behind busy servers,
-  holding one of them for its longest request when it finally goes (batches of
-  ~1.1 requests in simulation);
+  ``take(idle=True)`` says a server is free.  Cutting it at its due time instead
+  queued a near-empty batch behind busy servers, holding one of them for its
+  longest request when it finally went (batches of ~1.1 requests in simulation).
+  At a free server (the seed: "first completed batch, first served"; a partial
+  one only when none is completed): a send-by bin first, then full batches, then
+  the longest bin past max_wait, topped up from the bins below it;
 * within a bin, higher priority first, then earliest arrival;
 * a request whose deadline passes, or that is cancelled, leaves before dispatch.
 
@@ -262,28 +263,27 @@ class BatchFormer:
     def take(self, idle: bool = False) -> Batch | None:
         """The next batch to dispatch, or None.
 
-        Full and timed-out batches come first, in service-queue order.  With
-        ``partial_waits_for_server`` and ``idle`` (a server is free), a due bin is cut
-        now and competes in that order as completed at its due time.  If there are
-        none and ``idle``, the dispatch policy may release a partial batch from the
-        bin with the most waiting.
+        Formed batches come in service-queue order.  With ``partial_waits_for_server``
+        and ``idle`` (a server is free): a bin holding a request whose send-by time
+        came goes first (its TTFT SLO says go); then completed (full) batches; then,
+        with no completed batch waiting (or a lower priority one), the longest bin
+        whose oldest request waited max_wait, filled up from the bins below it.  If
+        there are none and ``idle``, the dispatch policy may release a partial batch
+        from the bin with the most waiting.
         """
         due = self._due_bin() if idle and self._lazy else None
+        if due is not None and due[3] == "slo":
+            return self._take_due(due)
         while self._service:
             key, _, batch = self._service[0]
-            if due is not None and (-due[2], due[0]) < (key, batch.formed_at):
-                break  # the due bin completed first
+            if due is not None and -due[2] < key:
+                break  # the due bin holds a higher priority
             heapq.heappop(self._service)
             batch.requests = [r for r in batch.requests if self._entries.pop(r, None) is not None]
             if batch.requests:
                 return batch
         if due is not None:
-            batch = self._cut(due[1], self._sizes[due[1]], due[3])
-            if batch is not None:
-                self._top_up(batch, self._sizes[due[1]])
-                for r in batch.requests:
-                    del self._entries[r]
-                return batch
+            return self._take_due(due)
         if idle and self._policy is not None:
             i = max(range(self.k), key=lambda j: self._bins[j].count)
             n = min(self._policy.decide(self._bins[i].count), self._sizes[i])
@@ -333,37 +333,31 @@ class BatchFormer:
     # -- internals -------------------------------------------------------------------
 
     def _due_bin(self) -> tuple[float, int, int, str] | None:
-        """The partial bin due first, as (due time, bin, priority, reason), or None.
+        """The partial bin to cut at a free server, as (due time, bin, priority,
+        reason), or None.
 
-        A bin is due when its oldest request waited max_wait ("timeout") or one of
-        its requests reached its send-by time ("slo").  The due time (which orders it
-        among full batches) is the earliest, the higher priority first; the bin cut
-        is that one, except that of several bins timed out at that priority the
-        longest is cut (it takes the others along, ``_top_up``).
+        A bin holding a request whose send-by time came is due first ("slo", the
+        earliest send-by).  Else a bin is due when its oldest request waited
+        max_wait ("timeout"): the highest priority first, and of those the longest
+        bin (its batch takes the shorter bins' requests along, ``_top_up``).
         """
         self._sync_bins()
         now = self._clock.now()
-        best: tuple[float, int, int, str] | None = None
-        timed_out: list[tuple[float, int, int, str]] = []
         while self._send_by and not self._send_by[0][2].live:
             heapq.heappop(self._send_by)
         if self._send_by and self._send_by[0][0] <= now:
-            e = self._send_by[0][2]
-            best = (self._send_by[0][0], e.req.bin, self._bins[e.req.bin].top_priority(), "slo")  # type: ignore[arg-type,index]
-        if self._max_wait is not None:
-            for i, b in enumerate(self._bins):
-                oldest = b.oldest_arrival() if b.count else None
-                if oldest is None or oldest + self._max_wait > now:
-                    continue
-                cand = (oldest + self._max_wait, i, b.top_priority(), "timeout")
-                if best is None or (-cand[2], cand[0]) < (-best[2], best[0]):
-                    best = cand
-                timed_out.append(cand)
-        if best is not None and best[3] == "timeout":
-            # Of the bins due alike, cut the longest: its batch can take the shorter
-            # ones' requests along (``_top_up``) without lasting longer.
-            top = max((c for c in timed_out if c[2] == best[2]), key=lambda c: c[1])
-            best = (best[0], top[1], best[2], "timeout")
+            t, _, e = self._send_by[0]
+            return (t, e.req.bin, self._bins[e.req.bin].top_priority(), "slo")  # type: ignore[arg-type,index]
+        if self._max_wait is None:
+            return None
+        best: tuple[float, int, int, str] | None = None
+        for i, b in enumerate(self._bins):
+            oldest = b.oldest_arrival() if b.count else None
+            if oldest is None or oldest + self._max_wait > now:
+                continue
+            cand = (oldest + self._max_wait, i, b.top_priority(), "timeout")
+            if best is None or cand[2] >= best[2]:  # bins ascend: a later one is longer
+                best = cand
         return best
 
     def _form_full(self, i: int) -> None:
@@ -374,6 +368,15 @@ class BatchFormer:
         batch = self._cut(i, n, reason)
         if batch is not None:
             heapq.heappush(self._service, (-batch.priority, next(self._seq), batch))
+
+    def _take_due(self, due: tuple[float, int, int, str]) -> Batch | None:
+        batch = self._cut(due[1], self._sizes[due[1]], due[3])
+        if batch is None:
+            return None
+        self._top_up(batch, self._sizes[due[1]])
+        for r in batch.requests:
+            del self._entries[r]
+        return batch
 
     def _top_up(self, batch: Batch, size: int) -> None:
         """Fill a partial batch's free places from the bins below its own, nearest first.

@@ -277,8 +277,10 @@ def test_gang_full_batch_completed_first_goes_before_a_partial_due_later():
     assert ids(s.step(clock.now())) == [["2"]]
 
 
-def test_gang_partial_due_before_a_full_batch_completed_goes_first():
-    """First completed batch, first served: a due bin counts as completed at its due time."""
+def test_gang_completed_batch_goes_before_a_partial_due_earlier_and_the_partial_keeps_filling():
+    """A burst still arriving (slower than max_wait on a busy machine): the long bin
+    is due before the short bin's next batch completes; serving the partial long
+    batch first would cost a third long batch once the rest of its bin arrives."""
     s, clock = make(size=2, k=2, max_wait=1.0, inflight=1)
     for i in range(2):
         s.submit(req(i, clock, 10))
@@ -287,6 +289,26 @@ def test_gang_partial_due_before_a_full_batch_completed_goes_first():
     clock.advance_to(1.5)
     for i in (3, 4):
         s.submit(req(i, clock, 10))  # full at 1.5
+    clock.advance_to(2.0)
+    _finish(s, busy, clock)
+    first = s.step(clock.now())
+    assert ids(first) == [["3", "4"]]
+    s.submit(req(5, clock, 90))  # the long bin fills meanwhile
+    _finish(s, first, clock)
+    step = s.step(clock.now())
+    assert ids(step) == [["2", "5"]] and step.batches[0].reason == "full"
+
+
+def test_gang_higher_priority_partial_goes_before_a_full_batch():
+    s, clock = make(size=2, k=2, max_wait=1.0, inflight=1)
+    for i in range(2):
+        s.submit(req(i, clock, 10))
+    busy = s.step(clock.now())
+    urgent = req(2, clock, 90)
+    urgent.priority = 5
+    s.submit(urgent)
+    for i in (3, 4):
+        s.submit(req(i, clock, 10))
     clock.advance_to(2.0)
     _finish(s, busy, clock)
     assert ids(s.step(clock.now())) == [["2"]]
