@@ -10,6 +10,15 @@ Algorithm 1 of multi-bin-batching-v1.md, plus what a server needs around it:
   SMDP control limit of DESIGN §3.4);
 * emitted batches wait in one service queue: first completed batch, first served,
   a batch holding a higher priority first;
+* with ``partial_waits_for_server`` (gang mode: a batch holds a server until its
+  longest request ends) a bin that is due by max_wait or send-by is NOT cut while
+  every server is busy: it stays in its bin, still filling, and is cut only when
+  ``take(idle=True)`` says a server is free.  Cutting it at its due time instead
+  queued a near-empty batch behind busy servers, holding one of them for its
+  longest request when it finally went (batches of ~1.1 requests in simulation).
+  At a free server (the seed: "first completed batch, first served"; a partial
+  one only when none is completed): a send-by bin first, then full batches, then
+  the longest bin past max_wait, topped up from the bins below it;
 * within a bin, higher priority first, then earliest arrival;
 * a request whose deadline passes, or that is cancelled, leaves before dispatch.
 
@@ -83,6 +92,12 @@ class _Bin:
         self.count -= len(out)
         return out
 
+    def top_priority(self) -> int:
+        rank = self.by_rank
+        while rank and not rank[0][3].live:
+            heapq.heappop(rank)
+        return rank[0][3].req.priority if rank else 0
+
     def oldest_arrival(self) -> float | None:
         age = self.by_age
         while age and not age[0][2].live:
@@ -108,6 +123,7 @@ class BatchFormer:
         max_queue: int = 10_000,
         policy: DispatchPolicy | None = None,
         gate: TpotGate | None = None,
+        partial_waits_for_server: bool = False,
     ) -> None:
         if max_wait is not None and max_wait < 0:
             raise ValueError(f"max_wait must be >= 0 or None, got {max_wait}")
@@ -121,6 +137,7 @@ class BatchFormer:
         self.gate = gate  # holds tight-TPOT requests in the service queue (take)
         self._held_until: float | None = None  # earliest send_by among requests the gate held
         self._draining = False
+        self._lazy = partial_waits_for_server
         self._seq = itertools.count()
         self._bins: list[_Bin] = [_Bin() for _ in range(binner.k)]
         self._version = binner.version
@@ -150,6 +167,10 @@ class BatchFormer:
         self._sizes = sizes
         for i in range(self.k):
             self._form_full(i)
+
+    def set_partial_waits_for_server(self, on: bool) -> None:
+        """Gang mode: cut due partial batches only when a server is free (module doc)."""
+        self._lazy = on
 
     # -- intake --------------------------------------------------------------------
 
@@ -197,6 +218,8 @@ class BatchFormer:
                 e.leave_bin(self._bins)
                 result.expired.append(e.req)
         self._sync_bins()
+        if self._lazy:  # due bins are cut by take(idle=True), when a server is free
+            return result
         while self._send_by and self._send_by[0][0] <= now:
             e = self._send_by[0][2]
             if not e.live:  # already in a batch, cancelled or expired
@@ -216,13 +239,17 @@ class BatchFormer:
                     result.formed += 1
         return result
 
-    def next_wake(self) -> float | None:
-        """The earliest clock time at which ``poll()`` has work: a deadline, a send-by or a max_wait."""
+    def next_wake(self, releases: bool = True) -> float | None:
+        """The earliest clock time at which ``poll()`` or ``take(idle=True)`` has work:
+        a deadline, a send-by or a max_wait.  ``releases`` False: only deadlines (every
+        server is busy, so a due bin waits for a server's release, not for a time)."""
         times = []
         while self._deadlines and self._deadlines[0][2].req not in self._entries:
             heapq.heappop(self._deadlines)
         if self._deadlines:
             times.append(self._deadlines[0][0])
+        if not releases:
+            return min(times) if times else None
         while self._send_by and not self._send_by[0][2].live:
             heapq.heappop(self._send_by)
         if self._send_by:
@@ -241,13 +268,22 @@ class BatchFormer:
     def take(self, idle: bool = False) -> Batch | None:
         """The next batch to dispatch, or None.
 
-        Full and timed-out batches come first, in service-queue order.  If there are
-        none and ``idle`` (a server is free), the dispatch policy may release a
-        partial batch from the bin with the most waiting.
+        Formed batches come in service-queue order.  With ``partial_waits_for_server``
+        and ``idle`` (a server is free): a bin holding a request whose send-by time
+        came goes first (its TTFT SLO says go); then completed (full) batches; then,
+        with no completed batch waiting (or a lower priority one), the longest bin
+        whose oldest request waited max_wait, filled up from the bins below it.  If
+        there are none and ``idle``, the dispatch policy may release a partial batch
+        from the bin with the most waiting.
         """
-        batch = self._take_admitted()
+        due = self._due_bin() if idle and self._lazy else None
+        if due is not None and due[3] == "slo":
+            return self._take_due(due)
+        batch = self._take_admitted(stop_key=None if due is None else -due[2])
         if batch is not None:
             return batch
+        if due is not None:
+            return self._take_due(due)
         if idle and self._policy is not None:
             i = max(range(self.k), key=lambda j: self._bins[j].count)
             n = min(self._policy.decide(self._bins[i].count), self._sizes[i])
@@ -256,14 +292,17 @@ class BatchFormer:
                 return self.take()
         return None
 
-    def _take_admitted(self) -> Batch | None:
+    def _take_admitted(self, stop_key: int | None = None) -> Batch | None:
         """The first formed batch in service order, without the requests the TPOT
-        gate holds (they stay in the service queue as a batch of their own)."""
+        gate holds (they stay in the service queue as a batch of their own); none
+        ranked after ``stop_key`` (a due bin of higher priority goes first)."""
         now = self._clock.now()
         held: list[tuple[int, int, Batch]] = []
         self._held_until = None
         out = None
         while self._service and out is None:
+            if stop_key is not None and self._service[0][0] > stop_key:
+                break
             item = heapq.heappop(self._service)
             batch = item[2]
             batch.requests = [r for r in batch.requests if r in self._entries]
@@ -306,7 +345,17 @@ class BatchFormer:
         return [b.oldest_arrival() if b.count else None for b in self._bins]
 
     def ready_batches(self) -> int:
-        return len(self._service)
+        """Batches waiting for a server: formed ones and, with
+        ``partial_waits_for_server``, bins already due."""
+        if not self._lazy:
+            return len(self._service)
+        now = self._clock.now()
+        due = 0
+        if self._max_wait is not None:
+            due = sum(1 for t in self.oldest_arrivals() if t is not None and t + self._max_wait <= now)
+        if not due and self._send_by and any(t <= now and e.live for t, _, e in self._send_by):
+            due = 1
+        return len(self._service) + due
 
     def queued_predictions(self) -> list[list[float]]:
         """Predicted lengths of the requests in each bin (for adaptive binners)."""
@@ -317,18 +366,75 @@ class BatchFormer:
 
     # -- internals -------------------------------------------------------------------
 
+    def _due_bin(self) -> tuple[float, int, int, str] | None:
+        """The partial bin to cut at a free server, as (due time, bin, priority,
+        reason), or None.
+
+        A bin holding a request whose send-by time came is due first ("slo", the
+        earliest send-by).  Else a bin is due when its oldest request waited
+        max_wait ("timeout"): the highest priority first, and of those the longest
+        bin (its batch takes the shorter bins' requests along, ``_top_up``).
+        """
+        self._sync_bins()
+        now = self._clock.now()
+        while self._send_by and not self._send_by[0][2].live:
+            heapq.heappop(self._send_by)
+        if self._send_by and self._send_by[0][0] <= now:
+            t, _, e = self._send_by[0]
+            return (t, e.req.bin, self._bins[e.req.bin].top_priority(), "slo")  # type: ignore[arg-type,index]
+        if self._max_wait is None:
+            return None
+        best: tuple[float, int, int, str] | None = None
+        for i, b in enumerate(self._bins):
+            oldest = b.oldest_arrival() if b.count else None
+            if oldest is None or oldest + self._max_wait > now:
+                continue
+            cand = (oldest + self._max_wait, i, b.top_priority(), "timeout")
+            if best is None or cand[2] >= best[2]:  # bins ascend: a later one is longer
+                best = cand
+        return best
+
     def _form_full(self, i: int) -> None:
         while self._bins[i].count >= self._sizes[i]:
             self._form(i, self._sizes[i], "full")
 
     def _form(self, i: int, n: int, reason: str) -> None:
+        batch = self._cut(i, n, reason)
+        if batch is not None:
+            heapq.heappush(self._service, (-batch.priority, next(self._seq), batch))
+
+    def _take_due(self, due: tuple[float, int, int, str]) -> Batch | None:
+        batch = self._cut(due[1], self._sizes[due[1]], due[3])
+        if batch is None:
+            return None
+        self._top_up(batch, self._sizes[due[1]])
+        for r in batch.requests:
+            del self._entries[r]
+        return batch
+
+    def _top_up(self, batch: Batch, size: int) -> None:
+        """Fill a partial batch's free places from the bins below its own, nearest first.
+
+        A batch holds its server until its longest request ends; requests of a lower
+        bin are predicted shorter, so they ride along at (almost) no cost to the
+        batch's service time instead of needing a batch, and a server, of their own.
+        """
+        for j in range(batch.bin - 1, -1, -1):
+            room = size - len(batch.requests)
+            if room <= 0:
+                return
+            for e in self._bins[j].pop(room):
+                e.live = False
+                batch.requests.append(e.req)
+
+    def _cut(self, i: int, n: int, reason: str) -> Batch | None:
+        """Up to ``n`` requests out of bin ``i`` as a batch (still held in ``_entries``)."""
         entries = self._bins[i].pop(n)
         if not entries:
-            return
+            return None
         for e in entries:
             e.live = False  # out of the bin; still held in _entries until taken
-        batch = Batch(i, [e.req for e in entries], reason, self._clock.now())
-        heapq.heappush(self._service, (-batch.priority, next(self._seq), batch))
+        return Batch(i, [e.req for e in entries], reason, self._clock.now())
 
     def _sync_bins(self) -> None:
         """Re-bin queued requests if the binner's boundaries changed."""

@@ -133,6 +133,7 @@ class Scheduler:
         self._slot_of: dict[Request, Slot] = {}  # the engine call holding each request now
         self._pending: deque[tuple[Batch, Request]] = deque()  # continuous: taken, not yet admitted
         self._binner_version = core.binner.version
+        core.former.set_partial_waits_for_server(mode == "gang")
 
     # -- counts --------------------------------------------------------------------
 
@@ -167,7 +168,16 @@ class Scheduler:
         return self.core.former.queued() == 0 and not self._pending and self.inflight_requests == 0
 
     def next_wake(self) -> float | None:
+        """When ``step`` next has work by the clock.  In gang mode a due partial
+        batch waits for a free slot, so while none is free only deadlines count
+        (a slot's release wakes the driver anyway)."""
+        if self.mode == "gang":
+            return self.core.former.next_wake(releases=self._slot_free())
         return self.core.former.next_wake()
+
+    def _slot_free(self) -> bool:
+        n = self.inflight_batches
+        return n < self.max_inflight_batches and self.breaker.allows_dispatch(n)
 
     # -- intake and endings ----------------------------------------------------------
 
@@ -218,9 +228,7 @@ class Scheduler:
             if self.end(req, "expired"):
                 out.expired.append(req)
         if self.mode == "gang":
-            while self.inflight_batches < self.max_inflight_batches and self.breaker.allows_dispatch(
-                self.inflight_batches
-            ):
+            while self._slot_free():
                 batch = former.take(idle=True)
                 if batch is None:
                     break
@@ -372,6 +380,7 @@ class Scheduler:
         self.core = core
         self.mode, self.max_inflight_batches = mode, max_inflight_batches
         self._binner_version = core.binner.version
+        core.former.set_partial_waits_for_server(mode == "gang")
         refused = []
         for req in moved:
             req.bin = None

@@ -218,3 +218,156 @@ def test_every_accepted_request_ends_exactly_once_and_the_ledger_returns_to_zero
     assert all(ended.get(r) == 1 for r in accepted), "each accepted request ends exactly once"
     assert sum(ended.values()) == len(accepted) == s.totals["accepted"]
     assert (s.inflight_requests, s.inflight_batches, s.held(), s.pending_requests()) == (0, 0, [], 0)
+
+
+# -- gang mode: a partial batch waits for a free slot (issue 11 item 5) ----------------
+
+
+def _finish(s: Scheduler, step, clock: ManualClock) -> None:
+    for d in step.dispatches:
+        for r in d.requests:
+            s.complete(r, OK, clock.now())
+        s.release(d.slot, clock.now())
+
+
+def test_gang_partial_batch_is_not_cut_while_every_slot_is_busy_and_fills_meanwhile():
+    """Cutting a due bin at its due time queued a batch of one behind the busy
+    slot; it now stays in its bin, takes what arrives, and leaves when a slot frees."""
+    s, clock = make(size=3, max_wait=1.0, inflight=1)
+    for i in range(3):
+        s.submit(req(i, clock))
+    busy = s.step(clock.now())
+    assert ids(busy) == [["0", "1", "2"]]
+    s.submit(req(3, clock))
+    clock.advance_to(1.5)  # request 3 waited past max_wait; the slot is still busy
+    assert ids(s.step(clock.now())) == []
+    assert s.next_wake() is None  # a slot's release wakes the driver, not a due time
+    assert s.saturated()  # a due bin waits for engine capacity
+    s.submit(req(4, clock))  # joins request 3 in its bin
+    clock.advance_to(2.0)
+    _finish(s, busy, clock)
+    partial = s.step(clock.now())
+    assert ids(partial) == [["3", "4"]] and partial.batches[0].reason == "timeout"
+
+
+def test_gang_free_slot_cuts_a_due_partial_batch_at_its_due_time():
+    s, clock = make(size=3, max_wait=1.0, inflight=1)
+    s.submit(req(0, clock))
+    assert ids(s.step(clock.now())) == []
+    assert s.next_wake() == 1.0
+    clock.advance_to(1.0)
+    assert ids(s.step(clock.now())) == [["0"]]
+
+
+def test_gang_full_batch_completed_first_goes_before_a_partial_due_later():
+    s, clock = make(size=2, k=2, max_wait=1.0, inflight=1)
+    short, long_ = 10, 90
+    for i in range(2):
+        s.submit(req(i, clock, short))
+    busy = s.step(clock.now())
+    s.submit(req(2, clock, long_))  # partial, due at 1.0
+    clock.advance_to(0.5)
+    for i in (3, 4):
+        s.submit(req(i, clock, short))  # full at 0.5: completed before the partial is due
+    clock.advance_to(2.0)
+    _finish(s, busy, clock)
+    first = s.step(clock.now())
+    assert ids(first) == [["3", "4"]]
+    _finish(s, first, clock)
+    assert ids(s.step(clock.now())) == [["2"]]
+
+
+def test_gang_completed_batch_goes_before_a_partial_due_earlier_and_the_partial_keeps_filling():
+    """A burst still arriving (slower than max_wait on a busy machine): the long bin
+    is due before the short bin's next batch completes; serving the partial long
+    batch first would cost a third long batch once the rest of its bin arrives."""
+    s, clock = make(size=2, k=2, max_wait=1.0, inflight=1)
+    for i in range(2):
+        s.submit(req(i, clock, 10))
+    busy = s.step(clock.now())
+    s.submit(req(2, clock, 90))  # due at 1.0
+    clock.advance_to(1.5)
+    for i in (3, 4):
+        s.submit(req(i, clock, 10))  # full at 1.5
+    clock.advance_to(2.0)
+    _finish(s, busy, clock)
+    first = s.step(clock.now())
+    assert ids(first) == [["3", "4"]]
+    s.submit(req(5, clock, 90))  # the long bin fills meanwhile
+    _finish(s, first, clock)
+    step = s.step(clock.now())
+    assert ids(step) == [["2", "5"]] and step.batches[0].reason == "full"
+
+
+def test_gang_higher_priority_partial_goes_before_a_full_batch():
+    s, clock = make(size=2, k=2, max_wait=1.0, inflight=1)
+    for i in range(2):
+        s.submit(req(i, clock, 10))
+    busy = s.step(clock.now())
+    urgent = req(2, clock, 90)
+    urgent.priority = 5
+    s.submit(urgent)
+    for i in (3, 4):
+        s.submit(req(i, clock, 10))
+    clock.advance_to(2.0)
+    _finish(s, busy, clock)
+    assert ids(s.step(clock.now())) == [["2"]]
+
+
+def test_gang_request_whose_ttft_slo_says_go_leaves_when_a_slot_frees():
+    s, clock = make(size=3, max_wait=None, inflight=1)
+    for i in range(3):
+        s.submit(req(i, clock))
+    busy = s.step(clock.now())
+    urgent = req(3, clock)
+    urgent.send_by = 0.2
+    s.submit(urgent)
+    clock.advance_to(0.5)
+    assert ids(s.step(clock.now())) == []  # no slot: it waits in its bin
+    s.submit(req(4, clock))
+    _finish(s, busy, clock)
+    step = s.step(clock.now())
+    assert ids(step) == [["3", "4"]] and step.batches[0].reason == "slo"
+
+
+def test_continuous_mode_still_cuts_due_partial_batches_at_their_due_time():
+    """The continuous path keeps its rule: a due bin is cut by poll into the service queue."""
+    s, clock = make(mode="continuous", size=3, max_wait=1.0)
+    s.submit(req(0, clock))
+    clock.advance_to(1.0)
+    s.core.former.poll()
+    assert s.core.former.ready_batches() == 1 and s.core.former.bin_depths() == [0]
+
+
+def test_gang_due_partial_batch_takes_shorter_bins_requests_along():
+    """The tail of a burst: a long bin's partial batch and a short bin's each held
+    the one slot for a batch; the long batch now carries the short requests (they
+    end before its longest one), one slot-hold instead of two."""
+    s, clock = make(size=4, k=4, max_wait=1.0, inflight=1)
+    for i in range(4):
+        s.submit(req(i, clock, 90))
+    busy = s.step(clock.now())
+    s.submit(req(4, clock, 10))  # bin 0
+    s.submit(req(5, clock, 60))  # bin 2
+    s.submit(req(6, clock, 95))  # bin 3, timed out last
+    clock.advance_to(2.0)
+    _finish(s, busy, clock)
+    step = s.step(clock.now())
+    assert ids(step) == [["6", "5", "4"]]
+    assert step.batches[0].bin == 3 and s.core.former.queued() == 0
+
+
+def test_gang_top_up_never_exceeds_the_batch_size_and_takes_the_nearest_bin_first():
+    s, clock = make(size=2, k=4, max_wait=1.0, inflight=1)
+    for i in range(2):
+        s.submit(req(i, clock, 90))
+    busy = s.step(clock.now())
+    s.submit(req(2, clock, 10))  # bin 0
+    s.submit(req(3, clock, 60))  # bin 2
+    s.submit(req(4, clock, 95))  # bin 3
+    clock.advance_to(2.0)
+    _finish(s, busy, clock)
+    first = s.step(clock.now())
+    assert ids(first) == [["4", "3"]]
+    _finish(s, first, clock)
+    assert ids(s.step(clock.now())) == [["2"]]

@@ -1,0 +1,34 @@
+"""``binbatch bench e2e --only``: which scenarios a run plans (no processes started)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from binbatch_sidecar import cli
+from binbatch_sidecar.bench import e2e
+
+
+def keys(only: tuple[str, ...]) -> list[str]:
+    return [sc.key for sc in e2e.scenarios(replace(e2e.E2EConfig(), only=only))]
+
+
+def test_only_a_scenario_key_plans_just_that_scenario():
+    assert keys(("mixed@gang",)) == ["mixed@gang"]
+
+
+def test_only_a_shape_plans_every_scenario_of_that_shape():
+    assert keys(("chat",)) == ["chat@0.5", "chat@0.8", "chat@0.95", "chat@1.1", "chat@burst"]
+    assert keys(("short", "mixed")) == ["short@ample", "mixed@gang"]
+
+
+def test_no_only_plans_everything_and_the_cli_offers_every_name():
+    every = keys(())
+    assert len(every) == 7
+    assert cli._E2E_SCENARIOS == e2e.SCENARIO_NAMES
+    assert all(keys((name,)) for name in e2e.SCENARIO_NAMES)
+
+
+def test_gang_scenario_compares_k_4_and_8_with_the_ideal_client():
+    (gang,) = [sc for sc in e2e.scenarios(e2e.E2EConfig()) if sc.key == "mixed@gang"]
+    assert {(c.mode, c.k) for c in gang.clients} >= {("gang", 4), ("gang", 8), ("ideal-gang", 4), ("ideal-gang", 8)}
+    assert {"gang_k4_gain_vs_ideal", "gang_k8_gain_vs_ideal"} <= set(e2e.RATIO_KEYS)
