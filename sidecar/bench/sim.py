@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
+from ..core.admission import AdmissionOrder, Order
 from ..core.binner import FixedBinner
 from ..core.clock import ManualClock
 from ..core.former import BatchFormer
@@ -43,6 +44,8 @@ class SimBenchConfig:
     max_wait: float = 0.05
     max_inflight_batches: int = 4
     max_size: int = 256
+    aging: float = 100.0  # batch.agingTokensPerSecond, batch.maxQueueWaitMilliseconds (config.py defaults)
+    max_queue_wait: float = 10.0
     scrape_interval: float = 0.5
     seed: int = 1
 
@@ -53,11 +56,13 @@ class Setup:
     mode: Mode
     sizing: str
     k: int
+    order: Order = "fifo"
 
 
 SETUPS = (
     Setup("continuous static", "continuous", "static", 1),
     Setup("continuous memory", "continuous", "memory", 1),
+    Setup("continuous memory sjf k=4", "continuous", "memory", 4, "shortest_first"),
     Setup("gang k=1", "gang", "static", 1),
     Setup("gang k=4", "gang", "static", 4),
 )
@@ -78,7 +83,8 @@ def _sidecar(cfg: SimBenchConfig, s: Setup, rate: float) -> SimResult:
     binner = FixedBinner.uniform(s.k, lo, hi) if s.k > 1 else FixedBinner(())
     former = BatchFormer(binner, clock, target_size=cfg.static_size, max_wait=cfg.max_wait, max_queue=cfg.requests + 1)
     sizer = BatchSizer(mode=s.sizing, static_size=cfg.static_size, max_size=cfg.max_size)  # type: ignore[arg-type]
-    core = Core(HintPredictor(), binner, former, sizer)
+    admission = AdmissionOrder(s.order, aging=cfg.aging, max_wait=cfg.max_queue_wait)
+    core = Core(HintPredictor(), binner, former, sizer, admission=admission)
     return run_sidecar(
         _workload(cfg, rate), core, clock, _engine(cfg), mode=s.mode,
         max_inflight_batches=cfg.max_inflight_batches, scrape_interval=cfg.scrape_interval,

@@ -8,6 +8,7 @@ Pure construction, no I/O: the lifecycle (``app.py``) decides when to build.
 from __future__ import annotations
 
 from ..config import SidecarConfig
+from ..core.admission import AdmissionOrder
 from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock
 from ..core.former import BatchFormer
@@ -61,7 +62,17 @@ def build_core(cfg: SidecarConfig, clock: Clock, previous: Core | None = None) -
     if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
         learned.fallback = predictor.fallback
         predictor = learned
-    return Core(predictor=predictor, binner=binner, former=former, sizer=sizer)
+    return Core(predictor=predictor, binner=binner, former=former, sizer=sizer, admission=build_admission(cfg))
+
+
+def build_admission(cfg: SidecarConfig) -> AdmissionOrder:
+    """``batch.order`` with its aging and max wait, as the scheduler takes it."""
+    b = cfg.batch
+    return AdmissionOrder(
+        "shortest_first" if b.order == "ShortestFirst" else "fifo",
+        aging=float(b.aging_tokens_per_second),
+        max_wait=b.max_queue_wait_milliseconds / 1000,
+    )
 
 
 def dispatch_mode(cfg: SidecarConfig) -> Mode:

@@ -44,6 +44,9 @@ batch:
   maxInflightBatches: 2
   maxQueuedRequests: 500
   dispatch: MaxWait
+  order: Fifo
+  agingTokensPerSecond: 25
+  maxQueueWaitMilliseconds: 30000
 memory:
   overflowPerMille: 5
   kvReservePercent: 10
