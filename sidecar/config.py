@@ -20,7 +20,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
     batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
                 maxQueuedRequests, dispatch: MaxWait, order: Fifo|ShortestFirst,
-                agingTokensPerSecond, maxQueueWaitMilliseconds}
+                agingTokensPerSecond, maxQueueWaitMilliseconds, followEngineQueue}
     memory:    {overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
     predictor: {kind: Hint|Online, defaultOutputTokens}
@@ -168,8 +168,9 @@ class BatchConfig(_Section):
     max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED). A request whose predicted queue wait exceeds its deadline is refused too.")  # fmt: skip
     dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds).")  # fmt: skip
     order: AdmissionOrderName = Field("ShortestFirst", description="Continuous mode, when the engine is full: which waiting request is admitted next. Fifo: in arrival order. ShortestFirst: the smallest predicted output first, aged by agingTokensPerSecond and bounded by maxQueueWaitMilliseconds; a request past its TTFT SLO's queue share goes after those that can still meet theirs.")  # fmt: skip
-    aging_tokens_per_second: int = Field(100, ge=0, le=1_000_000, description="ShortestFirst: each second a request waits lowers its rank by this many predicted tokens, so long requests move up.")  # fmt: skip
-    max_queue_wait_milliseconds: int = Field(10_000, ge=1, le=3_600_000, description="ShortestFirst: a request that waited this long for admission goes before every other, the oldest first (no request is starved).")  # fmt: skip
+    aging_tokens_per_second: int = Field(20, ge=0, le=1_000_000, description="ShortestFirst: each second a request waits lowers its rank by this many predicted tokens, so long requests move up.")  # fmt: skip
+    follow_engine_queue: bool = Field(True, description="Continuous mode: also hold admission while the engine's own queue is not empty (from its running and waiting counts each scrape), so the queue forms here where it is ordered; while the engine queues nothing the cap grows above what it runs.")  # fmt: skip
+    max_queue_wait_milliseconds: int = Field(30_000, ge=1, le=3_600_000, description="ShortestFirst: a request that waited this long for admission goes before every other, the oldest first (no request is starved).")  # fmt: skip
 
     @model_validator(mode="after")
     def _sizes_ordered(self) -> BatchConfig:

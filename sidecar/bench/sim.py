@@ -44,8 +44,8 @@ class SimBenchConfig:
     max_wait: float = 0.05
     max_inflight_batches: int = 4
     max_size: int = 256
-    aging: float = 100.0  # batch.agingTokensPerSecond, batch.maxQueueWaitMilliseconds (config.py defaults)
-    max_queue_wait: float = 10.0
+    aging: float = 20.0  # batch.agingTokensPerSecond, batch.maxQueueWaitMilliseconds (config.py defaults)
+    max_queue_wait: float = 30.0
     scrape_interval: float = 0.5
     seed: int = 1
 
@@ -57,12 +57,16 @@ class Setup:
     sizing: str
     k: int
     order: Order = "fifo"
+    follow_engine: bool = False
+    size: int | None = None  # the static size, if not the policy's
 
 
 SETUPS = (
     Setup("continuous static", "continuous", "static", 1),
     Setup("continuous memory", "continuous", "memory", 1),
     Setup("continuous memory sjf k=4", "continuous", "memory", 4, "shortest_first"),
+    Setup("continuous engine-queue fifo", "continuous", "static", 1, "fifo", True, 256),
+    Setup("continuous engine-queue sjf k=4", "continuous", "static", 4, "shortest_first", True, 256),
     Setup("gang k=1", "gang", "static", 1),
     Setup("gang k=4", "gang", "static", 4),
 )
@@ -81,9 +85,10 @@ def _sidecar(cfg: SimBenchConfig, s: Setup, rate: float) -> SimResult:
     clock = ManualClock()
     lo, hi = cfg.output
     binner = FixedBinner.uniform(s.k, lo, hi) if s.k > 1 else FixedBinner(())
-    former = BatchFormer(binner, clock, target_size=cfg.static_size, max_wait=cfg.max_wait, max_queue=cfg.requests + 1)
-    sizer = BatchSizer(mode=s.sizing, static_size=cfg.static_size, max_size=cfg.max_size)  # type: ignore[arg-type]
-    admission = AdmissionOrder(s.order, aging=cfg.aging, max_wait=cfg.max_queue_wait)
+    size = s.size or cfg.static_size
+    former = BatchFormer(binner, clock, target_size=size, max_wait=cfg.max_wait, max_queue=cfg.requests + 1)
+    sizer = BatchSizer(mode=s.sizing, static_size=size, max_size=cfg.max_size)  # type: ignore[arg-type]
+    admission = AdmissionOrder(s.order, aging=cfg.aging, max_wait=cfg.max_queue_wait, follow_engine=s.follow_engine)
     core = Core(HintPredictor(), binner, former, sizer, admission=admission)
     return run_sidecar(
         _workload(cfg, rate), core, clock, _engine(cfg), mode=s.mode,

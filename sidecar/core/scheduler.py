@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from .admission import AdmissionOrder, AdmissionQueue
+from .admission import AdmissionOrder, AdmissionQueue, engine_cap
 from .binner import AdaptiveBinner, Binner, n_max_from_memory
 from .breaker import EngineBreaker
 from .clock import Clock
@@ -135,6 +135,7 @@ class Scheduler:
         self._slot_of: dict[Request, Slot] = {}  # the engine call holding each request now
         # continuous: taken from the former, not yet admitted, in the admission order
         self._pending: AdmissionQueue[Batch] = AdmissionQueue(core.admission)
+        self.engine_cap: int | None = None  # continuous, core.admission.follow_engine: see admission.engine_cap
         self._binner_version = core.binner.version
 
     # -- counts --------------------------------------------------------------------
@@ -259,6 +260,8 @@ class Scheduler:
                 continue
             sizes = former.target_sizes
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
+            if self.engine_cap is not None:
+                limit = min(limit, self.engine_cap)
             if self.inflight_requests >= limit:
                 return
             pending.pop(now)
@@ -364,6 +367,10 @@ class Scheduler:
         decision = core.sizer.update(snapshot, core.binner.k, observed_batch=observed)
         core.former.set_target_sizes(decision.sizes)
         self.last_decision = decision
+        if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
+            self.engine_cap = engine_cap(snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap)
+        else:
+            self.engine_cap = None
         if decision.sizes != old:
             reason = f"{decision.reason}: {decision.detail}"
             changes.append(Change("batchSize", fmt(old), fmt(decision.sizes), reason, decision.reason))

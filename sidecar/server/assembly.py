@@ -72,6 +72,7 @@ def build_admission(cfg: SidecarConfig) -> AdmissionOrder:
         "shortest_first" if b.order == "ShortestFirst" else "fifo",
         aging=float(b.aging_tokens_per_second),
         max_wait=b.max_queue_wait_milliseconds / 1000,
+        follow_engine=b.follow_engine_queue,
     )
 
 

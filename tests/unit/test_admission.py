@@ -10,14 +10,14 @@ import math
 
 import pytest
 
-from binbatch_sidecar.core.admission import AdmissionOrder, AdmissionQueue
+from binbatch_sidecar.core.admission import AdmissionOrder, AdmissionQueue, engine_cap
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
 from binbatch_sidecar.core.predictor import HintPredictor
 from binbatch_sidecar.core.request import Request
 from binbatch_sidecar.core.scheduler import Core, Outcome, Scheduler
-from binbatch_sidecar.core.sizer import BatchSizer
+from binbatch_sidecar.core.sizer import BatchSizer, EngineSnapshot
 
 OK = Outcome(completion_tokens=5.0, prompt_tokens=3.0)
 
@@ -177,6 +177,38 @@ def test_the_policy_keys_reach_the_scheduling_core():
     from binbatch_sidecar.server.assembly import build_core
 
     cfg = parse_config({"batch": {"order": "ShortestFirst", "agingTokensPerSecond": 40, "maxQueueWaitMilliseconds": 2500}})
-    assert build_core(cfg, ManualClock()).admission == AdmissionOrder("shortest_first", aging=40.0, max_wait=2.5)
-    fifo = parse_config({"batch": {"order": "Fifo"}})
-    assert build_core(fifo, ManualClock()).admission.order == "fifo"
+    assert build_core(cfg, ManualClock()).admission == AdmissionOrder("shortest_first", 40.0, 2.5, follow_engine=True)
+    fifo = parse_config({"batch": {"order": "Fifo", "followEngineQueue": False}})
+    assert build_core(fifo, ManualClock()).admission == AdmissionOrder("fifo", 20.0, 30.0, follow_engine=False)
+
+
+def test_engine_cap_holds_at_what_the_engine_runs_while_it_queues_and_grows_while_it_has_room():
+    assert engine_cap(None, 0, 5, None) is None and engine_cap(4, None, 5, None) is None  # no counts: no cap
+    assert engine_cap(running=6, waiting=3, inflight=9, previous=20) == 6  # its own queue: hold at what it runs
+    assert engine_cap(running=0, waiting=2, inflight=2, previous=None) == 1
+    assert engine_cap(running=8, waiting=0, inflight=8, previous=None) == 10  # room: a quarter above, at least 2
+    cap = None
+    for _ in range(10):  # an idle engine with room: the cap grows geometrically, never the bottleneck
+        cap = engine_cap(running=cap or 0, waiting=0, inflight=cap or 0, previous=cap)
+    assert cap is not None and cap > 20
+
+
+def test_follow_engine_keeps_the_queue_here_while_the_engine_queues():
+    s, clock = make(AdmissionOrder("shortest_first", follow_engine=True), slots=100, k=1)
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=None, running=2, waiting=1, fresh=True), clock.now())
+    assert s.engine_cap == 2
+    for i in range(5):
+        s.submit(req(f"r{i}", clock, 10))
+    assert len(s.step(clock.now()).dispatches) == 2  # the engine holds 2: the other 3 wait here, in order
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=None, running=2, waiting=0, fresh=True), clock.now())
+    assert len(s.step(clock.now()).dispatches) == 2  # room again: the cap grows to 4
+    s.on_snapshot(None, clock.now())  # no metrics: no engine cap, only B_t
+    assert s.engine_cap is None and len(s.step(clock.now()).dispatches) == 1
+
+
+def test_without_follow_engine_the_engine_counts_do_not_cap_admission():
+    s, clock = make(AdmissionOrder("shortest_first"), slots=100, k=1)
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=None, running=2, waiting=1, fresh=True), clock.now())
+    for i in range(5):
+        s.submit(req(f"r{i}", clock, 10))
+    assert s.engine_cap is None and len(s.step(clock.now()).dispatches) == 5

@@ -47,6 +47,7 @@ batch:
   order: Fifo
   agingTokensPerSecond: 25
   maxQueueWaitMilliseconds: 30000
+  followEngineQueue: false
 memory:
   overflowPerMille: 5
   kvReservePercent: 10
