@@ -63,17 +63,22 @@ def engine_cap(running: int | None, waiting: int | None, inflight: int, previous
     and the queue forms here, where it is ordered (issue 11, win 1's condition).
 
     From one metrics scrape: while the engine queues requests (``waiting`` > 0) it
-    runs all it can hold, so the cap is what it runs (never below 1); while it
-    queues none it has room, so the cap is above both what it runs and what we have
-    in flight, by a quarter (at least 2), so it grows geometrically to the engine's
-    real (KV-limited) concurrency within a few scrapes and is never the bottleneck.
-    None: the engine reports neither count (no cap).
+    runs all it can hold, so the cap is what it runs (never below 1).  While it
+    queues none it has room: with no cap yet there is none (an idle engine says
+    nothing about what it can hold, and a burst must not wait for the cap to grow);
+    with a cap, it grows above what the engine runs, what we have in flight and
+    itself by a quarter (at least 2), so it reaches the engine's real (KV-limited)
+    concurrency within a few scrapes and is never the bottleneck; once the engine
+    and the sidecar hold nothing, the cap is dropped.  None: no cap (also when the
+    engine reports neither count).
     """
     if running is None or waiting is None:
         return None
     if waiting > 0:
         return max(1, running)
-    base = max(running, inflight, previous or 0)
+    if previous is None or running + inflight == 0:
+        return None
+    base = max(running, inflight, previous)
     return base + max(2, base // 4)
 
 

@@ -186,9 +186,11 @@ def test_engine_cap_holds_at_what_the_engine_runs_while_it_queues_and_grows_whil
     assert engine_cap(None, 0, 5, None) is None and engine_cap(4, None, 5, None) is None  # no counts: no cap
     assert engine_cap(running=6, waiting=3, inflight=9, previous=20) == 6  # its own queue: hold at what it runs
     assert engine_cap(running=0, waiting=2, inflight=2, previous=None) == 1
-    assert engine_cap(running=8, waiting=0, inflight=8, previous=None) == 10  # room: a quarter above, at least 2
-    cap = None
-    for _ in range(10):  # an idle engine with room: the cap grows geometrically, never the bottleneck
+    assert engine_cap(running=8, waiting=0, inflight=8, previous=None) is None  # room and no cap yet: none
+    assert engine_cap(running=8, waiting=0, inflight=8, previous=8) == 10  # room: a quarter above, at least 2
+    assert engine_cap(running=0, waiting=0, inflight=0, previous=8) is None  # both idle: the cap is dropped
+    cap: int | None = 1
+    for _ in range(10):  # the engine keeps up: the cap grows geometrically, never the bottleneck
         cap = engine_cap(running=cap or 0, waiting=0, inflight=cap or 0, previous=cap)
     assert cap is not None and cap > 20
 
