@@ -58,11 +58,19 @@ class AdmissionOrder:
             raise ValueError(f"max_wait must be > 0, got {self.max_wait!r}")
 
 
-def engine_cap(running: int | None, waiting: int | None, inflight: int, previous: int | None) -> int | None:
+# KV usage at or above which a queue in the engine means "it holds all it can"; below
+# it, waiting requests are a burst that arrived since the engine's last step.
+FULL_KV_USAGE = 0.8
+
+
+def engine_cap(
+    running: int | None, waiting: int | None, inflight: int, previous: int | None, kv_usage: float | None = None
+) -> int | None:
     """How many requests to keep in the engine so its own (FCFS) queue stays empty
     and the queue forms here, where it is ordered (issue 11, win 1's condition).
 
-    From one metrics scrape: while the engine queues requests (``waiting`` > 0) it
+    From one metrics scrape: while the engine queues requests (``waiting`` > 0)
+    with its KV cache full (``kv_usage`` ≥ ``FULL_KV_USAGE``, or not reported) it
     runs all it can hold, so the cap is what it runs (never below 1).  While it
     queues none it has room: with no cap yet there is none (an idle engine says
     nothing about what it can hold, and a burst must not wait for the cap to grow);
@@ -74,7 +82,7 @@ def engine_cap(running: int | None, waiting: int | None, inflight: int, previous
     """
     if running is None or waiting is None:
         return None
-    if waiting > 0:
+    if waiting > 0 and (kv_usage is None or kv_usage >= FULL_KV_USAGE):
         return max(1, running)
     if previous is None or running + inflight == 0:
         return None

@@ -368,7 +368,9 @@ class Scheduler:
         core.former.set_target_sizes(decision.sizes)
         self.last_decision = decision
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
-            self.engine_cap = engine_cap(snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap)
+            self.engine_cap = engine_cap(
+                snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio
+            )
         else:
             self.engine_cap = None
         if decision.sizes != old:

@@ -186,6 +186,9 @@ def test_engine_cap_holds_at_what_the_engine_runs_while_it_queues_and_grows_whil
     assert engine_cap(None, 0, 5, None) is None and engine_cap(4, None, 5, None) is None  # no counts: no cap
     assert engine_cap(running=6, waiting=3, inflight=9, previous=20) == 6  # its own queue: hold at what it runs
     assert engine_cap(running=0, waiting=2, inflight=2, previous=None) == 1
+    assert engine_cap(running=6, waiting=3, inflight=9, previous=None, kv_usage=0.9) == 6  # full KV: it holds all it can
+    # a burst queued since the engine's last step, KV mostly free: not a sign it is full
+    assert engine_cap(running=6, waiting=30, inflight=36, previous=None, kv_usage=0.1) is None
     assert engine_cap(running=8, waiting=0, inflight=8, previous=None) is None  # room and no cap yet: none
     assert engine_cap(running=8, waiting=0, inflight=8, previous=8) == 10  # room: a quarter above, at least 2
     assert engine_cap(running=0, waiting=0, inflight=0, previous=8) is None  # both idle: the cap is dropped
