@@ -6,8 +6,10 @@ preemption when the running sequences outgrow the KV budget).  "direct" sends ea
 request straight into the engine's own FCFS queue; the other rows put the
 sidecar's own ``Scheduler`` in front of it (the code that serves, not a copy):
 continuous admission with the policy's static size, continuous admission sized by
-the memory bound b_mem from the engine's metrics every scrape, and gang batching
-with one and four bins.  Ratios are to direct at the same load.  A minute of
+the memory bound b_mem from the engine's metrics every scrape (FIFO, and
+shortest-predicted-first over four bins), continuous admission capped only at the
+engine's own queue (``followEngineQueue``, FIFO and shortest-first: the queue forms
+in the sidecar, where it is ordered), and gang batching with one and four bins.  Ratios are to direct at the same load.  A minute of
 simulated traffic takes well under a second per row.
 """
 
