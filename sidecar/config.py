@@ -20,7 +20,8 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 splitThresholdPercent, maxRequestsPerBin}
     batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
-                maxQueuedRequests, dispatch: MaxWait|Smdp, smdpEngineWeight}
+                maxQueuedRequests, dispatch: MaxWait|Smdp, smdpEngineWeight, order: Fifo|ShortestFirst,
+                agingTokensPerSecond, maxQueueWaitMilliseconds, followEngineQueue}
     memory:    {overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
     predictor: {kind: Hint|Online, defaultOutputTokens}
@@ -68,6 +69,7 @@ Sizing = Literal["Static", "Memory", "Sla", "Combined"]
 # Smdp: the control limit of core/smdp.py with engine time as the per-dispatch cost
 # (core/smdp_policy.py); gang mode only.
 Dispatch = Literal["MaxWait", "Smdp"]
+AdmissionOrderName = Literal["Fifo", "ShortestFirst"]
 PredictorKind = Literal["Hint", "Online"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
@@ -177,6 +179,10 @@ class BatchConfig(_Section):
     max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED). A request whose predicted queue wait exceeds its deadline is refused too.")  # fmt: skip
     dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds), or Smdp (Gang only: as soon as a slot is free and its bin holds the SMDP control limit, solved from the measured arrival rate and batch time l(b) = αb + β; maxWaitMilliseconds still bounds the wait, and alone decides until a solution exists).")  # fmt: skip
     smdp_engine_weight: int = Field(16, ge=1, le=100_000, description="Smdp: request-seconds of waiting one engine-second is worth; larger sends fewer, fuller batches.")  # fmt: skip
+    order: AdmissionOrderName = Field("ShortestFirst", description="Continuous mode, when the engine is full: which waiting request is admitted next. Fifo: in arrival order. ShortestFirst: the smallest predicted output first, aged by agingTokensPerSecond and bounded by maxQueueWaitMilliseconds; a request past its TTFT SLO's queue share goes after those that can still meet theirs.")  # fmt: skip
+    aging_tokens_per_second: int = Field(20, ge=0, le=1_000_000, description="ShortestFirst: each second a request waits lowers its rank by this many predicted tokens, so long requests move up.")  # fmt: skip
+    follow_engine_queue: bool = Field(True, description="Continuous mode: also hold admission while the engine's own queue is not empty (from its running and waiting counts each scrape), so the queue forms here where it is ordered; while the engine queues nothing the cap grows above what it runs.")  # fmt: skip
+    max_queue_wait_milliseconds: int = Field(30_000, ge=1, le=3_600_000, description="ShortestFirst: a request that waited this long for admission goes before every other, the oldest first (no request is starved).")  # fmt: skip
 
     @model_validator(mode="after")
     def _sizes_ordered(self) -> BatchConfig:

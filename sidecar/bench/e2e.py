@@ -153,7 +153,9 @@ def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
     scheduling change picks the configuration the bench measures)."""
     slo = {"tpotMilliseconds": round(cfg.slo_tpot_s * 1e3), "ttftMilliseconds": round(cfg.slo_ttft_s * 1e3)}
     chat_max = workloads.longest("chat", cfg.scale)
-    cont = {"mode": "Continuous", "sizing": "Combined", "maxWaitMilliseconds": 0}
+    # ShortestFirst with followEngineQueue: the queue forms here, ordered (the config defaults, spelled out)
+    cont = {"mode": "Continuous", "sizing": "Combined", "maxWaitMilliseconds": 0, "order": "ShortestFirst",
+            "followEngineQueue": True}  # fmt: skip
     gang = {"mode": "Gang", "sizing": "Static", "staticSize": cfg.gang_batch, "maxWaitMilliseconds": 200,
             "maxInflightBatches": 1}  # fmt: skip
     gang_bins = {"mode": "Fixed", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}

@@ -6,8 +6,10 @@ preemption when the running sequences outgrow the KV budget).  "direct" sends ea
 request straight into the engine's own FCFS queue; the other rows put the
 sidecar's own ``Scheduler`` in front of it (the code that serves, not a copy):
 continuous admission with the policy's static size, continuous admission sized by
-the memory bound b_mem from the engine's metrics every scrape, and gang batching
-with one and four bins.  Ratios are to direct at the same load.  A minute of
+the memory bound b_mem from the engine's metrics every scrape (FIFO, and
+shortest-predicted-first over four bins), continuous admission capped only at the
+engine's own queue (``followEngineQueue``, FIFO and shortest-first: the queue forms
+in the sidecar, where it is ordered), and gang batching with one and four bins.  Ratios are to direct at the same load.  A minute of
 simulated traffic takes well under a second per row.
 """
 
@@ -19,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
+from ..core.admission import AdmissionOrder, Order
 from ..core.binner import FixedBinner
 from ..core.clock import ManualClock
 from ..core.former import BatchFormer
@@ -43,6 +46,8 @@ class SimBenchConfig:
     max_wait: float = 0.05
     max_inflight_batches: int = 4
     max_size: int = 256
+    aging: float = 20.0  # batch.agingTokensPerSecond, batch.maxQueueWaitMilliseconds (config.py defaults)
+    max_queue_wait: float = 30.0
     scrape_interval: float = 0.5
     seed: int = 1
 
@@ -53,11 +58,17 @@ class Setup:
     mode: Mode
     sizing: str
     k: int
+    order: Order = "fifo"
+    follow_engine: bool = False
+    size: int | None = None  # the static size, if not the policy's
 
 
 SETUPS = (
     Setup("continuous static", "continuous", "static", 1),
     Setup("continuous memory", "continuous", "memory", 1),
+    Setup("continuous memory sjf k=4", "continuous", "memory", 4, "shortest_first"),
+    Setup("continuous engine-queue fifo", "continuous", "static", 1, "fifo", True, 256),
+    Setup("continuous engine-queue sjf k=4", "continuous", "static", 4, "shortest_first", True, 256),
     Setup("gang k=1", "gang", "static", 1),
     Setup("gang k=4", "gang", "static", 4),
 )
@@ -76,9 +87,11 @@ def _sidecar(cfg: SimBenchConfig, s: Setup, rate: float) -> SimResult:
     clock = ManualClock()
     lo, hi = cfg.output
     binner = FixedBinner.uniform(s.k, lo, hi) if s.k > 1 else FixedBinner(())
-    former = BatchFormer(binner, clock, target_size=cfg.static_size, max_wait=cfg.max_wait, max_queue=cfg.requests + 1)
-    sizer = BatchSizer(mode=s.sizing, static_size=cfg.static_size, max_size=cfg.max_size)  # type: ignore[arg-type]
-    core = Core(HintPredictor(), binner, former, sizer)
+    size = s.size or cfg.static_size
+    former = BatchFormer(binner, clock, target_size=size, max_wait=cfg.max_wait, max_queue=cfg.requests + 1)
+    sizer = BatchSizer(mode=s.sizing, static_size=size, max_size=cfg.max_size)  # type: ignore[arg-type]
+    admission = AdmissionOrder(s.order, aging=cfg.aging, max_wait=cfg.max_queue_wait, follow_engine=s.follow_engine)
+    core = Core(HintPredictor(), binner, former, sizer, admission=admission)
     return run_sidecar(
         _workload(cfg, rate), core, clock, _engine(cfg), mode=s.mode,
         max_inflight_batches=cfg.max_inflight_batches, scrape_interval=cfg.scrape_interval,

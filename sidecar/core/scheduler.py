@@ -25,10 +25,11 @@ first time (the driver resolves its caller then), and ``totals`` counts outcomes
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from .admission import AdmissionOrder, AdmissionQueue, engine_cap
 from .binner import AdaptiveBinner, Binner, n_max_from_memory
 from .breaker import EngineBreaker
 from .clock import Clock
@@ -68,6 +69,7 @@ class Core:
     former: BatchFormer
     sizer: BatchSizer
     accuracy: AccuracyTracker = field(default_factory=AccuracyTracker)
+    admission: AdmissionOrder = field(default_factory=AdmissionOrder)  # continuous mode: who goes in next
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +133,9 @@ class Scheduler:
         self.last_decision: SizeDecision | None = None
         self._open: set[Request] = set()  # accepted and not yet ended
         self._slot_of: dict[Request, Slot] = {}  # the engine call holding each request now
-        self._pending: deque[tuple[Batch, Request]] = deque()  # continuous: taken, not yet admitted
+        # continuous: taken from the former, not yet admitted, in the admission order
+        self._pending: AdmissionQueue[Batch] = AdmissionQueue(core.admission)
+        self.engine_cap: int | None = None  # continuous, core.admission.follow_engine: see admission.engine_cap
         self._binner_version = core.binner.version
         core.former.set_partial_waits_for_server(mode == "gang")
 
@@ -170,10 +174,14 @@ class Scheduler:
     def next_wake(self) -> float | None:
         """When ``step`` next has work by the clock.  In gang mode a due partial
         batch waits for a free slot, so while none is free only deadlines count
-        (a slot's release wakes the driver anyway)."""
+        (a slot's release wakes the driver anyway); in continuous mode a request
+        taken but not admitted wakes it at its deadline."""
         if self.mode == "gang":
-            return self.core.former.next_wake(releases=self._slot_free())
-        return self.core.former.next_wake()
+            former_wake = self.core.former.next_wake(releases=self._slot_free())
+        else:
+            former_wake = self.core.former.next_wake()
+        times = [t for t in (former_wake, self._pending.next_deadline()) if t is not None]
+        return min(times, default=None)
 
     def _slot_free(self) -> bool:
         n = self.inflight_batches
@@ -240,23 +248,34 @@ class Scheduler:
         return out
 
     def _admit_continuous(self, now: float, out: StepResult) -> None:
+        """Admit one request at a time while the engine holds fewer than the next
+        request's bin's B_t.  Every batch the former releases is taken first, so the
+        admission order (``core.admission``: FIFO, or shortest predicted first with
+        aging) chooses among all the requests waiting here."""
         former = self.core.former
+        pending = self._pending
+        for _, req in pending.pop_expired(now):
+            if self.end(req, "expired"):
+                out.expired.append(req)
         while self.breaker.allows_dispatch(self.inflight_requests):
-            if not self._pending:
-                batch = former.take(idle=self.inflight_requests == 0)
-                if batch is None:
-                    return
+            while (batch := former.take(idle=self.inflight_requests == 0 and not pending)) is not None:
                 out.batches.append(batch)
-                self._pending.extend((batch, r) for r in batch.requests)
-            batch, req = self._pending[0]
+                for r in batch.requests:
+                    pending.push(batch, r)
+            head = pending.peek(now)
+            if head is None:
+                return
+            batch, req = head
             if req not in self._open:  # cancelled while waiting: ended already
-                self._pending.popleft()
+                pending.pop(now)
                 continue
             sizes = former.target_sizes
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
+            if self.engine_cap is not None:
+                limit = min(limit, self.engine_cap)
             if self.inflight_requests >= limit:
                 return
-            self._pending.popleft()
+            pending.pop(now)
             if req.expired(now):
                 if self.end(req, "expired"):
                     out.expired.append(req)
@@ -361,6 +380,12 @@ class Scheduler:
         decision = core.sizer.update(snapshot, core.binner.k, observed_batch=observed)
         core.former.set_target_sizes(decision.sizes)
         self.last_decision = decision
+        if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
+            self.engine_cap = engine_cap(
+                snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio
+            )
+        else:
+            self.engine_cap = None
         if decision.sizes != old:
             reason = f"{decision.reason}: {decision.detail}"
             changes.append(Change("batchSize", fmt(old), fmt(decision.sizes), reason, decision.reason))
@@ -381,6 +406,10 @@ class Scheduler:
         self.mode, self.max_inflight_batches = mode, max_inflight_batches
         self._binner_version = core.binner.version
         core.former.set_partial_waits_for_server(mode == "gang")
+        if core.admission != self._pending.order:  # taken requests keep their batch; the new order ranks them
+            old_pending, self._pending = self._pending, AdmissionQueue(core.admission)
+            for batch, req in sorted(old_pending, key=lambda e: e[1].arrival):
+                self._pending.push(batch, req)
         refused = []
         for req in moved:
             req.bin = None
@@ -404,8 +433,8 @@ class Scheduler:
         former = self.core.former
         while (batch := former.take()) is not None:
             cut.extend(r for r in batch.requests if self.end(r, "unavailable"))
-        while self._pending:
-            _, req = self._pending.popleft()
+        while (head := self._pending.pop(self.clock.now())) is not None:
+            _, req = head
             if self.end(req, "unavailable"):
                 cut.append(req)
         return cut

@@ -8,6 +8,7 @@ Pure construction, no I/O: the lifecycle (``app.py``) decides when to build.
 from __future__ import annotations
 
 from ..config import SidecarConfig
+from ..core.admission import AdmissionOrder
 from ..core.autok import BinCountController
 from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock
@@ -71,7 +72,18 @@ def build_core(
     if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
         learned.fallback = predictor.fallback
         predictor = learned
-    return Core(predictor=predictor, binner=binner, former=former, sizer=sizer)
+    return Core(predictor=predictor, binner=binner, former=former, sizer=sizer, admission=build_admission(cfg))
+
+
+def build_admission(cfg: SidecarConfig) -> AdmissionOrder:
+    """``batch.order`` with its aging and max wait, as the scheduler takes it."""
+    b = cfg.batch
+    return AdmissionOrder(
+        "shortest_first" if b.order == "ShortestFirst" else "fifo",
+        aging=float(b.aging_tokens_per_second),
+        max_wait=b.max_queue_wait_milliseconds / 1000,
+        follow_engine=b.follow_engine_queue,
+    )
 
 
 def build_bin_count(cfg: SidecarConfig, previous: BinCountController | None = None) -> BinCountController | None:

@@ -47,6 +47,10 @@ batch:
   maxQueuedRequests: 500
   dispatch: Smdp
   smdpEngineWeight: 8
+  order: Fifo
+  agingTokensPerSecond: 25
+  maxQueueWaitMilliseconds: 30000
+  followEngineQueue: false
 memory:
   overflowPerMille: 5
   kvReservePercent: 10

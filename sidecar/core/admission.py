@@ -1,0 +1,197 @@
+"""Continuous admission order: which waiting request enters the engine next.
+
+The engine (vLLM) serves its own queue first come, first served.  In continuous
+mode the scheduler admits one request at a time while the engine holds fewer than
+B_t, so when the engine is full a queue forms here, in front of it, and its order
+is ours to choose (issue 11, win 1):
+
+* ``Fifo`` -- the order the former released them (its batches, each in bin order);
+* ``ShortestFirst`` -- the smallest predicted output first (shortest-job-first cuts
+  mean latency most when a queue forms; the bins are its classes), with aging so a
+  long request is never starved:
+
+  - rank = predicted_tokens − aging × waited.  Since waited = now − arrival, the
+    order by rank is the order by predicted_tokens + aging × arrival, which does
+    not change with time, so one heap keeps it;
+  - a request that waited ``max_wait`` goes before every other, the oldest first:
+    the hard bound on how long any request waits here while the engine admits;
+  - a higher priority (request class) still goes first;
+  - a request whose ``send_by`` has passed (it spent its TTFT SLO's queue share
+    already and will likely miss its TTFT) goes after every request that can still
+    meet its own: sending it first would turn one miss into two.  It is sent, not
+    shed (nothing accepted is lost), and ``max_wait`` still bounds its wait.
+
+Pure: no I/O, time is passed in.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Generic, Iterator, Literal, TypeVar, get_args
+
+from .request import Request
+
+Order = Literal["fifo", "shortest_first"]
+ORDERS: tuple[Order, ...] = get_args(Order)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionOrder:
+    """The policy: ``order``, ``aging`` (tokens of rank a second of waiting is
+    worth) and ``max_wait`` (seconds; inf: no hard bound)."""
+
+    order: Order = "fifo"
+    aging: float = 0.0
+    max_wait: float = math.inf
+    follow_engine: bool = False  # also cap admission at the engine's own concurrency (``engine_cap``)
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if not (math.isfinite(self.aging) and self.aging >= 0):
+            raise ValueError(f"aging must be finite and >= 0, got {self.aging!r}")
+        if not self.max_wait > 0:
+            raise ValueError(f"max_wait must be > 0, got {self.max_wait!r}")
+
+
+# KV usage at or above which a queue in the engine means "it holds all it can"; below
+# it, waiting requests are a burst that arrived since the engine's last step.
+FULL_KV_USAGE = 0.8
+
+
+def engine_cap(
+    running: int | None, waiting: int | None, inflight: int, previous: int | None, kv_usage: float | None = None
+) -> int | None:
+    """How many requests to keep in the engine so its own (FCFS) queue stays empty
+    and the queue forms here, where it is ordered (issue 11, win 1's condition).
+
+    From one metrics scrape: while the engine queues requests (``waiting`` > 0)
+    with its KV cache full (``kv_usage`` ≥ ``FULL_KV_USAGE``, or not reported) it
+    runs all it can hold, so the cap is what it runs (never below 1).  While it
+    queues none it has room: with no cap yet there is none (an idle engine says
+    nothing about what it can hold, and a burst must not wait for the cap to grow);
+    with a cap, it grows above what the engine runs, what we have in flight and
+    itself by a quarter (at least 2), so it reaches the engine's real (KV-limited)
+    concurrency within a few scrapes and is never the bottleneck; once the engine
+    and the sidecar hold nothing, the cap is dropped.  None: no cap (also when the
+    engine reports neither count).
+    """
+    if running is None or waiting is None:
+        return None
+    if waiting > 0 and (kv_usage is None or kv_usage >= FULL_KV_USAGE):
+        return max(1, running)
+    if previous is None or running + inflight == 0:
+        return None
+    base = max(running, inflight, previous)
+    return base + max(2, base // 4)
+
+
+class _Entry(Generic[T]):
+    __slots__ = ("item", "req", "seq", "live")
+
+    def __init__(self, item: T, req: Request, seq: int) -> None:
+        self.item = item
+        self.req = req
+        self.seq = seq
+        self.live = True
+
+
+class AdmissionQueue(Generic[T]):
+    """Requests taken from the former and not yet admitted, each with the driver's
+    ``item``; ``peek(now)`` / ``pop(now)`` give the next one by the order above.
+    Heaps drop removed entries lazily."""
+
+    def __init__(self, order: AdmissionOrder | None = None) -> None:
+        self.order = order or AdmissionOrder()
+        self._seq = itertools.count()
+        self._len = 0
+        self._ranked: list[tuple[float, float, int, _Entry[T]]] = []  # (-priority, rank key, seq)
+        self._late: list[tuple[int, float, int, _Entry[T]]] = []  # past send_by: (-priority, arrival, seq)
+        self._oldest: list[tuple[float, int, _Entry[T]]] = []  # (arrival, seq): the max-wait bound
+        self._deadlines: list[tuple[float, int, _Entry[T]]] = []
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[tuple[T, Request]]:
+        """The live entries, in no particular order."""
+        return ((e.item, e.req) for *_, e in self._oldest if e.live)
+
+    def push(self, item: T, req: Request) -> None:
+        seq = next(self._seq)
+        e = _Entry(item, req, seq)
+        self._len += 1
+        if self.order.order == "fifo":
+            rank = float(seq)
+            prio = 0.0
+        else:
+            rank = (req.predicted_tokens or 0.0) + self.order.aging * req.arrival
+            prio = -float(req.priority)
+        heapq.heappush(self._ranked, (prio, rank, seq, e))
+        heapq.heappush(self._oldest, (req.arrival, seq, e))
+        if req.deadline is not None:
+            heapq.heappush(self._deadlines, (req.deadline, seq, e))
+
+    def peek(self, now: float) -> tuple[T, Request] | None:
+        e = self._next(now)
+        return None if e is None else (e.item, e.req)
+
+    def pop(self, now: float) -> tuple[T, Request] | None:
+        e = self._next(now)
+        if e is None:
+            return None
+        self._remove(e)
+        return e.item, e.req
+
+    def pop_expired(self, now: float) -> list[tuple[T, Request]]:
+        """Remove and return the entries whose deadline has come."""
+        out = []
+        while self._deadlines and (self._deadlines[0][0] <= now or not self._deadlines[0][2].live):
+            e = heapq.heappop(self._deadlines)[2]
+            if e.live:
+                self._remove(e)
+                out.append((e.item, e.req))
+        return out
+
+    def next_deadline(self) -> float | None:
+        _drop_dead(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def _remove(self, e: _Entry[T]) -> None:
+        e.live = False
+        self._len -= 1
+
+    def _next(self, now: float) -> _Entry[T] | None:
+        _drop_dead(self._oldest)
+        if not self._oldest:
+            return None
+        oldest = self._oldest[0][2]
+        if self.order.order == "fifo":
+            _drop_dead(self._ranked)
+            return self._ranked[0][3]
+        if now - oldest.req.arrival >= self.order.max_wait:
+            return oldest
+        ranked = self._ranked
+        while True:
+            _drop_dead(ranked)
+            if not ranked:
+                break
+            e = ranked[0][3]
+            if e.req.send_by is None or now <= e.req.send_by:
+                return e
+            heapq.heappop(ranked)  # late: it moves behind every request that can still meet its TTFT
+            heapq.heappush(self._late, (-e.req.priority, e.req.arrival, e.seq, e))
+        _drop_dead(self._late)
+        return self._late[0][3] if self._late else None
+
+
+def _drop_dead(heap: list) -> None:
+    while heap and not heap[0][-1].live:
+        heapq.heappop(heap)

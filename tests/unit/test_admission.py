@@ -1,0 +1,219 @@
+"""Continuous admission order: shortest predicted first, with aging and a hard max wait.
+
+Driven through the Scheduler with a manual clock, one engine slot, so each
+completion lets exactly one waiting request in and the order is visible.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from binbatch_sidecar.core.admission import AdmissionOrder, AdmissionQueue, engine_cap
+from binbatch_sidecar.core.binner import FixedBinner
+from binbatch_sidecar.core.clock import ManualClock
+from binbatch_sidecar.core.former import BatchFormer
+from binbatch_sidecar.core.predictor import HintPredictor
+from binbatch_sidecar.core.request import Request
+from binbatch_sidecar.core.scheduler import Core, Outcome, Scheduler
+from binbatch_sidecar.core.sizer import BatchSizer, EngineSnapshot
+
+OK = Outcome(completion_tokens=5.0, prompt_tokens=3.0)
+
+
+def make(order: AdmissionOrder, slots: int = 1, k: int = 4) -> tuple[Scheduler, ManualClock]:
+    clock = ManualClock()
+    binner = FixedBinner.uniform(k, 1, 1000) if k > 1 else FixedBinner(())
+    former = BatchFormer(binner, clock, target_size=slots, max_wait=0.0, max_queue=1000)
+    sizer = BatchSizer(mode="static", static_size=slots, max_size=256)
+    core = Core(HintPredictor(), binner, former, sizer, admission=order)
+    return Scheduler(core, clock, mode="continuous"), clock
+
+
+def req(name: str, clock: ManualClock, tokens: float, **kw) -> Request:
+    return Request(id=name, arrival=clock.now(), max_tokens=2000, hint_tokens=tokens, **kw)
+
+
+def finish_one(s: Scheduler, clock: ManualClock, running: list) -> list[str]:
+    """End the request in flight; return the ids admitted next."""
+    d = running.pop()
+    for r in d.requests:
+        s.complete(r, OK, clock.now())
+    s.release(d.slot, clock.now())
+    step = s.step(clock.now())
+    running.extend(step.dispatches)
+    return [r.id for x in step.dispatches for r in x.requests]
+
+
+def test_shortest_predicted_first_across_bins_when_the_engine_is_full():
+    s, clock = make(AdmissionOrder("shortest_first"))
+    s.submit(req("first", clock, 900))
+    running = s.step(clock.now()).dispatches
+    assert [r.id for d in running for r in d.requests] == ["first"]  # the engine was idle: it goes at once
+    for name, tokens in [("long", 800), ("mid", 400), ("short", 20), ("tiny", 5)]:
+        clock.advance(0.001)
+        s.submit(req(name, clock, tokens))
+        assert s.step(clock.now()).dispatches == []  # the engine is full: they queue here
+    order = [finish_one(s, clock, running) for _ in range(4)]
+    assert order == [["tiny"], ["short"], ["mid"], ["long"]]
+
+
+def test_fifo_keeps_the_formers_order():
+    s, clock = make(AdmissionOrder("fifo"), k=1)
+    s.submit(req("a", clock, 900))
+    running = s.step(clock.now()).dispatches
+    for name, tokens in [("b", 800), ("c", 5)]:
+        clock.advance(0.001)
+        s.submit(req(name, clock, tokens))
+        s.step(clock.now())
+    assert [finish_one(s, clock, running) for _ in range(2)] == [["b"], ["c"]]
+
+
+def test_a_long_request_under_a_stream_of_short_ones_is_admitted_by_its_max_wait():
+    max_wait = 2.0
+    s, clock = make(AdmissionOrder("shortest_first", aging=0.0, max_wait=max_wait))
+    s.submit(req("s0", clock, 5))
+    running = s.step(clock.now()).dispatches
+    long = req("long", clock, 900)
+    s.submit(long)
+    admitted_at = None
+    for i in range(1, 200):  # every 0.1 s a short one arrives and one finishes: the long one is never shortest
+        clock.advance(0.1)
+        s.submit(req(f"s{i}", clock, 5))
+        if "long" in finish_one(s, clock, running):
+            admitted_at = clock.now()
+            break
+    assert admitted_at is not None, "the long request was starved"
+    assert max_wait <= admitted_at - long.arrival < max_wait + 0.1 + 1e-9
+
+
+def test_aging_lets_a_long_request_pass_shorter_newcomers_before_the_max_wait():
+    # rank = predicted − aging × waited: after 1 s a 900-token request ranks as 900 − 1000 < 5
+    s, clock = make(AdmissionOrder("shortest_first", aging=1000.0, max_wait=math.inf))
+    s.submit(req("s0", clock, 5))
+    running = s.step(clock.now()).dispatches
+    long = req("long", clock, 900)
+    s.submit(long)
+    admitted = []
+    for i in range(1, 40):
+        clock.advance(0.1)
+        s.submit(req(f"s{i}", clock, 5))
+        admitted += finish_one(s, clock, running)
+        if "long" in admitted:
+            break
+    assert "long" in admitted and clock.now() - long.arrival <= 1.0 + 1e-9
+    assert admitted.index("long") >= 5  # before aging caught up, the short ones went first
+
+
+def test_a_request_past_its_send_by_goes_after_those_that_can_still_meet_their_ttft():
+    s, clock = make(AdmissionOrder("shortest_first"))
+    s.submit(req("busy", clock, 900))
+    running = s.step(clock.now()).dispatches
+    s.submit(req("late", clock, 5, send_by=clock.now() + 0.5))
+    s.submit(req("fresh", clock, 300, send_by=clock.now() + 5.0))
+    clock.advance(1.0)  # "late" has spent its queue share: it would miss its TTFT anyway
+    assert finish_one(s, clock, running) == ["fresh"]
+    assert finish_one(s, clock, running) == ["late"]  # sent, not shed
+
+
+def test_a_queued_request_whose_deadline_passes_ends_at_its_deadline_not_when_it_reaches_the_head():
+    s, clock = make(AdmissionOrder("shortest_first"))
+    s.submit(req("busy", clock, 5))
+    s.step(clock.now())
+    doomed = req("doomed", clock, 900, deadline=clock.now() + 1.0)
+    s.submit(doomed)
+    s.step(clock.now())
+    assert s.next_wake() == pytest.approx(1.0)  # the driver arms a timer for it
+    clock.advance(1.0)
+    step = s.step(clock.now())
+    assert [r.id for r in step.expired] == ["doomed"] and not s.is_open(doomed)
+
+
+def test_a_higher_priority_request_goes_first_whatever_its_length():
+    s, clock = make(AdmissionOrder("shortest_first"))
+    s.submit(req("busy", clock, 5))
+    running = s.step(clock.now()).dispatches
+    s.submit(req("short", clock, 5))
+    s.submit(req("urgent", clock, 900, priority=1))
+    assert finish_one(s, clock, running) == ["urgent"]
+
+
+def test_a_reload_reorders_the_requests_already_taken():
+    s, clock = make(AdmissionOrder("fifo"), k=1)
+    s.submit(req("busy", clock, 5))
+    running = s.step(clock.now()).dispatches
+    for name, tokens in [("long", 900), ("short", 5)]:
+        clock.advance(0.001)
+        s.submit(req(name, clock, tokens))
+        s.step(clock.now())  # taken from the former into the admission queue
+    core = s.core
+    s.replace_core(Core(core.predictor, core.binner, core.former, core.sizer, admission=AdmissionOrder("shortest_first")),
+                   mode="continuous", max_inflight_batches=4)  # fmt: skip
+    assert finish_one(s, clock, running) == ["short"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"order": "sjf"}, "order"), ({"aging": -1.0}, "aging"), ({"max_wait": 0.0}, "max_wait")],
+)
+def test_a_bad_policy_names_its_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        AdmissionOrder(**kwargs)
+
+
+def test_the_queue_counts_and_iterates_only_live_entries():
+    clock = ManualClock()
+    q: AdmissionQueue[str] = AdmissionQueue(AdmissionOrder("shortest_first"))
+    a, b = req("a", clock, 10, predicted_tokens=10.0), req("b", clock, 5, predicted_tokens=5.0)
+    q.push("A", a)
+    q.push("B", b)
+    assert len(q) == 2 and q.pop(0.0) == ("B", b)
+    assert len(q) == 1 and list(q) == [("A", a)] and q.pop(0.0) == ("A", a) and not q and q.pop(0.0) is None
+
+
+def test_the_policy_keys_reach_the_scheduling_core():
+    from binbatch_sidecar.config import parse_config
+    from binbatch_sidecar.server.assembly import build_core
+
+    cfg = parse_config({"batch": {"order": "ShortestFirst", "agingTokensPerSecond": 40, "maxQueueWaitMilliseconds": 2500}})
+    assert build_core(cfg, ManualClock()).admission == AdmissionOrder("shortest_first", 40.0, 2.5, follow_engine=True)
+    fifo = parse_config({"batch": {"order": "Fifo", "followEngineQueue": False}})
+    assert build_core(fifo, ManualClock()).admission == AdmissionOrder("fifo", 20.0, 30.0, follow_engine=False)
+
+
+def test_engine_cap_holds_at_what_the_engine_runs_while_it_queues_and_grows_while_it_has_room():
+    assert engine_cap(None, 0, 5, None) is None and engine_cap(4, None, 5, None) is None  # no counts: no cap
+    assert engine_cap(running=6, waiting=3, inflight=9, previous=20) == 6  # its own queue: hold at what it runs
+    assert engine_cap(running=0, waiting=2, inflight=2, previous=None) == 1
+    assert engine_cap(running=6, waiting=3, inflight=9, previous=None, kv_usage=0.9) == 6  # full KV: it holds all it can
+    # a burst queued since the engine's last step, KV mostly free: not a sign it is full
+    assert engine_cap(running=6, waiting=30, inflight=36, previous=None, kv_usage=0.1) is None
+    assert engine_cap(running=8, waiting=0, inflight=8, previous=None) is None  # room and no cap yet: none
+    assert engine_cap(running=8, waiting=0, inflight=8, previous=8) == 10  # room: a quarter above, at least 2
+    assert engine_cap(running=0, waiting=0, inflight=0, previous=8) is None  # both idle: the cap is dropped
+    cap: int | None = 1
+    for _ in range(10):  # the engine keeps up: the cap grows geometrically, never the bottleneck
+        cap = engine_cap(running=cap or 0, waiting=0, inflight=cap or 0, previous=cap)
+    assert cap is not None and cap > 20
+
+
+def test_follow_engine_keeps_the_queue_here_while_the_engine_queues():
+    s, clock = make(AdmissionOrder("shortest_first", follow_engine=True), slots=100, k=1)
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=None, running=2, waiting=1, fresh=True), clock.now())
+    assert s.engine_cap == 2
+    for i in range(5):
+        s.submit(req(f"r{i}", clock, 10))
+    assert len(s.step(clock.now()).dispatches) == 2  # the engine holds 2: the other 3 wait here, in order
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=None, running=2, waiting=0, fresh=True), clock.now())
+    assert len(s.step(clock.now()).dispatches) == 2  # room again: the cap grows to 4
+    s.on_snapshot(None, clock.now())  # no metrics: no engine cap, only B_t
+    assert s.engine_cap is None and len(s.step(clock.now()).dispatches) == 1
+
+
+def test_without_follow_engine_the_engine_counts_do_not_cap_admission():
+    s, clock = make(AdmissionOrder("shortest_first"), slots=100, k=1)
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=None, running=2, waiting=1, fresh=True), clock.now())
+    for i in range(5):
+        s.submit(req(f"r{i}", clock, 10))
+    assert s.engine_cap is None and len(s.step(clock.now()).dispatches) == 5
