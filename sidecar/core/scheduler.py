@@ -236,6 +236,8 @@ class Scheduler:
         while self.breaker.allows_dispatch(self.inflight_requests):
             if not self._pending:
                 batch = former.take(idle=self.inflight_requests == 0)
+                if batch is None and self.inflight_requests < max(former.target_sizes):
+                    batch = former.take_partial()  # the engine has room: no request waits out maxWait
                 if batch is None:
                     return
                 out.batches.append(batch)
