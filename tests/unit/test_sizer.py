@@ -563,8 +563,6 @@ def test_unknown_kv_capacity_admits_up_to_the_max_size_while_the_engine_has_room
 @pytest.mark.parametrize(
     "why",
     [
-        {"waiting": 1},  # the engine queues: it has no room
-        {"waiting": None},  # the engine does not say
         {"kv_usage_ratio": 0.95},  # at saturation
         {"kv_usage_ratio": None},
         {"preemptions_delta": 2.0},
@@ -580,5 +578,14 @@ def test_warming_up_keeps_the_static_size_when_the_engine_shows_no_room(why):
 def test_room_lost_in_warm_up_stops_growth_at_once():
     sizer = BatchSizer(mode="memory", static_size=32, max_size=256, min_samples=32)
     assert sizer.update(ROOM, k=1).sizes == [256]
-    busy = EngineSnapshot(kv_capacity_tokens=131072, kv_usage_ratio=0.5, running=200, waiting=40, fresh=True)
+    busy = EngineSnapshot(kv_capacity_tokens=131072, kv_usage_ratio=0.5, running=200, preemptions_delta=3.0,
+                          fresh=True)  # fmt: skip
     assert sizer.update(busy, k=1).sizes == [32]
+
+
+def test_requests_queued_for_the_engines_next_step_are_not_a_lack_of_room():
+    # In a burst the engine lists the requests that arrived since its last step as
+    # waiting; the static size came back mid-burst and admitted it in two waves.
+    sizer = BatchSizer(mode="combined", static_size=32, max_size=256, min_samples=32)
+    mid_burst = EngineSnapshot(kv_capacity_tokens=131072, kv_usage_ratio=0.01, running=26, waiting=38, fresh=True)
+    assert sizer.update(mid_burst, k=4).sizes == [256] * 4
