@@ -413,7 +413,9 @@ class BatchSizer:
         detail = f"{mem_label}: b_mem={mems}" if self.mode in ("memory", "combined") else "memory term off"
         if mem_label in ("warming-up", "no-kv-capacity"):
             standin = self._standin(snap)
-            room = " (the engine has room: KV usage under saturation, no preemptions)" if standin == self.max_size else ""
+            room = " (the engine has room: KV usage under saturation, no preemptions)"
+            if standin != self.max_size:
+                room = ""
             detail += f"; {standin} stands in{room}"
         if sla:
             tpot = "none" if snap.tpot_seconds is None else f"{snap.tpot_seconds * 1e3:.1f} ms"

@@ -299,7 +299,8 @@ def _scored_from_scratch(pairs, boundaries, tolerance, source=None):
     kept = [(p, a) for p, a, s in pairs if source is None or s == source]
     if not kept:
         return None
-    hits = sum(abs(bisect.bisect_right(boundaries, p) - bisect.bisect_right(boundaries, a)) <= tolerance for p, a in kept)
+    bin_of = bisect.bisect_right
+    hits = sum(abs(bin_of(boundaries, p) - bin_of(boundaries, a)) <= tolerance for p, a in kept)
     return hits / len(kept)
 
 
