@@ -174,7 +174,7 @@ class BatchConfig(_Section):
     static_size: int = Field(32, ge=1, le=4096, description="Batch size for Static sizing, and before metrics arrive.")
     min_batch_size: int = Field(1, ge=1, le=4096, description="Lower clamp of the dynamic batch size.")
     max_batch_size: int = Field(256, ge=1, le=4096, description="Upper clamp of the dynamic batch size.")
-    max_wait_milliseconds: int = Field(50, ge=0, le=600_000, description="A partial batch leaves its bin once its oldest request waited this long.")  # fmt: skip
+    max_wait_milliseconds: int = Field(50, ge=0, le=600_000, description="A partial batch leaves its bin once its oldest request waited this long (Continuous mode: at once while the engine holds fewer requests than the batch size).")  # fmt: skip
     max_inflight_batches: int = Field(4, ge=1, le=1024, description="Batches in the engine at once (the seed's servers).")  # fmt: skip
     max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED). A request whose predicted queue wait exceeds its deadline is refused too.")  # fmt: skip
     dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds), or Smdp (Gang only: as soon as a slot is free and its bin holds the SMDP control limit, solved from the measured arrival rate and batch time l(b) = αb + β; maxWaitMilliseconds still bounds the wait, and alone decides until a solution exists).")  # fmt: skip

@@ -7,7 +7,9 @@ Algorithm 1 of multi-bin-batching-v1.md, plus what a server needs around it:
   request has waited ``max_wait`` ("timeout"), when a request's ``send_by`` time
   comes (its TTFT SLO leaves no more time to wait: "slo"), or, when a server is
   idle, when the dispatch policy says a partial batch should go now ("policy", the
-  SMDP control limit of DESIGN §3.4);
+  SMDP control limit of DESIGN §3.4), or when a continuous engine has room
+  (``take_partial``, "room": maxWait gathers a gang batch, and an engine that
+  batches by itself gains nothing from a request held back);
 * emitted batches wait in one service queue: first completed batch, first served,
   a batch holding a higher priority first;
 * with ``partial_waits_for_server`` (gang mode: a batch holds a server until its
@@ -323,6 +325,18 @@ class BatchFormer:
         for item in held:
             heapq.heappush(self._service, item)
         return out
+
+    def take_partial(self) -> Batch | None:
+        """A partial batch now ("room") from the bin whose oldest request arrived
+        first, or None with every bin empty.  The continuous scheduler asks while
+        the engine has room under its B_t: there maxWait only adds latency."""
+        self._sync_bins()
+        waiting = [(b.oldest_arrival(), i) for i, b in enumerate(self._bins) if b.count]
+        if not waiting:
+            return None
+        i = min(waiting)[1]
+        self._form(i, self._sizes[i], "room")
+        return self.take()
 
     def drain(self) -> None:
         """Move everything still queued into batches (shutdown, end of a simulation);

@@ -258,7 +258,7 @@ class Scheduler:
             if self.end(req, "expired"):
                 out.expired.append(req)
         while self.breaker.allows_dispatch(self.inflight_requests):
-            while (batch := former.take(idle=self.inflight_requests == 0 and not pending)) is not None:
+            while (batch := self._take_continuous(pending)) is not None:
                 out.batches.append(batch)
                 for r in batch.requests:
                     pending.push(batch, r)
@@ -281,6 +281,17 @@ class Scheduler:
                     out.expired.append(req)
                 continue
             out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now), batch, (req,)))
+
+    def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
+        """The next batch the former releases, or -- while the engine holds fewer than
+        the largest target size and nothing waits here -- a partial one at once
+        ("room"): a continuous engine batches by itself, so maxWait would only add
+        latency."""
+        former = self.core.former
+        batch = former.take(idle=self.inflight_requests == 0 and not pending)
+        if batch is None and not pending and self.inflight_requests < max(former.target_sizes):
+            batch = former.take_partial()
+        return batch
 
     def _enter(self, bin_: int, reqs: tuple[Request, ...], *, batch: bool, now: float) -> Slot:
         slot = self.ledger.acquire(bin_, reqs, batch=batch, now=now)

@@ -37,8 +37,8 @@ REASONS = (
     "stale-static",  # snapshot not fresh and never a fresh one: the static size
     "stale-pressure",  # snapshot not fresh, the last fresh one showed pressure: half the last good size
     "kv-saturated",  # KV usage at or above kv_saturation: no bin grows
-    "warming-up",  # too few length samples: the static size stands in for b_mem
-    "no-kv-capacity",  # the engine did not report η: the static size stands in for b_mem
+    "warming-up",  # too few length samples: the static size (max_size while the KV cache has room) stands in for b_mem
+    "no-kv-capacity",  # the engine did not report η: as "warming-up"
     "memory",  # b_mem is the binding bound
     "sla",  # b_sla is the binding bound
 )
@@ -286,7 +286,12 @@ class BatchSizer:
        never larger than the previous one.
     4. fresh: per bin, b_mem (modes memory/combined) from that bin's μ, σ once it
        has ``min_samples`` completions, else from all completions, else the static
-       size stands in ("warming-up"; also "no-kv-capacity" when η is unknown);
+       size stands in ("warming-up"; also "no-kv-capacity" when η is unknown) --
+       or ``max_size`` while the engine reports room (``has_room``: KV usage
+       under ``kv_saturation``, no preemptions): without a length model the
+       engine's own report is the best evidence, and a static guess must not
+       cap a burst the engine could take whole (issue 11 "free when there is
+       nothing to win");
        b_sla (modes sla/combined, needs ``d_sla``) is one value for the engine;
        size = ``combine(b_mem, b_sla)``.  If the KV usage is at or above
        ``kv_saturation`` no bin grows past its previous size ("kv-saturated": the
@@ -406,6 +411,12 @@ class BatchSizer:
                 labels.add("sla")
         reason = "+".join(r for r in REASONS if r in labels)
         detail = f"{mem_label}: b_mem={mems}" if self.mode in ("memory", "combined") else "memory term off"
+        if mem_label in ("warming-up", "no-kv-capacity"):
+            standin = self._standin(snap)
+            room = " (the engine has room: KV usage under saturation, no preemptions)"
+            if standin != self.max_size:
+                room = ""
+            detail += f"; {standin} stands in{room}"
         if sla:
             tpot = "none" if snap.tpot_seconds is None else f"{snap.tpot_seconds * 1e3:.1f} ms"
             detail += f"; b_sla={b_sla} (TPOT {tpot}, target {sla.d_sla * 1e3:.1f} ms)"
@@ -455,12 +466,30 @@ class BatchSizer:
             return "memory", none, none
         eta = snap.kv_capacity_tokens
         if eta is None or eta <= 0:
-            return "no-kv-capacity", none, [self.static_size] * k
+            return "no-kv-capacity", none, [self._standin(snap)] * k
         if self.overall.count < self.min_samples:
-            return "warming-up", none, [self.static_size] * k
+            return "warming-up", none, [self._standin(snap)] * k
         eta_eff = eta * (1.0 - self.kv_reserve_ratio)
         mems: list[int | None] = [self._bin_b_mem(i, eta_eff, snap.running or 0) for i in range(k)]
         return "memory", mems, mems
+
+    def _standin(self, snap: EngineSnapshot) -> int:
+        """The bound standing in for b_mem while it cannot be computed."""
+        return self.max_size if self.has_room(snap) else self.static_size
+
+    def has_room(self, snap: EngineSnapshot) -> bool:
+        """Does a fresh ``snap`` say the engine's KV cache takes more now: usage
+        reported and under ``kv_saturation``, no preemptions since the scrape
+        before?  The stand-in replaces b_mem, a memory bound, so room is memory.
+        The engine's waiting count is not asked: in a burst vLLM reports the
+        requests that arrived since its last step as waiting, and falling back
+        to the static size on that halved a burst's throughput."""
+        return (
+            snap.fresh
+            and snap.kv_usage_ratio is not None
+            and snap.kv_usage_ratio < self.kv_saturation
+            and not snap.preemptions_delta
+        )
 
     def _bin_b_mem(self, bin: int, eta: float, running: int) -> int:
         """b_mem from the bin's own statistics if it has enough, else the overall ones."""

@@ -120,6 +120,7 @@ class Dispatcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._opens_published = 0
+        self._depth_gauges: list = []  # binbatch_queue_depth's child per bin (_publish_queue)
         self._publish_sizes()
         self._publish_breaker()
 
@@ -493,8 +494,14 @@ class Dispatcher:
     # -- observability -----------------------------------------------------------------
 
     def _publish_queue(self) -> None:
-        for i, depth in enumerate(self.core.former.bin_depths()):
-            self.metrics.queue_depth.labels(str(i)).set(depth)
+        """Runs on every step: the per-bin gauges are looked up once per bin count
+        (``labels()`` hashes its label values on every call)."""
+        depths = self.core.former.bin_depths()
+        gauges = self._depth_gauges
+        if len(gauges) != len(depths):
+            gauges[:] = [self.metrics.queue_depth.labels(str(i)) for i in range(len(depths))]
+        for gauge, depth in zip(gauges, depths):
+            gauge.set(depth)
         self.metrics.pending_requests.set(self.pending_requests())
 
     def _publish_inflight(self) -> None:

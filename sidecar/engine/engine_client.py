@@ -254,7 +254,11 @@ class EngineClient:
         for params, members in groups.items():
             prompts = [requests[i].prompt or "" for i in members]
             jobs.append((members, functools.partial(self._completions_call, params, prompts)))
-        answers = await asyncio.gather(*(self._bounded(call, len(m), deadline, limit) for m, call in jobs))
+        if len(jobs) == 1:  # continuous mode: one request, no extra task for a gather
+            members, call = jobs[0]
+            answers = [await self._bounded(call, len(members), deadline, limit)]
+        else:
+            answers = await asyncio.gather(*(self._bounded(call, len(m), deadline, limit) for m, call in jobs))
         results: list[EngineResult | EngineError | None] = [None] * len(requests)
         for (members, _), outcome in zip(jobs, answers, strict=True):
             for i, r in zip(members, outcome, strict=True):
@@ -285,14 +289,14 @@ class EngineClient:
                 log.debug("%d prompts exceed %d bytes in one call: %d calls", len(prompts), self.max_body_bytes,
                           len(chunks))  # fmt: skip
                 return await self._split(params, chunks)
-        body = _completions_body(params, prompts)
-        size = len(_encode(body))
+        encoded = _encode(_completions_body(params, prompts))
+        size = len(encoded)
         if size > self.max_body_bytes:
             if len(prompts) > 1:  # _pack's arithmetic is exact; this is a safety net
                 return await self._split(params, _halves(prompts))
             return [_too_large(size, self.max_body_bytes)]
         try:
-            data = await self._call_json("POST", "/v1/completions", body)
+            data = await self._call_json("POST", "/v1/completions", encoded)
         except EngineError as err:
             if len(prompts) > 1 and err.status == 413:
                 log.info("engine refused a %d-prompt call of %d bytes as too large; splitting it in halves",
@@ -346,11 +350,10 @@ class EngineClient:
 
     async def _chat_call(self, request: EngineRequest) -> list[EngineResult | EngineError]:
         """One ``/v1/chat/completions`` call."""
-        body = _chat_body(request)
-        size = len(_encode(body))
-        if size > self.max_body_bytes:
-            raise _too_large(size, self.max_body_bytes)
-        data = await self._call_json("POST", "/v1/chat/completions", body)
+        encoded = _encode(_chat_body(request))
+        if len(encoded) > self.max_body_bytes:
+            raise _too_large(len(encoded), self.max_body_bytes)
+        data = await self._call_json("POST", "/v1/chat/completions", encoded)
         choices = data.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
             raise EngineError("internal", 200, "expected exactly one choice from the engine")
@@ -378,12 +381,12 @@ class EngineClient:
         else:
             path, body = "/v1/completions", request.params.body() | {"prompt": request.prompt}
         body |= {"stream": True, "stream_options": {"include_usage": True}}
-        size = len(_encode(body))
-        if size > self.max_body_bytes:
-            raise _too_large(size, self.max_body_bytes)
+        encoded = _encode(body)
+        if len(encoded) > self.max_body_bytes:
+            raise _too_large(len(encoded), self.max_body_bytes)
         try:
             async with asyncio.timeout_at(deadline):
-                resp = await self._send("POST", path, body)
+                resp = await self._send("POST", path, encoded)
         except TimeoutError:
             raise timed_out from None
         try:
@@ -473,17 +476,17 @@ class EngineClient:
     # -- HTTP --------------------------------------------------------------------------
 
     async def _send(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, retries: int | None = None
+        self, method: str, path: str, data: bytes | None = None, *, retries: int | None = None
     ) -> aiohttp.ClientResponse:
-        """Send a request and return the response (headers read, body not).
+        """Send a request with the JSON body ``data`` (encoded once by the caller,
+        so the bytes sent are the bytes ``max_body_bytes`` was checked on) and
+        return the response (headers read, body not).
 
         Retries only ``ClientConnectorError`` -- the connection was never made."""
         session = self._http()
         url = self.base_url + path
         attempts = self.connect_retries if retries is None else retries
-        # encoded here, so the bytes sent are the bytes max_body_bytes was checked on
-        data = None if body is None else _encode(body)
-        headers = None if body is None else {"Content-Type": "application/json"}
+        headers = None if data is None else {"Content-Type": "application/json"}
         for attempt in range(attempts + 1):
             try:
                 # a file-like body: aiohttp warns about (and would block on) large raw bytes
@@ -500,9 +503,9 @@ class EngineClient:
                 raise EngineError("unavailable", None, f"the engine connection failed: {_describe(exc)}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _call_json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _call_json(self, method: str, path: str, data: bytes | None = None) -> dict[str, Any]:
         """Send, read the whole reply, and return its JSON object (or raise EngineError)."""
-        resp = await self._send(method, path, body)
+        resp = await self._send(method, path, data)
         try:
             raw = await resp.read()
         except aiohttp.ClientError as exc:

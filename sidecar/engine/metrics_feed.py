@@ -83,7 +83,7 @@ class ScrapeSource:
             metrics = vllm_metrics.parse(text)
         except ValueError as exc:
             raise MetricsUnavailable(f"{self.url} is not a Prometheus text exposition: {exc}") from exc
-        if not any(name.startswith("vllm:") for name in metrics.names_seen):
+        if not metrics.names_seen and not vllm_metrics.exposes_vllm(text):
             raise MetricsUnavailable(f"{self.url} exposes no vllm:* metrics (is it the engine's /metrics?)")
         return metrics
 

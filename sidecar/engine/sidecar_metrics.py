@@ -32,7 +32,7 @@ class SidecarMetrics:
         self.accepted = Counter("binbatch_requests_accepted", "Requests accepted into a bin", registry=r)
         self.queue_depth = Gauge("binbatch_queue_depth", "Requests waiting in each bin", ["bin"], registry=r)
         self.batches = Counter(
-            "binbatch_batches", "Batches dispatched, by bin and reason (full|timeout|slo|policy|drain)",
+            "binbatch_batches", "Batches dispatched, by bin and reason (full|timeout|slo|policy|room|drain)",
             ["bin", "reason"], registry=r,
         )  # fmt: skip
         self.batch_size = Histogram(

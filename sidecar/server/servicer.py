@@ -334,6 +334,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             while not call.future.done() or not call.deltas.empty():
                 piece = await call.deltas.get()
+                # The engine ran ahead of this stream (a busy sidecar): what has
+                # arrived goes as one chunk, "text since the previous chunk"
+                # (binbatch.proto), one gRPC message instead of one per piece.
+                while not call.deltas.empty():
+                    piece += call.deltas.get_nowait()
                 if piece:
                     yield pb.GenerateChunk(text=piece, index=index)
                     index += 1

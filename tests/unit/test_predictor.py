@@ -291,3 +291,64 @@ def test_within_one_bin_accuracy_is_never_below_bin_accuracy(pairs):
     exact, near = t.bin_accuracy(boundaries), t.within_one_bin_accuracy(boundaries)
     assert exact is not None and near is not None
     assert 0 <= exact <= near <= 1
+
+
+def _scored_from_scratch(pairs, boundaries, tolerance, source=None):
+    import bisect
+
+    kept = [(p, a) for p, a, s in pairs if source is None or s == source]
+    if not kept:
+        return None
+    bin_of = bisect.bisect_right
+    hits = sum(abs(bin_of(boundaries, p) - bin_of(boundaries, a)) <= tolerance for p, a in kept)
+    return hits / len(kept)
+
+
+@given(
+    st.lists(st.one_of(
+        st.tuples(st.just("record"), st.floats(0, 100), st.floats(0, 100), st.sampled_from(["hint", "online", ""])),
+        st.tuples(st.just("score"), st.sampled_from([(10.0,), (10.0, 50.0), (30.0, 60.0, 90.0)])),
+    ), max_size=60),
+)  # fmt: skip
+def test_running_scores_equal_scoring_the_window_from_scratch(ops):
+    t = AccuracyTracker(window=5)
+    window: list[tuple[float, float, str]] = []
+    for op in ops:
+        if op[0] == "record":
+            t.record(op[1], op[2], op[3])
+            window = (window + [(op[1], op[2], op[3])])[-5:]
+            continue
+        b = op[1]
+        for source in (None, "hint", "online", "", "default"):
+            assert t.bin_accuracy(b, source) == _scored_from_scratch(window, b, 0, source)
+            assert t.within_one_bin_accuracy(b, source) == _scored_from_scratch(window, b, 1, source)
+            assert t.samples(source) == sum(1 for w in window if source is None or w[2] == source)
+        assert t.sources() == [s for s in ("hint", "online") if any(w[2] == s for w in window)] + (
+            [""] if any(w[2] == "" for w in window) else [])  # fmt: skip
+
+
+def test_scoring_again_with_the_same_boundaries_does_not_rescan_the_window(monkeypatch):
+    # issue 11: every metrics snapshot asks for every score; recounting the whole
+    # window each time cost ~3 ms per score on the sidecar's event loop.
+    import bisect
+
+    from binbatch_sidecar.core import predictor
+
+    t = AccuracyTracker(window=1024)
+    for i in range(1024):
+        t.record(i % 50, (i * 7) % 50, "hint" if i % 3 else "online")
+    b = (10.0, 20.0, 30.0)
+    first = (t.bin_accuracy(b), t.within_one_bin_accuracy(b), t.bin_accuracy(b, "online"))
+    calls = 0
+    real = bisect.bisect_right
+
+    def counting(*args):
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    monkeypatch.setattr(predictor.bisect, "bisect_right", counting)
+    assert (t.bin_accuracy(b), t.within_one_bin_accuracy(b), t.bin_accuracy(b, "online")) == first
+    assert calls == 0
+    t.record(5, 5, "hint")  # one pair in, the oldest out: a few lookups, not a window's worth
+    assert calls <= 4

@@ -371,3 +371,43 @@ def test_gang_top_up_never_exceeds_the_batch_size_and_takes_the_nearest_bin_firs
     assert ids(first) == [["4", "3"]]
     _finish(s, first, clock)
     assert ids(s.step(clock.now())) == [["2"]]
+
+
+# -- nothing to win: maxWait does not hold a continuous request while the engine has room (issue 11)
+
+
+def test_continuous_sends_a_lone_request_at_once_while_the_engine_has_room():
+    # maxWait gathers a gang batch; a continuous engine batches by itself, so a
+    # request held 50 ms in a bin at light load was 50 ms of added latency.
+    s, clock = make(mode="continuous", size=4, k=2, max_wait=0.05)
+    s.submit(req(0, clock, tokens=10))
+    step = s.step(clock.now())
+    assert ids(step) == [["0"]] and [b.reason for b in step.batches] == ["room"]
+    clock.advance(0.001)
+    s.submit(req(1, clock, tokens=90))  # the other bin, one request in flight: still room
+    assert ids(s.step(clock.now())) == [["1"]]
+
+
+def test_continuous_holds_requests_when_the_engine_is_at_its_target():
+    s, clock = make(mode="continuous", size=2, max_wait=0.05)
+    for i in range(2):
+        s.submit(req(i, clock))
+    assert ids(s.step(clock.now())) == [["0"], ["1"]]
+    s.submit(req(2, clock))
+    assert ids(s.step(clock.now())) == [] and s.core.former.bin_depths() == [1]  # no room: it waits in its bin
+
+
+def test_take_partial_serves_the_bin_whose_oldest_request_came_first():
+    clock = ManualClock()
+    former = BatchFormer(FixedBinner.uniform(2, 1, 100), clock, target_size=4, max_wait=1.0, max_queue=10)
+    first = req(0, clock, tokens=90)  # the long bin
+    first.predicted_tokens = 90.0
+    former.submit(first)
+    clock.advance(0.01)
+    second = req(1, clock, tokens=10)  # the short bin, later
+    second.predicted_tokens = 10.0
+    former.submit(second)
+    batch = former.take_partial()
+    assert batch is not None and batch.requests == [first] and batch.reason == "room"
+    assert former.take_partial().requests == [second]
+    assert former.take_partial() is None

@@ -88,3 +88,22 @@ async def test_the_end_of_the_rpc_withdraws_a_request_still_queued():
     assert d.core.former.queued() == 0 and d.totals["cancelled"] == 1
     assert await handler is None  # the handler's abort finds the RPC ended, quietly
     assert d.totals["failed"] == 0
+
+
+async def test_pieces_that_arrived_while_the_stream_was_busy_go_as_one_chunk():
+    # issue 11: one gRPC message per engine piece is the sidecar's main cost per
+    # token; a stream behind the engine sends what has arrived at once.
+    svc, d, _ = servicer()
+    ctx = FinishedContext(remaining=30.0)
+    stream = svc.GenerateStream(pb.GenerateRequest(prompt="hi", max_tokens=4), ctx)
+    first = asyncio.ensure_future(stream.__anext__())
+    while d.totals["accepted"] == 0:
+        await asyncio.sleep(0)  # ok-sleep: a bare yield until the handler has submitted
+    (call,) = d._calls.values()
+    for piece in ("a", "b", "c"):
+        call.deltas.put_nowait(piece)
+    chunk = await first
+    assert (chunk.text, chunk.index) == ("abc", 0)
+    call.deltas.put_nowait("d")
+    assert (await stream.__anext__()).text == "d"
+    await stream.aclose()

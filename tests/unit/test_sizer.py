@@ -539,3 +539,53 @@ def test_batch_sizer_rejects_bad_settings_naming_them(field, kwargs):
 def test_batch_sizer_rejects_a_bad_bin_count():
     with pytest.raises(ValueError, match="^k must be"):
         BatchSizer().update(FRESH, k=0)
+
+
+# -- the engine has room: a static guess is not the cap (issue 11 item 4) ---------------
+
+ROOM = EngineSnapshot(kv_capacity_tokens=131072, kv_usage_ratio=0.02, running=0, waiting=0, fresh=True)
+
+
+def test_warming_up_admits_up_to_the_max_size_while_the_engine_has_room():
+    # A short burst of 64 on an engine with ample KV: the static 32 halved its throughput.
+    sizer = BatchSizer(mode="combined", static_size=32, max_size=256, min_samples=32)
+    decision = sizer.update(ROOM, k=4)
+    assert (decision.sizes, decision.reason) == ([256] * 4, "warming-up")
+    assert "has room" in decision.detail
+
+
+def test_unknown_kv_capacity_admits_up_to_the_max_size_while_the_engine_has_room():
+    sizer = BatchSizer(mode="memory", static_size=32, max_size=256)
+    snap = EngineSnapshot(kv_usage_ratio=0.1, running=3, waiting=0, fresh=True)
+    assert sizer.update(snap, k=2).sizes == [256, 256]
+
+
+@pytest.mark.parametrize(
+    "why",
+    [
+        {"kv_usage_ratio": 0.95},  # at saturation
+        {"kv_usage_ratio": None},
+        {"preemptions_delta": 2.0},
+    ],
+)
+def test_warming_up_keeps_the_static_size_when_the_engine_shows_no_room(why):
+    sizer = BatchSizer(mode="combined", static_size=32, max_size=256, min_samples=32)
+    fields = {"kv_capacity_tokens": 131072, "kv_usage_ratio": 0.02, "running": 0, "waiting": 0} | why
+    decision = sizer.update(EngineSnapshot(**fields, fresh=True), k=2)
+    assert decision.sizes == [32, 32] and decision.reason in ("warming-up", "kv-saturated")
+
+
+def test_room_lost_in_warm_up_stops_growth_at_once():
+    sizer = BatchSizer(mode="memory", static_size=32, max_size=256, min_samples=32)
+    assert sizer.update(ROOM, k=1).sizes == [256]
+    busy = EngineSnapshot(kv_capacity_tokens=131072, kv_usage_ratio=0.5, running=200, preemptions_delta=3.0,
+                          fresh=True)  # fmt: skip
+    assert sizer.update(busy, k=1).sizes == [32]
+
+
+def test_requests_queued_for_the_engines_next_step_are_not_a_lack_of_room():
+    # In a burst the engine lists the requests that arrived since its last step as
+    # waiting; the static size came back mid-burst and admitted it in two waves.
+    sizer = BatchSizer(mode="combined", static_size=32, max_size=256, min_samples=32)
+    mid_burst = EngineSnapshot(kv_capacity_tokens=131072, kv_usage_ratio=0.01, running=26, waiting=38, fresh=True)
+    assert sizer.update(mid_burst, k=4).sizes == [256] * 4

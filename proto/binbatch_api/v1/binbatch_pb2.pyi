@@ -833,9 +833,9 @@ class Stats(_message.Message):
       "kv-saturated": the engine's KV cache usage is at or above saturation:
         no bin grows;
       "warming-up": too few completions to compute b_mem: the static size
-        stands in for it;
-      "no-kv-capacity": the engine reports no KV capacity: the static size
-        stands in for b_mem;
+        stands in for it, or maxBatchSize while the engine has room (KV usage
+        under saturation, no preemptions);
+      "no-kv-capacity": the engine reports no KV capacity: as "warming-up";
       "memory": b_mem is the binding bound;
       "sla": b_sla is the binding bound.
     When bins are bound by different terms, their reasons are joined by "+"
