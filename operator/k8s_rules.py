@@ -58,34 +58,29 @@ def _full(pattern: str, value: str) -> bool:
     return re.fullmatch(pattern, value) is not None
 
 
+def _name_problems(value: str, pattern: str, limit: int, shape: str) -> list[str]:
+    """The API server's two checks of a name: its length and its shape (both reported)."""
+    problems = []
+    if len(value) > limit:
+        problems.append(f"must be no more than {limit} characters")
+    if not _full(pattern, value):
+        problems.append(shape)
+    return problems
+
+
 def dns1123_label_problems(value: str) -> list[str]:
     """RFC 1123 label: Service names, namespace names (at most 63, lower-case alphanumerics and '-')."""
-    problems = []
-    if len(value) > DNS1123_LABEL_MAX:
-        problems.append(f"must be no more than {DNS1123_LABEL_MAX} characters")
-    if not _full(DNS1123_LABEL, value):
-        problems.append("must consist of lower case alphanumeric characters or '-', and start and end with an alphanumeric character")  # fmt: skip
-    return problems
+    return _name_problems(value, DNS1123_LABEL, DNS1123_LABEL_MAX, "must consist of lower case alphanumeric characters or '-', and start and end with an alphanumeric character")  # fmt: skip
 
 
 def dns1123_subdomain_problems(value: str) -> list[str]:
     """RFC 1123 subdomain: ConfigMap names, most object names (at most 253, labels joined by '.')."""
-    problems = []
-    if len(value) > DNS1123_SUBDOMAIN_MAX:
-        problems.append(f"must be no more than {DNS1123_SUBDOMAIN_MAX} characters")
-    if not _full(DNS1123_SUBDOMAIN, value):
-        problems.append("must consist of lower case alphanumeric characters, '-' or '.', and start and end with an alphanumeric character")  # fmt: skip
-    return problems
+    return _name_problems(value, DNS1123_SUBDOMAIN, DNS1123_SUBDOMAIN_MAX, "must consist of lower case alphanumeric characters, '-' or '.', and start and end with an alphanumeric character")  # fmt: skip
 
 
 def dns1035_label_problems(value: str) -> list[str]:
     """RFC 1035 label: what a Service name must be (at most 63, starts with a letter)."""
-    problems = []
-    if len(value) > DNS1035_LABEL_MAX:
-        problems.append(f"must be no more than {DNS1035_LABEL_MAX} characters")
-    if not _full(DNS1035_LABEL, value):
-        problems.append("must consist of lower case alphanumeric characters or '-', start with a letter, and end with an alphanumeric character")  # fmt: skip
-    return problems
+    return _name_problems(value, DNS1035_LABEL, DNS1035_LABEL_MAX, "must consist of lower case alphanumeric characters or '-', start with a letter, and end with an alphanumeric character")  # fmt: skip
 
 
 # The name rule the API server applies per kind (ValidateServiceName, ValidateConfigMapName...).

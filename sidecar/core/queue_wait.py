@@ -52,9 +52,7 @@ class ServiceRate:
 
     def rate(self, now: float) -> float | None:
         """Completions per second, or None without enough recent samples."""
-        while self._samples and now - self._samples[0][0] > self.max_age:
-            self._samples.popleft()
-        if len(self._samples) < self.min_samples:
+        if not self._recent(self._samples, now):
             return None
         busy = sum(dt for _, dt in self._samples)
         return len(self._samples) / busy if busy > 0 else None
@@ -66,11 +64,16 @@ class ServiceRate:
         finish: under load (many requests in the engine at once) it is seconds, so a
         bound on the queue wait alone admits requests that then time out in the engine.
         """
-        while self._services and now - self._services[0][0] > self.max_age:
-            self._services.popleft()
-        if len(self._services) < self.min_samples:
+        if not self._recent(self._services, now):
             return 0.0
         return sum(s for _, s in self._services) / len(self._services)
+
+
+    def _recent(self, samples: deque[tuple[float, float]], now: float) -> bool:
+        """Drop ``samples`` older than ``max_age``; True if enough are left to judge by."""
+        while samples and now - samples[0][0] > self.max_age:
+            samples.popleft()
+        return len(samples) >= self.min_samples
 
 
 def predicted_wait(ahead: int, rate: float) -> float:

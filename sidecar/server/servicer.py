@@ -156,8 +156,7 @@ def unset_max_tokens(cap: int, context_length: int | None, prompt: str) -> int:
     one byte); when that bound leaves no room, the usual ~4 bytes per token does."""
     if context_length is None:
         return cap
-    nbytes = len(prompt.encode())
-    for prompt_tokens in (nbytes, max(1, nbytes // 4)):
+    for prompt_tokens in (len(prompt.encode()), estimate_prompt_tokens(prompt)):
         room = context_length - prompt_tokens - TEMPLATE_TOKENS
         if room >= 1:
             return min(cap, room)
