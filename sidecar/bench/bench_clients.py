@@ -26,7 +26,6 @@ import grpc
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
-from .chaos_load import percentile  # noqa: F401  (re-exported for the benches)
 from .workloads import BenchRequest, equal_mass_bins
 
 CALL_TIMEOUT_S = 600.0

@@ -23,7 +23,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from .chaos_processes import SidecarProcess, _Child
+from .chaos_processes import ChildProcess, SidecarProcess
 
 _ENGINE_READY = re.compile(r"binbatch emulate-engine: .* on http://127\.0\.0\.1:(\d+)")
 # vLLM's preemption counter: the family name the parser reports for
@@ -55,7 +55,7 @@ def emulator_args(shape: EngineShape) -> list[str]:
             "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len)]  # fmt: skip
 
 
-class EngineProcess(_Child):
+class EngineProcess(ChildProcess):
     """The embedded engine as a child process."""
 
     def __init__(self, shape: EngineShape, cwd: Path) -> None:

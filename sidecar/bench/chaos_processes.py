@@ -27,7 +27,7 @@ import yaml
 
 STARTUP_SECONDS = 60.0
 _EMULATOR_READY = re.compile(r"binbatch emulate-engine: .* on http://127\.0\.0\.1:(\d+)")
-_SIDECAR_READY = re.compile(r"serving gRPC on 127\.0\.0\.1:(\d+)")
+SIDECAR_READY = re.compile(r"serving gRPC on 127\.0\.0\.1:(\d+)")
 
 
 def free_port() -> int:
@@ -58,7 +58,7 @@ def read_receipts(*paths: Path) -> Counter[str]:
     return counts
 
 
-class _Child:
+class ChildProcess:
     """A child process whose stderr is read line by line until it ends."""
 
     def __init__(self, name: str) -> None:
@@ -127,7 +127,7 @@ class _Child:
         await self.signal_and_wait(signal.SIGKILL, STARTUP_SECONDS)
 
 
-class EmulatorProcess(_Child):
+class EmulatorProcess(ChildProcess):
     """``binbatch emulate-engine`` on a fixed port, logging its receipts to a file."""
 
     def __init__(self, port: int, receipts: Path, engine_args: list[str], cwd: Path) -> None:
@@ -150,7 +150,7 @@ class EmulatorProcess(_Child):
         await self.signal_and_wait(signal.SIGTERM, 15)
 
 
-class SidecarProcess(_Child):
+class SidecarProcess(ChildProcess):
     """``binbatch sidecar --config FILE`` on free ports; JSON logs on stderr."""
 
     def __init__(self, config_path: Path, cwd: Path) -> None:
@@ -166,7 +166,7 @@ class SidecarProcess(_Child):
     async def start(self) -> None:
         args = ["-m", "binbatch_sidecar.cli", "sidecar", "--config", str(self.config_path),
                 "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0"]  # fmt: skip
-        self.grpc_port = await self._spawn(args, _SIDECAR_READY, self.cwd)
+        self.grpc_port = await self._spawn(args, SIDECAR_READY, self.cwd)
 
     def write_config(self, doc: dict[str, Any] | None, raw: bytes | None = None) -> bytes:
         """Replace the config file atomically (as a ConfigMap swap does); returns its bytes."""

@@ -49,7 +49,8 @@ import aiohttp
 import grpc
 
 from . import workloads
-from .bench_clients import RunResult, direct_caller, ideal_gang, percentile, replay, sidecar_caller
+from .bench_clients import RunResult, direct_caller, ideal_gang, replay, sidecar_caller
+from .chaos_load import percentile
 from .bench_processes import EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar
 
 # GPU-like: the fixed step cost dominates (a large model's weights are read once

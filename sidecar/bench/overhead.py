@@ -40,9 +40,10 @@ import yaml
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
-from .bench_clients import CallFailed, completion_body, percentile
+from .bench_clients import CallFailed, completion_body
+from .chaos_load import percentile
 from .bench_processes import EngineProcess, EngineShape, served_model, sidecar_doc
-from .chaos_processes import _SIDECAR_READY, SidecarProcess
+from .chaos_processes import SIDECAR_READY, SidecarProcess
 
 JSON_KEYS = ("added_p50_ms", "added_p99_ms", "max_requests_per_s")
 INSTANT = EngineShape(step_a=0.0, step_c=0.0, num_gpu_blocks=65536, block_size=16, max_num_seqs=1024,
@@ -80,7 +81,7 @@ class _ProfiledSidecar(SidecarProcess):
     async def start(self) -> None:
         args = ["-m", "cProfile", "-o", self.profile, "-m", "binbatch_sidecar.cli", "sidecar",
                 "--config", str(self.config_path), "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0"]  # fmt: skip
-        self.grpc_port = await self._spawn(args, _SIDECAR_READY, self.cwd)
+        self.grpc_port = await self._spawn(args, SIDECAR_READY, self.cwd)
 
 
 async def _closed_loop(call: Callable[[int], Awaitable[None]], concurrency: int, window_s: float) -> float:
