@@ -27,7 +27,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
     predictor: {kind: Hint|Online, defaultOutputTokens}
     metrics:   {source: Scrape|PromQL|None, url, intervalMilliseconds,
                 staleAfterMilliseconds, promqlSelector}
-    server:    {grpcPort, metricsPort, drainGraceSeconds, configPollMilliseconds}
+    server:    {grpcPort, httpPort, metricsPort, drainGraceSeconds, configPollMilliseconds}
     logging:   {level: Debug|Info|Warning|Error, logPrompts}
     classes:   {classes: [{name, priority}]}
 
@@ -75,7 +75,7 @@ MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
 # Keys bound once at start-up (listening sockets). A reload that changes one is
 # refused and names the key; everything else is applied live.
-RESTART_KEYS = (("server", "grpc_port"), ("server", "metrics_port"))
+RESTART_KEYS = (("server", "grpc_port"), ("server", "http_port"), ("server", "metrics_port"))
 CLASS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 CLASS_PRIORITY_LIMIT = 1000  # class and request priorities are in [-1000, 1000]
 
@@ -244,14 +244,19 @@ class MetricsConfig(_Section):
 
 class ServerConfig(_Section):
     grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC listen port; 0 picks a free port. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
+    http_port: int = Field(8080, ge=0, le=65535, description="OpenAI-compatible HTTP listen port (/v1/completions, /v1/chat/completions, /v1/models); 0 picks a free port. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
     metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics listen port; 0 picks a free port. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
     drain_grace_seconds: int = Field(30, ge=0, le=3600, description="On SIGTERM, time to drain queued and in-flight requests.")  # fmt: skip
     config_poll_milliseconds: int = Field(1000, ge=100, le=600_000, description="How often the config file is checked for a change.")  # fmt: skip
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServerConfig:
-        if self.grpc_port == self.metrics_port != 0:
-            _broken([("grpcPort", f"must differ from metricsPort (both {self.grpc_port}); only 0 may repeat")])
+        ports = {"grpcPort": self.grpc_port, "httpPort": self.http_port, "metricsPort": self.metrics_port}
+        named = list(ports.items())
+        clashes = [(a, f"must differ from {b} (both {pa}); only 0 may repeat")
+                   for i, (a, pa) in enumerate(named) for b, pb in named[i + 1:] if pa == pb != 0]  # fmt: skip
+        if clashes:
+            _broken(clashes)
         return self
 
 

@@ -139,6 +139,7 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
 REFUSED: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("server", "grpc_port"): {"server": {"grpcPort": 12345}},
     ("server", "metrics_port"): {"server": {"metricsPort": 12346}},
+    ("server", "http_port"): {"server": {"httpPort": 12347}},
 }
 SINGLE_VALUED: dict[tuple[str, str], Any] = {}  # keys with nothing to change them to
 

@@ -71,6 +71,7 @@ metrics:
   promqlSelector: '{pod="vllm-0"}'
 server:
   grpcPort: 7000
+  httpPort: 7002
   metricsPort: 7001
   drainGraceSeconds: 10
   configPollMilliseconds: 2000
@@ -164,7 +165,8 @@ def test_config_is_frozen():
         ({"bins": {"mode": "Adaptive", "boundaries": [1, 2, 3]}}, "bins.boundaries", "empty unless mode is Fixed"),
         ({"batch": {"sizing": "Sla"}}, "latency.tpotMilliseconds", "> 0 when batch.sizing is Sla"),
         ({"metrics": {"intervalMilliseconds": 2000}}, "metrics.staleAfterMilliseconds", ">= 2 x intervalMilliseconds"),
-        ({"server": {"grpcPort": 8080, "metricsPort": 8080}}, "server.grpcPort", "must differ from metricsPort"),
+        ({"server": {"grpcPort": 7070, "httpPort": 7070}}, "server.grpcPort", "must differ from httpPort"),
+        ({"server": {"grpcPort": 7070, "metricsPort": 7070}}, "server.grpcPort", "must differ from metricsPort"),
         ({"engine": {"url": "localhost:8000"}}, "engine.url", "http(s) URL with a host"),
         ({"engine": {"url": "http:///health"}}, "engine.url", "http(s) URL with a host"),
         ({"engine": {"url": "http://h:70000"}}, "engine.url", "not a valid URL"),
