@@ -1,4 +1,10 @@
-"""The ``binbatch`` command."""
+"""The ``binbatch`` command.
+
+Exit codes (the README's CLI section): 0 success; 1 the sidecar cut off requests
+when its drain grace ran out, or ``bench chaos`` found a lost, duplicated or hung
+request; 2 it could not start (a bad flag, environment variable or config file,
+or a port it cannot listen on), one line on stderr.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,10 @@ import json
 import os
 import sys
 from dataclasses import replace
+
+from .server.ports import EXIT_CANNOT_LISTEN, ListenError
+
+EXIT_CANNOT_START = 2  # argparse's own usage errors exit 2 as well
 
 
 def _progress(quiet: bool):
@@ -128,10 +138,10 @@ def _sidecar(args: argparse.Namespace) -> int:
         loaded = load_config(path) if path else LoadedConfig(parse_config(None), sha256="", source="<defaults>")
     except ConfigError as exc:
         print(f"binbatch sidecar: invalid config {path}:\n{exc}", file=sys.stderr)
-        return 2
+        return EXIT_CANNOT_START
     except OSError as exc:
-        print(f"binbatch sidecar: cannot read config: {exc}", file=sys.stderr)
-        return 2
+        print(f"binbatch sidecar: cannot read config {path}: {(exc.strerror or str(exc)).lower()}", file=sys.stderr)
+        return EXIT_CANNOT_START
     logs.setup(str(loaded.config.logging.level))
     return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port))
 
@@ -241,7 +251,8 @@ def _env_port(name: str) -> int | None:
     try:
         return _port(text)
     except argparse.ArgumentTypeError as exc:
-        raise SystemExit(f"binbatch: {name}: {exc}") from None
+        print(f"binbatch: ${name}: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_CANNOT_START) from None
 
 
 _CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
@@ -281,7 +292,11 @@ def _positive_int(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ListenError as exc:  # a port in use: one line, not a traceback
+        print(f"binbatch {args.command}: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_LISTEN
 
 
 if __name__ == "__main__":

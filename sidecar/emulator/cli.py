@@ -10,18 +10,36 @@ from dataclasses import fields
 from typing import Any
 
 from .config import EmulatorConfig
-from .server import serve
+from .server import CannotListen, serve
+
+EXIT_CANNOT_START = 2  # a bad flag, or the port cannot be bound (README: exit codes)
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value
@@ -31,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The emulator's flags: ``--host``, ``--port`` and one per :class:`EmulatorConfig` field."""
     d = EmulatorConfig()
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any (default 8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="port to bind, 0 for any (default 8000)")
     parser.add_argument("--model", "--served-model-name", dest="model", default=d.model,
                         help=f"served model name (default {d.model!r})")  # fmt: skip
     parser.add_argument("--step-a", type=_seconds, default=d.step_a,
@@ -67,8 +85,18 @@ def run_from_args(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as err:
         print(f"binbatch emulate-engine: {err}", file=sys.stderr)
-        return 2
-    asyncio.run(serve(args.host, args.port, config))
+        return EXIT_CANNOT_START
+    if config.receipts_file:
+        try:  # opened for append by the server anyway; a bad path is one line here, not a traceback
+            open(config.receipts_file, "a", encoding="utf-8").close()  # noqa: SIM115
+        except OSError as err:
+            print(f"binbatch emulate-engine: --receipts-file {config.receipts_file}: {err.strerror}", file=sys.stderr)
+            return EXIT_CANNOT_START
+    try:
+        asyncio.run(serve(args.host, args.port, config))
+    except CannotListen as err:
+        print(f"binbatch emulate-engine: {err}", file=sys.stderr)
+        return EXIT_CANNOT_START
     return 0
 
 
