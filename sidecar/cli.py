@@ -17,6 +17,10 @@ from dataclasses import replace
 from .server.ports import EXIT_CANNOT_LISTEN, ListenError
 
 EXIT_CANNOT_START = 2  # argparse's own usage errors exit 2 as well
+DESCRIPTION = (
+    "binbatch: multi-bin batching for vLLM. Run the batching sidecar in front of a vLLM server, "
+    "the vLLM engine emulator, the demo, or the benchmarks."
+)
 
 
 def _progress(quiet: bool):
@@ -147,13 +151,15 @@ def _sidecar(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="binbatch", description=__doc__)
+    p = argparse.ArgumentParser(prog="binbatch", description=DESCRIPTION)
+    p.add_argument("--version", action=_VersionAction, help="print the installed version and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="benchmarks: tables, JSON and plots")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     th = bench_sub.add_parser(
-        "theory", help="reproduce the seeds' multi-bin and SMDP results on the scheduling core"
+        "theory", help="reproduce the published multi-bin batching and semi-Markov (SMDP) dispatch results "
+                  "on the scheduling core"
     )
     th.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     th.add_argument("--plot", metavar="FILE.png", help="also draw the four figures to this PNG")
@@ -193,8 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--requests", type=_positive_int, help="requests per chat/short run (default 64)")
     e2.add_argument("--loads", type=_load_fraction, nargs="+", metavar="FRACTION",
                     help="Poisson loads as fractions of direct capacity (default 0.5 0.8 0.95 1.1)")  # fmt: skip
-    e2.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0, help="TTFT SLO of goodput (default 500)")
-    e2.add_argument("--slo-tpot-ms", type=_positive_float, default=20.0, help="TPOT SLO of goodput (default 20)")
+    e2.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0,
+                    help="time to first token, ms, a request must meet to count as goodput (default 500)")
+    e2.add_argument("--slo-tpot-ms", type=_positive_float, default=20.0,
+                    help="time per output token, ms, a request must meet to count as goodput (default 20)")
     e2.add_argument("--seed", type=int, default=1, help="random seed of the workloads (default 1)")
     e2.add_argument("--only", action="append", choices=_E2E_SCENARIOS, metavar="SCENARIO",
                     help=f"run only this scenario or shape (repeatable): {', '.join(_E2E_SCENARIOS)}")  # fmt: skip
@@ -288,6 +296,32 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def version_text() -> str:
+    """``binbatch --version``: the installed distribution's version, then Python's
+    and the serving libraries' (what a bug report needs)."""
+    from importlib import metadata
+
+    def installed(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    libs = ", ".join(f"{d} {installed(d)}" for d in ("grpcio", "aiohttp", "pydantic", "prometheus-client", "kopf"))
+    return f"binbatch {installed('binbatch')} (Python {sys.version.split()[0]}; {libs})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, computed only when asked (reading package metadata is not free)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001 - argparse's signature
+        print(version_text())
+        parser.exit()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 from .config import EmulatorConfig
 from .server import CannotListen, serve
 
+DESCRIPTION = "A vLLM-compatible engine emulator: OpenAI API, /metrics, paged KV-cache blocks."
 EXIT_CANNOT_START = 2  # a bad flag, or the port cannot be bound (README: exit codes)
 
 
@@ -53,9 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "--served-model-name", dest="model", default=d.model,
                         help=f"served model name (default {d.model!r})")  # fmt: skip
     parser.add_argument("--step-a", type=_seconds, default=d.step_a,
-                        help=f"fixed step time a in tau(b) = a + c*b, seconds (default {d.step_a})")  # fmt: skip
+                        help=f"fixed part of every engine step, seconds: a step with n running sequences takes "
+                             f"step-a + step-c * n (default {d.step_a})")  # fmt: skip
     parser.add_argument("--step-c", type=_seconds, default=d.step_c,
-                        help=f"per-sequence step time c, seconds (default {d.step_c})")  # fmt: skip
+                        help=f"step time added per running sequence, seconds (default {d.step_c})")  # fmt: skip
     parser.add_argument("--num-gpu-blocks", type=_positive_int, default=d.num_gpu_blocks,
                         help=f"KV cache blocks (default {d.num_gpu_blocks})")  # fmt: skip
     parser.add_argument("--block-size", type=_positive_int, default=d.block_size,
@@ -104,18 +106,21 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``emulate-engine`` on a ``binbatch`` subparsers object; it sets ``func``."""
     parser = subparsers.add_parser(
         "emulate-engine", help="run a vLLM-compatible engine emulator (OpenAI API, /metrics, KV blocks)",
-        description="A vLLM-compatible engine emulator: OpenAI API, /metrics, paged KV blocks.",
+        description=DESCRIPTION,
     )  # fmt: skip
     add_arguments(parser)
     parser.set_defaults(func=run_from_args)
     return parser
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The standalone command's parser (``python -m binbatch_sidecar.emulator``)."""
+    parser = argparse.ArgumentParser(prog="binbatch emulate-engine", description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry point: ``python -m binbatch_sidecar.emulator [flags]``."""
-    parser = argparse.ArgumentParser(
-        prog="binbatch emulate-engine", description="A vLLM-compatible engine emulator."
-    )
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    return run_from_args(build_parser().parse_args(argv))
 
