@@ -1,4 +1,10 @@
-"""The ``binbatch`` command."""
+"""The ``binbatch`` command.
+
+Exit codes (the README's CLI section): 0 success; 1 the sidecar cut off requests
+when its drain grace ran out, or ``bench chaos`` found a lost, duplicated or hung
+request; 2 it could not start (a bad flag, environment variable or config file,
+or a port it cannot listen on), one line on stderr.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,14 @@ import json
 import os
 import sys
 from dataclasses import replace
+
+from .server.ports import EXIT_CANNOT_LISTEN, ListenError
+
+EXIT_CANNOT_START = 2  # argparse's own usage errors exit 2 as well
+DESCRIPTION = (
+    "binbatch: multi-bin batching for vLLM. Run the batching sidecar in front of a vLLM server, "
+    "the vLLM engine emulator, the demo, or the benchmarks."
+)
 
 
 def _progress(quiet: bool):
@@ -128,22 +142,24 @@ def _sidecar(args: argparse.Namespace) -> int:
         loaded = load_config(path) if path else LoadedConfig(parse_config(None), sha256="", source="<defaults>")
     except ConfigError as exc:
         print(f"binbatch sidecar: invalid config {path}:\n{exc}", file=sys.stderr)
-        return 2
+        return EXIT_CANNOT_START
     except OSError as exc:
-        print(f"binbatch sidecar: cannot read config: {exc}", file=sys.stderr)
-        return 2
+        print(f"binbatch sidecar: cannot read config {path}: {(exc.strerror or str(exc)).lower()}", file=sys.stderr)
+        return EXIT_CANNOT_START
     logs.setup(str(loaded.config.logging.level))
     return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="binbatch", description=__doc__)
+    p = argparse.ArgumentParser(prog="binbatch", description=DESCRIPTION)
+    p.add_argument("--version", action=_VersionAction, help="print the installed version and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="benchmarks: tables, JSON and plots")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     th = bench_sub.add_parser(
-        "theory", help="reproduce the seeds' multi-bin and SMDP results on the scheduling core"
+        "theory", help="reproduce the published multi-bin batching and semi-Markov (SMDP) dispatch results "
+                  "on the scheduling core"
     )
     th.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     th.add_argument("--plot", metavar="FILE.png", help="also draw the four figures to this PNG")
@@ -183,8 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--requests", type=_positive_int, help="requests per chat/short run (default 64)")
     e2.add_argument("--loads", type=_load_fraction, nargs="+", metavar="FRACTION",
                     help="Poisson loads as fractions of direct capacity (default 0.5 0.8 0.95 1.1)")  # fmt: skip
-    e2.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0, help="TTFT SLO of goodput (default 500)")
-    e2.add_argument("--slo-tpot-ms", type=_positive_float, default=20.0, help="TPOT SLO of goodput (default 20)")
+    e2.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0,
+                    help="time to first token, ms, a request must meet to count as goodput (default 500)")
+    e2.add_argument("--slo-tpot-ms", type=_positive_float, default=20.0,
+                    help="time per output token, ms, a request must meet to count as goodput (default 20)")
     e2.add_argument("--seed", type=int, default=1, help="random seed of the workloads (default 1)")
     e2.add_argument("--only", action="append", choices=_E2E_SCENARIOS, metavar="SCENARIO",
                     help=f"run only this scenario or shape (repeatable): {', '.join(_E2E_SCENARIOS)}")  # fmt: skip
@@ -241,7 +259,8 @@ def _env_port(name: str) -> int | None:
     try:
         return _port(text)
     except argparse.ArgumentTypeError as exc:
-        raise SystemExit(f"binbatch: {name}: {exc}") from None
+        print(f"binbatch: ${name}: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_CANNOT_START) from None
 
 
 _CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
@@ -279,9 +298,39 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def version_text() -> str:
+    """``binbatch --version``: the installed distribution's version, then Python's
+    and the serving libraries' (what a bug report needs)."""
+    from importlib import metadata
+
+    def installed(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    libs = ", ".join(f"{d} {installed(d)}" for d in ("grpcio", "aiohttp", "pydantic", "prometheus-client", "kopf"))
+    return f"binbatch {installed('binbatch')} (Python {sys.version.split()[0]}; {libs})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, computed only when asked (reading package metadata is not free)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001 - argparse's signature
+        print(version_text())
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ListenError as exc:  # a port in use: one line, not a traceback
+        print(f"binbatch {args.command}: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_LISTEN
 
 
 if __name__ == "__main__":

@@ -126,15 +126,15 @@ class EngineConfig(_Section):
 
 class BinsConfig(_Section):
     mode: BinMode = Field("Fixed", description="Fixed boundaries, Auto (equal-mass quantiles of observed lengths), or Adaptive (split/merge by load).")  # fmt: skip
-    count: int = Field(4, ge=1, le=64, description="Number of bins k (the maximum number of buckets for Adaptive; the most bins for countMode Auto).")  # fmt: skip
-    count_mode: CountMode = Field("Fixed", description="Fixed: k is count. Auto: the sidecar measures the arrival rate and re-chooses k in [1, count] (more bins raise throughput, Theorem 4.2, but fill more slowly, Lemma 5.1) to meet latencyTargetMilliseconds; not with mode Adaptive or boundaries.")  # fmt: skip
-    latency_target_milliseconds: int = Field(0, ge=0, le=600_000, description="countMode Auto: the latency target k is chosen for (Lemma 5.1: batch service plus the wait for a bin to fill); required (> 0) with countMode Auto.")  # fmt: skip
+    count: int = Field(4, ge=1, le=64, description="Number of bins (with mode Adaptive: the most bins it may split into; with countMode Auto: the most bins it may choose).")  # fmt: skip
+    count_mode: CountMode = Field("Fixed", description="Fixed: use count bins. Auto: the sidecar measures the arrival rate and re-chooses the number of bins, from 1 to count, to meet latencyTargetMilliseconds (more bins raise throughput, but each bin takes longer to fill); not with mode Adaptive or boundaries.")  # fmt: skip
+    latency_target_milliseconds: int = Field(0, ge=0, le=600_000, description="countMode Auto: the latency the number of bins is chosen to meet (the time to serve a batch plus the wait for its bin to fill); required (> 0) with countMode Auto.")  # fmt: skip
     boundaries: list[int] = Field(default_factory=list, max_length=63, description="Fixed only: count-1 strictly increasing token boundaries below maxOutputTokens; empty means uniform over [1, maxOutputTokens].")  # fmt: skip
     max_output_tokens: int = Field(2048, ge=1, le=1_000_000, description="Upper end of the uniform bins and the default max_tokens cap.")  # fmt: skip
     auto_window: int = Field(4096, ge=16, le=1_000_000, description="Auto: observed output lengths kept for the quantile estimate.")  # fmt: skip
     auto_refresh_every: int = Field(256, ge=1, le=1_000_000, description="Auto: recompute the boundaries every N observations.")  # fmt: skip
-    split_threshold_percent: int = Field(60, ge=1, le=99, description="Adaptive: load share θ above which a bin splits, in percent.")  # fmt: skip
-    max_requests_per_bin: int = Field(0, ge=0, le=1_000_000, description="Adaptive: N_max requests per bin; 0 derives it from KV-cache memory.")  # fmt: skip
+    split_threshold_percent: int = Field(60, ge=1, le=99, description="Adaptive: a bin holding more than maxRequestsPerBin requests splits at its midpoint when more than this percentage of them lie below it.")  # fmt: skip
+    max_requests_per_bin: int = Field(0, ge=0, le=1_000_000, description="Adaptive: a bin holding more requests than this may split, and the bins merge back into one while fewer than this are queued in all; 0 derives it from the KV-cache size.")  # fmt: skip
 
     @field_validator("boundaries")
     @classmethod
@@ -170,14 +170,14 @@ class BinsConfig(_Section):
 
 class BatchConfig(_Section):
     mode: BatchMode = Field("Continuous", description="Gang: a batch holds its slot until all its requests finish. Continuous: admit into the engine per request.")  # fmt: skip
-    sizing: Sizing = Field("Combined", description="Target batch size: Static, Memory (KV overflow bound), Sla (TPOT bound) or Combined (the min of both).")  # fmt: skip
+    sizing: Sizing = Field("Combined", description="How the target batch size is chosen: Static (batch.staticSize), Memory (the largest size whose KV-cache overflow probability stays within memory.overflowPerMille), Sla (the largest size whose time per output token meets latency.tpotMilliseconds) or Combined (the smaller of Memory and Sla).")  # fmt: skip
     static_size: int = Field(32, ge=1, le=4096, description="Batch size for Static sizing, and before metrics arrive.")
     min_batch_size: int = Field(1, ge=1, le=4096, description="Lower clamp of the dynamic batch size.")
     max_batch_size: int = Field(256, ge=1, le=4096, description="Upper clamp of the dynamic batch size.")
     max_wait_milliseconds: int = Field(50, ge=0, le=600_000, description="A partial batch leaves its bin once its oldest request waited this long (Continuous mode: at once while the engine holds fewer requests than the batch size).")  # fmt: skip
-    max_inflight_batches: int = Field(4, ge=1, le=1024, description="Batches in the engine at once (the seed's servers).")  # fmt: skip
+    max_inflight_batches: int = Field(4, ge=1, le=1024, description="Gang mode: the most batches in the engine at once (each holds its place until all its requests finish).")  # fmt: skip
     max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED). A request whose predicted queue wait exceeds its deadline is refused too.")  # fmt: skip
-    dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds), or Smdp (Gang only: as soon as a slot is free and its bin holds the SMDP control limit, solved from the measured arrival rate and batch time l(b) = αb + β; maxWaitMilliseconds still bounds the wait, and alone decides until a solution exists).")  # fmt: skip
+    dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds), or Smdp (Gang only: as soon as a slot is free and its bin holds enough requests, the threshold coming from a semi-Markov decision process (SMDP) solved for the measured arrival rate and batch service time (fitted as a linear function of batch size); maxWaitMilliseconds still bounds the wait, and alone decides until a solution exists).")  # fmt: skip
     smdp_engine_weight: int = Field(16, ge=1, le=100_000, description="Smdp: request-seconds of waiting one engine-second is worth; larger sends fewer, fuller batches.")  # fmt: skip
     order: AdmissionOrderName = Field("ShortestFirst", description="Continuous mode, when the engine is full: which waiting request is admitted next. Fifo: in arrival order. ShortestFirst: the smallest predicted output first, aged by agingTokensPerSecond and bounded by maxQueueWaitMilliseconds; a request past its TTFT SLO's queue share goes after those that can still meet theirs.")  # fmt: skip
     aging_tokens_per_second: int = Field(20, ge=0, le=1_000_000, description="ShortestFirst: each second a request waits lowers its rank by this many predicted tokens, so long requests move up.")  # fmt: skip
@@ -199,16 +199,16 @@ class BatchConfig(_Section):
 
 
 class MemoryConfig(_Section):
-    overflow_per_mille: int = Field(10, ge=1, le=999, description="ε_M: accepted probability of KV-cache overflow, per mille (10 = 0.010).")  # fmt: skip
+    overflow_per_mille: int = Field(10, ge=1, le=999, description="Accepted probability that a batch overflows the KV cache, per mille (10 means 1%).")  # fmt: skip
     kv_reserve_percent: int = Field(0, ge=0, le=90, description="Share of the KV cache kept out of the memory bound, in percent.")  # fmt: skip
     kv_saturation_percent: int = Field(95, ge=1, le=100, description="KV-cache usage at or above which no bin grows, in percent.")  # fmt: skip
 
 
 class LatencyConfig(_Section):
-    tpot_milliseconds: int = Field(0, ge=0, le=100_000, description="Time-per-output-token SLO D_SLA; 0 means none.")
+    tpot_milliseconds: int = Field(0, ge=0, le=100_000, description="Time-per-output-token (TPOT) target that Sla sizing keeps to; 0 means none.")
     ttft_milliseconds: int = Field(0, ge=0, le=600_000, description="Time-to-first-token SLO of requests without x-slo-ttft-ms; 0 means none.")  # fmt: skip
     queue_share_percent: int = Field(50, ge=1, le=100, description="Share of a request's TTFT SLO it may wait in its bin; then the bin is sent, full or not.")  # fmt: skip
-    tolerance_percent: int = Field(10, ge=0, le=100, description="ε_D: accepted TPOT deviation, in percent of the target.")  # fmt: skip
+    tolerance_percent: int = Field(10, ge=0, le=100, description="How far the measured time per output token may stray from tpotMilliseconds, in percent of it, before Sla sizing changes the batch size.")  # fmt: skip
 
 
 class PredictorConfig(_Section):

@@ -10,18 +10,37 @@ from dataclasses import fields
 from typing import Any
 
 from .config import EmulatorConfig
-from .server import serve
+from .server import CannotListen, serve
+
+DESCRIPTION = "A vLLM-compatible engine emulator: OpenAI API, /metrics, paged KV-cache blocks."
+EXIT_CANNOT_START = 2  # a bad flag, or the port cannot be bound (README: exit codes)
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value
@@ -31,13 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The emulator's flags: ``--host``, ``--port`` and one per :class:`EmulatorConfig` field."""
     d = EmulatorConfig()
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any (default 8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="port to bind, 0 for any (default 8000)")
     parser.add_argument("--model", "--served-model-name", dest="model", default=d.model,
                         help=f"served model name (default {d.model!r})")  # fmt: skip
     parser.add_argument("--step-a", type=_seconds, default=d.step_a,
-                        help=f"fixed step time a in tau(b) = a + c*b, seconds (default {d.step_a})")  # fmt: skip
+                        help=f"fixed part of every engine step, seconds: a step with n running sequences takes "
+                             f"step-a + step-c * n (default {d.step_a})")  # fmt: skip
     parser.add_argument("--step-c", type=_seconds, default=d.step_c,
-                        help=f"per-sequence step time c, seconds (default {d.step_c})")  # fmt: skip
+                        help=f"step time added per running sequence, seconds (default {d.step_c})")  # fmt: skip
     parser.add_argument("--num-gpu-blocks", type=_positive_int, default=d.num_gpu_blocks,
                         help=f"KV cache blocks (default {d.num_gpu_blocks})")  # fmt: skip
     parser.add_argument("--block-size", type=_positive_int, default=d.block_size,
@@ -67,8 +87,18 @@ def run_from_args(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as err:
         print(f"binbatch emulate-engine: {err}", file=sys.stderr)
-        return 2
-    asyncio.run(serve(args.host, args.port, config))
+        return EXIT_CANNOT_START
+    if config.receipts_file:
+        try:  # opened for append by the server anyway; a bad path is one line here, not a traceback
+            open(config.receipts_file, "a", encoding="utf-8").close()  # noqa: SIM115
+        except OSError as err:
+            print(f"binbatch emulate-engine: --receipts-file {config.receipts_file}: {err.strerror}", file=sys.stderr)
+            return EXIT_CANNOT_START
+    try:
+        asyncio.run(serve(args.host, args.port, config))
+    except CannotListen as err:
+        print(f"binbatch emulate-engine: {err}", file=sys.stderr)
+        return EXIT_CANNOT_START
     return 0
 
 
@@ -76,18 +106,21 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``emulate-engine`` on a ``binbatch`` subparsers object; it sets ``func``."""
     parser = subparsers.add_parser(
         "emulate-engine", help="run a vLLM-compatible engine emulator (OpenAI API, /metrics, KV blocks)",
-        description="A vLLM-compatible engine emulator: OpenAI API, /metrics, paged KV blocks.",
+        description=DESCRIPTION,
     )  # fmt: skip
     add_arguments(parser)
     parser.set_defaults(func=run_from_args)
     return parser
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The standalone command's parser (``python -m binbatch_sidecar.emulator``)."""
+    parser = argparse.ArgumentParser(prog="binbatch emulate-engine", description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry point: ``python -m binbatch_sidecar.emulator [flags]``."""
-    parser = argparse.ArgumentParser(
-        prog="binbatch emulate-engine", description="A vLLM-compatible engine emulator."
-    )
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    return run_from_args(build_parser().parse_args(argv))
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -263,6 +265,22 @@ def build_app(config: EmulatorConfig) -> web.Application:
 # ---------------------------------------------------------------- server lifecycle
 
 
+class CannotListen(Exception):
+    """The emulator's port could not be bound (in use, no permission, unknown host):
+    one line for a person, not a traceback.  The sidecar has its own
+    (``binbatch_sidecar.server.ports``): the emulator imports no sidecar code."""
+
+    def __init__(self, host: str, port: int, exc: OSError) -> None:
+        setting = "--port"
+        if exc.errno and exc.errno > 0 and not isinstance(exc, socket.gaierror):
+            reason = os.strerror(exc.errno)
+        else:  # an unknown host: getaddrinfo's message
+            reason, setting = str(exc.strerror or exc), "--host"
+        shown = f"[{host}]" if ":" in host else host
+        super().__init__(f"cannot listen on {shown}:{port} ({setting}): {reason.lower()}")
+        self.host, self.port, self.errno = host, port, exc.errno
+
+
 class Emulator:
     """An emulator serving on ``host:port`` (port 0 picks a free one), as a context manager."""
 
@@ -289,10 +307,16 @@ class Emulator:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> str:
-        """Bind, start the engine loop; returns the base URL (with the bound port)."""
+        """Bind, start the engine loop; returns the base URL (with the bound port).
+        Raises ``CannotListen`` (after stopping the engine loop) if the bind fails."""
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._requested_port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            self._stopped = True
+            await self._runner.cleanup()
+            raise CannotListen(self.host, self._requested_port, exc) from None
         self.port = int(self._runner.addresses[0][1])
         return self.base_url
 

@@ -32,7 +32,7 @@ from ..engine.dispatcher import Adjustment, Dispatcher
 from ..engine.engine_client import EngineClient
 from ..engine.metrics_feed import MetricsFeed
 from ..engine.sidecar_metrics import SidecarMetrics
-from . import logs
+from . import logs, ports
 from .assembly import build_bin_count, build_core, build_smdp, dispatch_mode, metrics_source
 from .config_watcher import ConfigWatcher
 from .metrics_endpoint import metrics_app
@@ -65,6 +65,10 @@ class Sidecar:
         self.host = host
         self._grpc_port_req = loaded.config.server.grpc_port if grpc_port is None else grpc_port
         self._metrics_port_req = loaded.config.server.metrics_port if metrics_port is None else metrics_port
+        self._port_settings = (  # named in a ListenError
+            ports.setting_name("server.grpcPort", "--grpc-port", "BINBATCH_GRPC_PORT", grpc_port is not None),
+            ports.setting_name("server.metricsPort", "--metrics-port", "BINBATCH_METRICS_PORT", metrics_port is not None),
+        )  # fmt: skip
         self.metrics = SidecarMetrics()
         self.started_at = time.monotonic()
         self.throughput = ThroughputWindow(self.clock.now())  # fed by the servicer per completion
@@ -124,18 +128,21 @@ class Sidecar:
             context_length=lambda model: self.client.context_lengths.get(model), on_completion=self.on_completion,
         )  # fmt: skip
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=ports.GRPC_SERVER_OPTIONS)
         add_servicers(self.server, inference, AdminServicer(self.replies))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
-        self.grpc_port = self.server.add_insecure_port(f"{self.host}:{self._grpc_port_req}")
-        await self._set_health(False)
-        await self.server.start()
         self._runner = web.AppRunner(metrics_app(self.metrics.render, lambda: self.engine_serving), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._metrics_port_req)
-        await site.start()
-        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:  # a port in use: ListenError, after closing what was opened
+            self.grpc_port = ports.bind_grpc(self.server, self.host, self._grpc_port_req, self._port_settings[0])
+            await self._set_health(False)
+            await self.server.start()
+            await self._runner.setup()
+            self.metrics_port = await ports.start_site(self._runner, self.host, self._metrics_port_req,
+                                                       self._port_settings[1])  # fmt: skip
+        except BaseException:
+            await self._abort_start()
+            raise
         self.metrics.config_generation.set(self.loaded.generation)
         await self._check_engine()
         loops = (self.dispatcher.run(), self.feed.run(), self._health_loop(), self._solve_smdp())
@@ -144,6 +151,13 @@ class Sidecar:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         log.info("sidecar serving gRPC on %s:%d, metrics on :%d, engine %s, mode %s",
                  self.host, self.grpc_port, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
+
+    async def _abort_start(self) -> None:
+        """A failed start (a port in use): close what was opened, so the process
+        can exit with one clear line instead of leaking a server into a closed loop."""
+        await self.server.stop(None)
+        await self._runner.cleanup()
+        await self.client.close()
 
     async def stop(self, grace: float | None = None) -> int:
         """Stop intake, drain within ``grace`` seconds, then shut everything down.

@@ -1,0 +1,43 @@
+"""Start-up mistakes a person makes first get one line on stderr and exit 2.
+
+Each runs the installed console script (``binbatch``) as a process that fails
+before it opens a socket: a bad port variable, a config file that is not there,
+an emulator receipts file it cannot create.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def run(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "binbatch"), *argv], capture_output=True, text=True, timeout=60, cwd=cwd,
+                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def test_a_bad_port_variable_names_it_and_exits_2(tmp_path):
+    out = run("sidecar", cwd=tmp_path, env={"BINBATCH_GRPC_PORT": "fifty"})
+    assert (out.returncode, out.stderr.splitlines()) == (
+        2, ["binbatch: $BINBATCH_GRPC_PORT: expected a port number, got 'fifty'"],
+    )  # fmt: skip
+
+
+def test_a_missing_config_file_is_one_line(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    out = run("sidecar", "--config", str(missing), cwd=tmp_path)
+    assert (out.returncode, out.stderr.splitlines()) == (
+        2, [f"binbatch sidecar: cannot read config {missing}: no such file or directory"],
+    )  # fmt: skip
+
+
+def test_an_emulator_receipts_file_it_cannot_create_is_one_line(tmp_path):
+    path = tmp_path / "no-such-dir" / "receipts.jsonl"
+    out = run("emulate-engine", "--port", "0", "--receipts-file", str(path), cwd=tmp_path)
+    assert (out.returncode, out.stderr.splitlines()) == (
+        2, [f"binbatch emulate-engine: --receipts-file {path}: No such file or directory"],
+    )  # fmt: skip
