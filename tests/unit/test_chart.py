@@ -349,7 +349,7 @@ EXPECTED_RULES = {
     ("binbatch.io", "batchingpolicies/status", ("get", "patch"), ()),
     ("binbatch.io", "batchingpolicies/finalizers", ("update",), ()),
     ("", "configmaps", ("create", "get", "list", "patch", "watch"), ()),
-    ("", "services", ("create", "get", "list", "patch", "watch"), ()),
+    ("", "services", ("create", "delete", "get", "list", "patch", "watch"), ()),
     ("", "pods", ("get", "list", "watch"), ()),
     ("", "events", ("create",), ()),
     ("events.k8s.io", "events", ("create",), ()),
