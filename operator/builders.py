@@ -39,6 +39,7 @@ SIDECAR_HASH_ANNOTATION = f"{GROUP}/sidecar-hash"  # of the injected container: 
 CONFLICT_ANNOTATION = f"{GROUP}/conflict"  # on pods two policies select: who they were
 INJECT_ANNOTATION = f"{GROUP}/inject"  # "false" on a pod: never inject it (per-pod opt-out)
 REFUSED_ANNOTATION = f"{GROUP}/take-over-refused"  # on a pod the port take-over could not rewrite: why
+HEADLESS_LABEL = f"{GROUP}/headless"  # on the headless Service: the chart's ServiceMonitor skips it (same pods)
 SIDECAR_UID = 10001
 MANAGED_LABELS = {"app.kubernetes.io/name": "binbatch-sidecar", "app.kubernetes.io/managed-by": "binbatch-operator"}
 
@@ -186,7 +187,7 @@ def build_headless_service(name: str, namespace: str, spec: Mapping[str, Any]) -
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": headless_name(name), "namespace": namespace, "labels": _labels(name)},
+        "metadata": {"name": headless_name(name), "namespace": namespace, "labels": {**_labels(name), HEADLESS_LABEL: "true"}},
         "spec": {
             "type": "ClusterIP", "clusterIP": "None", "publishNotReadyAddresses": False,
             "selector": {POLICY_LABEL: policy_label(name)}, "ports": _service_ports(spec),
