@@ -294,3 +294,20 @@ def test_headless_names_are_valid_and_distinct_from_the_main_service(policy):
     name = builders.headless_name(policy)
     assert len(name) <= 63 and name.endswith("-binbatch-headless") and name[0].isalpha()
     assert name != builders.child_name(policy)
+
+
+def test_the_gpu_sample_is_taken_over_as_documented():
+    """The sample Deployment as users write it: --host/--port in args, probes on the named port."""
+    from pathlib import Path
+
+    docs = list(yaml.safe_load_all((Path(__file__).parents[2] / "manifests/samples/gpu-vllm.yaml").read_text()))
+    template = next(d for d in docs if d and d["kind"] == "Deployment")["spec"]["template"]
+    p = {"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"], "name": "qwen-0", "namespace": "llm"},
+         "spec": template["spec"]}  # fmt: skip
+    patch = builders.build_pod_patch(p, "qwen", 1, SPEC, IMAGE)
+    engine, side = patch["spec"]["containers"]
+    assert engine["args"][:6] == ["--model", "Qwen/Qwen2.5-1.5B-Instruct", "--host", "127.0.0.1", "--port", "8001"]
+    assert {engine[k]["httpGet"]["port"] for k in ("startupProbe", "readinessProbe", "livenessProbe")} == {8000}
+    assert ports(side)["http"] == 8000 and ports(side)["bb-http"] == 8000 and "ports" not in engine
+    whole = {**p, "metadata": {**p["metadata"], **patch["metadata"]}, "spec": {**p["spec"], **patch["spec"]}}
+    kubernetes_validate.validate(whole, "1.30", strict=True)
