@@ -226,6 +226,14 @@ def _renumber(handler: Any, moved: set[str], port: int) -> None:
             action["port"] = port
 
 
+def _unprivileged_port_start(pod_spec: Mapping[str, Any]) -> int:
+    """The lowest port a process without NET_BIND_SERVICE may bind: the pod's sysctl, else Linux's 1024."""
+    for sysctl in ((pod_spec.get("securityContext") or {}).get("sysctls")) or []:
+        if sysctl.get("name") == "net.ipv4.ip_unprivileged_port_start" and str(sysctl.get("value", "")).isdigit():
+            return int(sysctl["value"])
+    return 1024
+
+
 def _declared_elsewhere(pod_spec: Mapping[str, Any], index: int, port: int) -> str | None:
     for group in ("initContainers", "containers"):
         for i, c in enumerate(pod_spec.get(group) or []):
@@ -266,6 +274,10 @@ def plan(pod: Mapping[str, Any], spec: Mapping[str, Any], reserved: Mapping[str,
                                               "or args), which the webhook cannot see or extend; list them in args")  # fmt: skip
     if serving == engine_port:
         raise TakeOverRefused(f"{POLICY_FIELD}.enginePort", f"equals the pod's serving port {serving}")
+    if serving < _unprivileged_port_start(pod_spec):
+        raise TakeOverRefused(f"{base}.args", f"the serving port {serving} is privileged (below 1024) and the sidecar "
+                                              "runs as non-root without capabilities; set the pod's sysctl "
+                                              "net.ipv4.ip_unprivileged_port_start, or serve vLLM on a port >= 1024")  # fmt: skip
     for name, port in reserved.items():
         if port == serving:
             raise TakeOverRefused(f"spec.sidecar.{name}", f"equals the pod's serving port {serving}, which the sidecar's HTTP door takes")  # fmt: skip
@@ -287,13 +299,15 @@ def plan(pod: Mapping[str, Any], spec: Mapping[str, Any], reserved: Mapping[str,
         c[target] = [*c[target], *extra]
 
     own = list(c.get("ports") or [])
-    moved = [dict(p) for p in own if p.get("containerPort") == serving and p.get("name")]
-    kept = [p for p in own if p.get("containerPort") != serving]
+    served = [p for p in own if p.get("containerPort") == serving and p.get("protocol", "TCP") == "TCP"]
+    # A bare entry is what bb-http already declares; one with a name or a hostPort is someone's reference.
+    moved = [dict(p) for p in served if p.get("name") or p.get("hostPort")]
+    kept = [p for p in own if p not in served]
     if kept:
         c["ports"] = kept
     else:
         c.pop("ports", None)
-    names = {str(p["name"]) for p in moved}
+    names = {str(p["name"]) for p in moved if p.get("name")}
     clash = names & set(SIDECAR_PORT_NAMES)
     if clash:
         raise TakeOverRefused(f"{base}.ports", f"the serving port is named {sorted(clash)[0]!r}, a name the sidecar uses itself")

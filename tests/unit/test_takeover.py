@@ -127,6 +127,16 @@ def test_named_serving_port_moves_to_the_sidecar_and_probes_that_named_it_get_it
     assert engine["lifecycle"]["preStop"]["httpGet"]["port"] == 8000
 
 
+def test_a_bare_serving_port_entry_is_dropped_and_a_host_port_kept():
+    bare = vllm(args=["--port", "8000"], ports=[{"containerPort": 8000}, {"containerPort": 8000, "protocol": "UDP"}])
+    engine, side = injected(pod(bare))
+    assert engine["ports"] == [{"containerPort": 8000, "protocol": "UDP"}]  # not HTTP: left alone
+    assert ports(side) == {"bb-grpc": 50051, "bb-http": 8000, "bb-metrics": 9090}
+    hosted = vllm(args=["--port", "8000"], ports=[{"containerPort": 8000, "hostPort": 80}])
+    _, side = injected(pod(hosted))
+    assert {"containerPort": 8000, "hostPort": 80} in side["ports"]
+
+
 def test_the_config_points_the_sidecar_at_the_engine_port():
     spec = {**SPEC, "engine": {"url": "http://localhost:8000/"}}
     cfg = parse_config(yaml.safe_load(builders.build_configmap("fast", "llm", spec)["data"][builders.CONFIG_KEY]))
@@ -185,6 +195,7 @@ def test_a_native_sidecar_keeps_the_rewritten_vllm_container():
         (pod(vllm(args=["--uds=/run/vllm.sock"])), "spec.containers[0].args[0]", "unix socket"),
         (pod(vllm(args=["--port", "8001"])), "spec.sidecar.takeOverServingPort.enginePort", "serving port 8001"),
         (pod(vllm(args=["--port", "9090"])), "spec.sidecar.metricsPort", "serving port 9090"),
+        (pod(vllm(args=["--port", "80"])), "spec.containers[0].args", "privileged"),
         (pod(vllm(args=["--port", "8000"]), {"name": "exporter", "image": "e", "ports": [{"containerPort": 8001}]}),
          "spec.containers[1].ports[0]", "enginePort"),
         (pod(vllm(args=["--port", "8000"]), initContainers=[{"name": "dl", "image": "d", "ports": [{"containerPort": 8000}]}]),
@@ -195,13 +206,19 @@ def test_a_native_sidecar_keeps_the_rewritten_vllm_container():
         (pod(vllm(args=["--port", "8000"]), {"name": "vllm-router", "image": "vllm/router"}), "spec.containers", "vllm, vllm-router"),
     ],
     ids=["no command or args", "shell", "env valueFrom", "env undefined", "not a number", "no value", "one long argument",
-         "--config without --port", "TLS", "unix socket", "serving port is enginePort", "serving port is metricsPort",
+         "--config without --port", "TLS", "unix socket", "serving port is enginePort", "serving port is metricsPort", "privileged port",
          "engine port declared elsewhere", "serving port declared by an init container", "port named like ours",
          "which container", "two containers name vllm"],
 )  # fmt: skip
 def test_a_pod_that_cannot_be_rewritten_safely_is_refused_naming_the_field(p, field, says):
     refused = refusal(p)
     assert refused.field == field and says in refused.message, str(refused)
+
+
+def test_a_privileged_serving_port_is_taken_over_where_the_pod_lets_non_root_bind_it():
+    p = pod(vllm(args=["--port", "80"]), securityContext={"sysctls": [{"name": "net.ipv4.ip_unprivileged_port_start", "value": "0"}]})
+    _, side = injected(p)
+    assert ports(side)["bb-http"] == 80
 
 
 def test_a_named_container_that_is_missing_is_refused():
