@@ -328,3 +328,28 @@ def test_the_gpu_sample_is_taken_over_as_documented():
     assert ports(side)["http"] == 8000 and ports(side)["bb-http"] == 8000 and "ports" not in engine
     whole = {**p, "metadata": {**p["metadata"], **patch["metadata"]}, "spec": {**p["spec"], **patch["spec"]}}
     kubernetes_validate.validate(whole, "1.30", strict=True)
+
+
+async def test_the_webhook_handler_admits_a_refused_pod_unchanged_and_patches_a_good_one():
+    import kopf
+
+    from binbatch_operator import main
+
+    class Policies(Kube):
+        async def list_policies(self, namespace):
+            return [{"metadata": {"name": "fast", "namespace": namespace, "generation": 1}, "spec": SPEC}]
+
+    memo = kopf.Memo()
+    memo.ctx = Context(kube=Policies([]), sidecar_image=IMAGE)
+
+    async def inject(p):
+        patch, warnings = kopf.Patch(), []
+        await main.inject_sidecar(body=kopf.Body(p), patch=patch, warnings=warnings, memo=memo,
+                                  logger=logging.getLogger("t"), policies={})  # fmt: skip
+        return dict(patch), warnings
+
+    patch, warnings = await inject(pod(vllm(args=["--uds", "/run/v.sock"])))
+    assert "spec" not in patch and builders.REFUSED_ANNOTATION in patch["metadata"]["annotations"]
+    assert warnings and "spec.containers[0].args[0]" in warnings[0]
+    patch, warnings = await inject(pod(vllm(args=["--port", "8000"])))
+    assert warnings == [] and patch["spec"]["containers"][0]["args"] == ["--port", "8001", "--host", "127.0.0.1"]
