@@ -11,6 +11,7 @@ sidecar, which is what a client behind a ClusterIP Service gets too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 
@@ -23,12 +24,13 @@ from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
 FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_size=16)
 SIDECARS = 3
 CALLS = 30  # sequential: round_robin rotates over the ready subchannels call by call
+BOUND_SECONDS = 60  # the whole run: three sidecars, one emulator, thirty calls
 ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})  # what the README tells clients to set
 
 
 async def _served_by_each(tmp_path, options: list[tuple[str, str]]) -> list[int]:
     """Run ``CALLS`` Generate calls through one channel on all sidecars; requests each one accepted."""
-    async with running_emulator(FAST) as url, contextlib.AsyncExitStack() as stack:
+    async with asyncio.timeout(BOUND_SECONDS), running_emulator(FAST) as url, contextlib.AsyncExitStack() as stack:
         sidecars = []
         for i in range(SIDECARS):
             folder = tmp_path / f"sidecar-{i}"
