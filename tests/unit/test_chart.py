@@ -749,6 +749,12 @@ def test_keda_query_and_namespace_can_be_set():
     validate_kubernetes(scaled)
 
 
+def test_notes_name_the_autoscaler_to_watch():
+    assert f"kubectl --namespace {NAMESPACE} get scaledobject vllm-binbatch" in rendered(KEDA)["binbatch/templates/NOTES.txt"]
+    assert f"kubectl --namespace {NAMESPACE} get hpa vllm-binbatch" in rendered(HPA)["binbatch/templates/NOTES.txt"]
+    assert "binbatch_requests_waiting" not in rendered()["binbatch/templates/NOTES.txt"]
+
+
 def test_hpa_scales_on_the_pods_metric_the_adapter_serves():
     hpa = one(objects(HPA), "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
