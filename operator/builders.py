@@ -189,7 +189,9 @@ def build_headless_service(name: str, namespace: str, spec: Mapping[str, Any]) -
         "kind": "Service",
         "metadata": {"name": headless_name(name), "namespace": namespace, "labels": {**_labels(name), HEADLESS_LABEL: "true"}},
         "spec": {
-            "type": "ClusterIP", "clusterIP": "None", "publishNotReadyAddresses": False,
+            # Only ready pods are published (publishNotReadyAddresses' default; left out, because the
+            # API server omits a false value and the object would never look unchanged).
+            "type": "ClusterIP", "clusterIP": "None",
             "selector": {POLICY_LABEL: policy_label(name)}, "ports": _service_ports(spec),
         },
     }  # fmt: skip
@@ -300,11 +302,11 @@ def build_pod_patch(
     With ``spec.sidecar.takeOverServingPort`` the vLLM container is rewritten as
     well (see takeover.py); a pod that cannot be raises ``TakeOverRefused``
     before anything is built.  Lists are replaced whole by a merge patch, so the
-    patch carries the pod's own containers and volumes followed by ours.  The ConfigMap volume is mounted as a
-    directory (not ``subPath``) so kubelet updates it in place and the sidecar
-    reloads the new config without a restart; it is ``optional`` so a pod
-    restarted after its policy was deleted still starts.  ``native`` makes it a
-    native sidecar (see ``as_native_sidecar``).
+    patch carries the pod's own containers and volumes followed by ours.  The
+    ConfigMap volume is mounted as a directory (not ``subPath``) so kubelet
+    updates it in place and the sidecar reloads the new config without a
+    restart; it is ``optional`` so a pod restarted after its policy was deleted
+    still starts.  ``native`` makes it a native sidecar (see ``as_native_sidecar``).
     """
     pod_spec = pod.get("spec") or {}
     containers = list(pod_spec.get("containers") or [])

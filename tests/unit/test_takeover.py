@@ -306,6 +306,25 @@ async def test_turning_headless_off_leaves_a_service_we_did_not_make():
     assert kube.children[("Service", "fast-binbatch-headless")] is theirs
 
 
+def test_the_headless_service_sets_no_false_field_the_api_server_would_omit():
+    """A false bool comes back absent (omitempty), so ``covers`` would see a difference on every tick."""
+
+    def falses(node, path=""):
+        if node is False:
+            yield path
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                yield from falses(value, f"{path}.{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                yield from falses(value, f"{path}[{i}]")
+
+    svc = builders.build_headless_service("fast", "llm", {**SPEC, "service": {"headless": True}})
+    assert list(falses(svc)) == []
+    server_view = {**svc, "spec": {**svc["spec"], "clusterIPs": ["None"], "sessionAffinity": "None"}}
+    assert builders.covers(server_view, svc)
+
+
 @pytest.mark.parametrize("policy", ["a" * 63, "a.b", "9lives", "x" * 253])
 def test_headless_names_are_valid_and_distinct_from_the_main_service(policy):
     name = builders.headless_name(policy)
