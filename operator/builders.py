@@ -24,7 +24,9 @@ import yaml
 
 from binbatch_sidecar.config import ConfigError, parse_config
 
-from .crd import CONFIG_SECTIONS, GROUP, SIDECAR_DEFAULTS
+from . import takeover
+from .crd import CONFIG_SECTIONS, GROUP, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
+from .takeover import SIDECAR_PORT_NAMES, TakeOverPlan
 
 CONFIG_KEY = "sidecar.yaml"
 CONFIG_DIR = "/etc/binbatch"
@@ -36,11 +38,15 @@ INJECTED_ANNOTATION = f"{GROUP}/injected"  # "<policy>@<generation>" of the conf
 SIDECAR_HASH_ANNOTATION = f"{GROUP}/sidecar-hash"  # of the injected container: tells outdated pods
 CONFLICT_ANNOTATION = f"{GROUP}/conflict"  # on pods two policies select: who they were
 INJECT_ANNOTATION = f"{GROUP}/inject"  # "false" on a pod: never inject it (per-pod opt-out)
+REFUSED_ANNOTATION = f"{GROUP}/take-over-refused"  # on a pod the port take-over could not rewrite: why
+HEADLESS_LABEL = f"{GROUP}/headless"  # on the headless Service: the chart's ServiceMonitor skips it (same pods)
 SIDECAR_UID = 10001
 MANAGED_LABELS = {"app.kubernetes.io/name": "binbatch-sidecar", "app.kubernetes.io/managed-by": "binbatch-operator"}
 
 
 CHILD_SUFFIX = "-binbatch"
+HEADLESS_SUFFIX = "-binbatch-headless"
+GRPC_PORT_NAME, HTTP_PORT_NAME, METRICS_PORT_NAME = SIDECAR_PORT_NAMES
 _DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _MAX_LABEL = 63  # DNS-1035 labels and label values alike
 
@@ -49,7 +55,7 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def child_name(policy: str) -> str:
+def child_name(policy: str, suffix: str = CHILD_SUFFIX) -> str:
     """The ConfigMap's and the Service's name for a policy: deterministic, and always valid.
 
     A policy's name is a DNS-1123 subdomain (dots, up to 253 characters); a
@@ -57,16 +63,22 @@ def child_name(policy: str) -> str:
     letter).  ``<policy>-binbatch`` is kept whenever it is such a label (the
     common case, and the names existing installs already have); otherwise the
     name is sanitised, truncated and given a digest of the whole policy name, so
-    two policies never share children (``a.b`` and ``a-b`` differ).
+    two policies never share children (``a.b`` and ``a-b`` differ).  The
+    headless Service is named the same way with its own ``suffix``.
     """
-    plain = f"{policy}{CHILD_SUFFIX}"
+    plain = f"{policy}{suffix}"
     if len(plain) <= _MAX_LABEL and _DNS1035_LABEL.fullmatch(plain):
         return plain
     stem = re.sub(r"[^a-z0-9]+", "-", policy.lower()).strip("-")
     if not stem[:1].isalpha():
         stem = f"bb-{stem}"
-    room = _MAX_LABEL - len(CHILD_SUFFIX) - 11  # "-" + 10 hex digits
-    return f"{stem[:room].rstrip('-')}-{_digest(policy)}{CHILD_SUFFIX}"
+    room = _MAX_LABEL - len(suffix) - 11  # "-" + 10 hex digits
+    return f"{stem[:room].rstrip('-')}-{_digest(policy)}{suffix}"
+
+
+def headless_name(policy: str) -> str:
+    """The headless Service's name: ``<policy>-binbatch-headless`` (or its shortened, digested form)."""
+    return child_name(policy, HEADLESS_SUFFIX)
 
 
 def policy_label(policy: str) -> str:
@@ -92,10 +104,19 @@ def sidecar_settings(spec: Mapping[str, Any]) -> dict[str, int]:
     return {key: side.get(key, default) for key, default in SIDECAR_DEFAULTS.items()}
 
 
+def headless_enabled(spec: Mapping[str, Any]) -> bool:
+    return bool(((spec.get("service") or {}).get("headless", SERVICE_DEFAULTS["headless"])))
+
+
 def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The sidecar config document for ``spec``; raises ConfigError naming ``spec.<field>``."""
+    """The sidecar config document for ``spec``; raises ConfigError naming ``spec.<field>``.
+
+    With the port take-over on, the engine (and a scrape of the loopback) is
+    vLLM at its new port, ``127.0.0.1:<enginePort>``.
+    """
     doc: dict[str, Any] = {name: dict(spec[name]) for name in CONFIG_SECTIONS if spec.get(name) is not None}
     doc["server"] = sidecar_settings(spec)
+    takeover.config_urls(spec, doc)
     try:
         parse_config(doc)
     except ConfigError as exc:
@@ -126,26 +147,54 @@ def build_configmap(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[
     }
 
 
+def _service_ports(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    ports = sidecar_settings(spec)
+    return [
+        {"name": "grpc", "port": ports["grpcPort"], "targetPort": GRPC_PORT_NAME, "protocol": "TCP", "appProtocol": "grpc"},
+        {"name": "http", "port": ports["httpPort"], "targetPort": HTTP_PORT_NAME, "protocol": "TCP", "appProtocol": "http"},
+        {"name": "metrics", "port": ports["metricsPort"], "targetPort": METRICS_PORT_NAME, "protocol": "TCP"},
+    ]  # fmt: skip
+
+
 def build_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The Service clients call: the sidecars' gRPC port (and metrics for scraping).
+    """The Service clients call: the sidecars' gRPC and HTTP ports (and metrics for scraping).
 
     It selects the pods the webhook injected for this policy, not the policy's
-    selector, so a pod without the sidecar never receives gRPC traffic.
+    selector, so a pod without the sidecar never receives traffic.  The ports
+    target the sidecar's named container ports, so with the port take-over
+    (where the HTTP door listens on each pod's own serving port) ``http`` still
+    reaches it.
     """
-    ports = sidecar_settings(spec)
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": child_name(name), "namespace": namespace, "labels": _labels(name)},
-        "spec": {
-            "type": "ClusterIP",
-            "selector": {POLICY_LABEL: policy_label(name)},
-            "ports": [
-                {"name": "grpc", "port": ports["grpcPort"], "targetPort": "bb-grpc", "protocol": "TCP", "appProtocol": "grpc"},
-                {"name": "metrics", "port": ports["metricsPort"], "targetPort": "bb-metrics", "protocol": "TCP"},
-            ],
-        },
+        "spec": {"type": "ClusterIP", "selector": {POLICY_LABEL: policy_label(name)}, "ports": _service_ports(spec)},
     }
+
+
+def build_headless_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec.service.headless``: a second, headless Service over the same pods and ports.
+
+    A ClusterIP Service is one virtual IP: kube-proxy balances connections, and
+    a gRPC channel is one long-lived HTTP/2 connection, so each client pins one
+    pod.  The headless Service's DNS name answers with every ready pod's IP, and
+    a client channel on ``dns:///<name>.<ns>.svc.cluster.local:<grpcPort>`` with
+    the ``round_robin`` policy connects to each and spreads its calls.  It is a
+    second Service, not a switch on the first: a Service's clusterIP cannot be
+    changed in place, and HTTP clients and gateways keep the virtual IP.
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": headless_name(name), "namespace": namespace, "labels": {**_labels(name), HEADLESS_LABEL: "true"}},
+        "spec": {
+            # Only ready pods are published (publishNotReadyAddresses' default; left out, because the
+            # API server omits a false value and the object would never look unchanged).
+            "type": "ClusterIP", "clusterIP": "None",
+            "selector": {POLICY_LABEL: policy_label(name)}, "ports": _service_ports(spec),
+        },
+    }  # fmt: skip
 
 
 def covers(current: Any, desired: Any) -> bool:
@@ -179,23 +228,34 @@ def matching_policies(policies: Iterable[Mapping[str, Any]], pod_labels: Mapping
     return sorted(names)
 
 
-def sidecar_container(spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
-    """The injected container: non-root, read-only root filesystem, gRPC health probes."""
+def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: TakeOverPlan | None = None) -> dict[str, Any]:
+    """The injected container: non-root, read-only root filesystem, gRPC health probes.
+
+    With a port take-over its HTTP door listens on the pod's serving port
+    (``--http-port``, over the config's httpPort) and it carries vLLM's named
+    entries for that port.
+    """
     side = spec.get("sidecar") or {}
     settings = sidecar_settings(spec)
     grpc_port, metrics_port = settings["grpcPort"], settings["metricsPort"]
+    http_port = take_over.serving_port if take_over else settings["httpPort"]
+    command = ["binbatch", "sidecar", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"]
+    if take_over:
+        command += ["--http-port", str(http_port)]
     container: dict[str, Any] = {
         "name": SIDECAR_CONTAINER,
         "image": side.get("image") or default_image,
-        "command": ["binbatch", "sidecar", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "command": command,
         "ports": [
-            {"name": "bb-grpc", "containerPort": grpc_port, "protocol": "TCP"},
-            {"name": "bb-metrics", "containerPort": metrics_port, "protocol": "TCP"},
+            {"name": GRPC_PORT_NAME, "containerPort": grpc_port, "protocol": "TCP"},
+            {"name": HTTP_PORT_NAME, "containerPort": http_port, "protocol": "TCP"},
+            {"name": METRICS_PORT_NAME, "containerPort": metrics_port, "protocol": "TCP"},
+            *(take_over.moved_ports if take_over else ()),
         ],
         # The sidecar's grpc.health.v1 follows the engine's /health: not ready
         # until vLLM answers, so the Service only routes to pods that can serve.
         "readinessProbe": {"grpc": {"port": grpc_port}, "periodSeconds": 5, "failureThreshold": 2},
-        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "bb-metrics"}, "periodSeconds": 20, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": METRICS_PORT_NAME}, "periodSeconds": 20, "failureThreshold": 3},
         "volumeMounts": [
             {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": TMP_VOLUME, "mountPath": "/tmp"},
@@ -218,8 +278,19 @@ def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
     container itself (image, ports, resources, grace) only through a new pod.
     Comparing digests finds the pods that still run an older container.
     """
-    text = json.dumps(sidecar_container(spec, default_image), sort_keys=True)
+    described: Any = sidecar_container(spec, default_image)
+    if takeover.enabled(spec):  # the per-pod port comes from the pod itself; the choice to take over from here
+        described = [described, takeover.settings(spec)]
+    text = json.dumps(described, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def take_over_plan(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> TakeOverPlan | None:
+    """The pod's port take-over (None when the policy does not ask); raises ``TakeOverRefused``."""
+    if not takeover.enabled(spec):
+        return None
+    settings = sidecar_settings(spec)
+    return takeover.plan(pod, spec, {"grpcPort": settings["grpcPort"], "metricsPort": settings["metricsPort"]})
 
 
 def build_pod_patch(
@@ -228,17 +299,22 @@ def build_pod_patch(
 ) -> dict[str, Any]:
     """A merge patch that adds the sidecar to ``pod``; ``{}`` if it already has one.
 
-    Lists are replaced whole by a merge patch, so the patch carries the pod's own
-    containers and volumes followed by ours.  The ConfigMap volume is mounted as a
-    directory (not ``subPath``) so kubelet updates it in place and the sidecar
-    reloads the new config without a restart; it is ``optional`` so a pod
-    restarted after its policy was deleted still starts.  ``native`` makes it a
-    native sidecar (see ``as_native_sidecar``).
+    With ``spec.sidecar.takeOverServingPort`` the vLLM container is rewritten as
+    well (see takeover.py); a pod that cannot be raises ``TakeOverRefused``
+    before anything is built.  Lists are replaced whole by a merge patch, so the
+    patch carries the pod's own containers and volumes followed by ours.  The
+    ConfigMap volume is mounted as a directory (not ``subPath``) so kubelet
+    updates it in place and the sidecar reloads the new config without a
+    restart; it is ``optional`` so a pod restarted after its policy was deleted
+    still starts.  ``native`` makes it a native sidecar (see ``as_native_sidecar``).
     """
     pod_spec = pod.get("spec") or {}
     containers = list(pod_spec.get("containers") or [])
     if any(c.get("name") == SIDECAR_CONTAINER for c in [*containers, *(pod_spec.get("initContainers") or [])]):
         return {}
+    plan = take_over_plan(pod, spec)
+    if plan is not None:
+        containers[plan.index] = plan.container
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in (CONFIG_VOLUME, TMP_VOLUME)]
     volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": child_name(policy), "optional": True}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
@@ -253,7 +329,7 @@ def build_pod_patch(
             },
         },
         "spec": {
-            "containers": [*containers, sidecar_container(spec, default_image)],
+            "containers": [*containers, sidecar_container(spec, default_image, plan)],
             "volumes": volumes,
             "terminationGracePeriodSeconds": grace,
         },

@@ -38,7 +38,13 @@ CRD_PATH = Path("manifests/crd/batchingpolicies.binbatch.io.yaml")
 CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging", "classes")
 
 # spec.sidecar's defaults: the CRD's, and the builders' for a spec the API server did not default.
-SIDECAR_DEFAULTS = {"grpcPort": 50051, "metricsPort": 9090, "drainGraceSeconds": 30}
+SIDECAR_DEFAULTS = {"grpcPort": 50051, "httpPort": 8080, "metricsPort": 9090, "drainGraceSeconds": 30}
+# spec.sidecar.takeOverServingPort's defaults (see takeover.py).
+TAKEOVER_DEFAULTS = {"enabled": False, "enginePort": 8001, "container": ""}
+# spec.service's defaults: the extra headless Service for client-side gRPC load balancing.
+SERVICE_DEFAULTS = {"headless": False}
+# A URL whose host is this pod's loopback: the only engine a port take-over can move (shared with takeover.py).
+LOOPBACK_URL = r"^https?://(127\.0\.0\.1|localhost|\[::1\])(:[0-9]+)?([/?#].*)?$"
 
 def _rule(uses: tuple[str, ...], check: str, message: str, field_path: str | None = None) -> dict[str, str]:
     """A CEL rule that holds when any field it ``uses`` is absent.
@@ -91,6 +97,11 @@ SPEC_RULES = [
     {"rule": "!has(self.batch) || !has(self.batch.sizing) || self.batch.sizing != 'Sla'"
              " || (has(self.latency) && has(self.latency.tpotMilliseconds) && self.latency.tpotMilliseconds > 0)",
      "message": "latency.tpotMilliseconds must be > 0 when batch.sizing is Sla", "fieldPath": ".latency.tpotMilliseconds"},
+    _rule(("sidecar", "sidecar.takeOverServingPort", "sidecar.takeOverServingPort.enabled", "engine", "engine.url"),
+          f"!self.sidecar.takeOverServingPort.enabled || self.engine.url.matches(r'{LOOPBACK_URL}')",
+          "engine.url must name the pod's loopback (127.0.0.1 or localhost) when sidecar.takeOverServingPort is "
+          "enabled: the sidecar then reaches vLLM at 127.0.0.1:enginePort",
+          ".engine.url"),
 ]  # fmt: skip
 
 MAX_MATCH_LABELS = 64  # bounds for CEL's cost estimate on everything a rule iterates
@@ -190,6 +201,29 @@ def resources_schema() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def takeover_schema(port: dict[str, Any]) -> dict[str, Any]:
+    """``spec.sidecar.takeOverServingPort``: the sidecar's HTTP door on vLLM's own port (see takeover.py)."""
+    return {
+        "type": "object",
+        "description": "Opt-in: the sidecar's HTTP API takes over the vLLM container's serving port (its --port, "
+                       "vLLM's default 8000) and vLLM is moved to 127.0.0.1:enginePort, so existing Services, "
+                       "gateways and InferencePools that target the pod reach the sidecar with no change. Pods the "
+                       "webhook cannot rewrite safely get no sidecar; the policy's SidecarsInjected condition and "
+                       "an Event say why.",
+        "default": {},
+        "properties": {
+            "enabled": {"type": "boolean", "default": TAKEOVER_DEFAULTS["enabled"],
+                        "description": "Take over the serving port of the selected pods' vLLM container."},
+            "enginePort": {**port, "default": TAKEOVER_DEFAULTS["enginePort"],
+                           "description": "Port vLLM is moved to, bound to 127.0.0.1 only (--host 127.0.0.1 "
+                                          "--port <enginePort>); the sidecar's engine.url and a scraped metrics.url "
+                                          "on the loopback get this port."},
+            "container": _str("Name of the vLLM container; empty: the pod's only container, else the one whose image, "
+                              "command or args name vllm.", maxLength=63, default=TAKEOVER_DEFAULTS["container"]),
+        },
+    }  # fmt: skip
+
+
 def spec_schema() -> dict[str, Any]:
     fields = SidecarConfig.model_fields
     sections = {name: section_schema(name, fields[name].annotation) for name in CONFIG_SECTIONS}  # type: ignore[arg-type]
@@ -216,21 +250,46 @@ def spec_schema() -> dict[str, Any]:
         "properties": {
             "image": _str("Sidecar image; empty uses the operator's own image.", maxLength=512, default=""),
             "grpcPort": {**port, "default": SIDECAR_DEFAULTS["grpcPort"], "description": "Port of the gRPC API (binbatch.v1.Inference)."},
+            "httpPort": {**port, "default": SIDECAR_DEFAULTS["httpPort"],
+                         "description": "Port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                                        "/v1/models; other paths pass through to the engine). With takeOverServingPort "
+                                        "the sidecar listens on the pod's serving port instead, and this is only the "
+                                        "port of the policy's Service."},
             "metricsPort": {**port, "default": SIDECAR_DEFAULTS["metricsPort"], "description": "Port of the sidecar's Prometheus /metrics."},
             "drainGraceSeconds": {"type": "integer", "minimum": 0, "maximum": 3600, "default": SIDECAR_DEFAULTS["drainGraceSeconds"],
                                   "description": "On termination, time to drain queued and in-flight requests."},
             "resources": resources_schema(),
+            "takeOverServingPort": takeover_schema(port),
         },
         "x-kubernetes-validations": [
             _rule(("grpcPort", "metricsPort"), "self.grpcPort != self.metricsPort", "grpcPort and metricsPort must differ",
                   ".metricsPort"),
+            _rule(("httpPort", "grpcPort"), "self.httpPort != self.grpcPort", "httpPort and grpcPort must differ",
+                  ".httpPort"),
+            _rule(("httpPort", "metricsPort"), "self.httpPort != self.metricsPort", "httpPort and metricsPort must differ",
+                  ".httpPort"),
+            *(_rule(("takeOverServingPort", "takeOverServingPort.enabled", "takeOverServingPort.enginePort", other),
+                    f"!self.takeOverServingPort.enabled || self.takeOverServingPort.enginePort != self.{other}",
+                    f"takeOverServingPort.enginePort must differ from {other}", ".takeOverServingPort.enginePort")
+              for other in ("grpcPort", "httpPort", "metricsPort")),
         ],
+    }  # fmt: skip
+    service = {
+        "type": "object",
+        "description": "The policy's Services (a ClusterIP Service <policy>-binbatch always exists).",
+        "default": {},
+        "properties": {
+            "headless": {"type": "boolean", "default": SERVICE_DEFAULTS["headless"],
+                         "description": "Also create a headless Service <policy>-binbatch-headless (clusterIP None) whose "
+                                        "DNS name resolves to every ready sidecar, for gRPC clients that balance across "
+                                        "pods themselves (dns:/// target with the round_robin policy)."},
+        },
     }  # fmt: skip
     return {
         "type": "object",
         "description": "How to batch for the selected vLLM pods; the batching sections are the sidecar's config.",
         "required": ["selector"],
-        "properties": {"selector": selector, "sidecar": sidecar, **sections},
+        "properties": {"selector": selector, "sidecar": sidecar, "service": service, **sections},
         "x-kubernetes-validations": SPEC_RULES,
     }
 

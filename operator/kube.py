@@ -101,6 +101,17 @@ class KubeApi:
         await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
         return "updated"
 
+    async def delete(self, kind: str, name: str, namespace: str) -> bool:
+        """Delete a child the spec no longer asks for: True if it was there (404 is success)."""
+        delete = {"Service": self.core.delete_namespaced_service}[kind]
+        try:
+            await self._call(delete, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
     async def read(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
         read = {"ConfigMap": self.core.read_namespaced_config_map, "Service": self.core.read_namespaced_service}[kind]
         try:

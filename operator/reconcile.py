@@ -24,22 +24,28 @@ from kubernetes.client.exceptions import ApiException
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_sidecar.config import ConfigError
 
+from . import takeover
 from .builders import (
     CONFLICT_ANNOTATION,
     INJECTED_ANNOTATION,
     POLICY_LABEL,
+    REFUSED_ANNOTATION,
     SIDECAR_CONTAINER,
     SIDECAR_HASH_ANNOTATION,
     build_configmap,
+    build_headless_service,
     build_pod_patch,
     build_service,
     child_name,
+    headless_enabled,
+    headless_name,
     matching_policies,
     opted_out,
     policy_label,
     sidecar_config,
     sidecar_hash,
     sidecar_settings,
+    take_over_plan,
 )
 from .k8s_rules import policy_problems
 from .kube import KubeApi, api_error_message
@@ -55,6 +61,8 @@ class Context:
     kube: KubeApi
     sidecar_image: str
     stats: StatsFn = get_stats
+    # Policies (namespace, name) known to have no headless Service: checked once per process, not every tick.
+    no_headless: set[tuple[str, str]] = field(default_factory=set)
 
 
 @dataclass
@@ -67,7 +75,7 @@ class Outcome:
 
 def _spec_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Everything wrong with a spec: the sidecar config, and what the API server would refuse later."""
-    problems = policy_problems(spec)
+    problems = policy_problems(spec) + takeover.spec_problems(spec)
     try:
         sidecar_config(spec)
     except ConfigError as exc:
@@ -126,7 +134,10 @@ async def reconcile(
                 failures.append(_failure(f"reading {kind} {child_name(name)}", exc))
                 children_ready = False
     else:
-        for obj in (build_configmap(name, namespace, spec), build_service(name, namespace, spec)):
+        children = [build_configmap(name, namespace, spec), build_service(name, namespace, spec)]
+        if headless_enabled(spec):
+            children.append(build_headless_service(name, namespace, spec))
+        for obj in children:
             kopf.adopt(obj, owner=dict(body))  # owner reference: deleted with the policy
             what = f"{obj['kind']} {obj['metadata']['name']}"
             try:
@@ -137,7 +148,39 @@ async def reconcile(
                 continue
             if done != "unchanged":
                 logger.info("%s %s", what, done)
-    return await observe(ctx, body, others, problems, children_ready, failures)
+        if headless_enabled(spec):
+            ctx.no_headless.discard((namespace, name))
+        elif (namespace, name) not in ctx.no_headless:
+            await _drop_headless(ctx, name, namespace, failures, logger)
+    outcome = await observe(ctx, body, others, problems, children_ready, failures)
+    _warn_take_over_refusals(body, outcome, logger)
+    return outcome
+
+
+def _warn_take_over_refusals(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
+    """Pods the take-over refused, as a warning: an Event on the policy (posting.loggers), once per change."""
+    now = next((c for c in outcome.status["conditions"] if c["type"] == "SidecarsInjected"), {})
+    before = _condition(body, "SidecarsInjected") or {}
+    if now.get("reason") == "TakeOverRefused" and now.get("message") != before.get("message"):
+        logger.warning("%s", now["message"])
+
+
+async def _drop_headless(ctx: Context, name: str, namespace: str, failures: list[ApiFailure], logger: Any) -> None:
+    """``spec.service.headless`` is off: delete the headless Service if we made it.
+
+    Once per policy and process (a restart or a new leader checks again), so
+    an idle policy's tick costs no extra read.
+    """
+    headless = headless_name(name)
+    try:
+        current = await ctx.kube.read("Service", headless, namespace)
+        labels = ((current or {}).get("metadata") or {}).get("labels") or {}
+        if current is not None and labels.get(POLICY_LABEL) == policy_label(name) and await ctx.kube.delete("Service", headless, namespace):
+            logger.info("Service %s deleted (spec.service.headless is off)", headless)
+    except API_ERRORS as exc:
+        failures.append(_failure(f"deleting Service {headless}", exc))
+        return
+    ctx.no_headless.add((namespace, name))
 
 
 def _condition(body: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
@@ -192,6 +235,8 @@ async def observe(
         )  # fmt: skip
         reports.append(report)
         if not injected:
+            if report.sidecar_of is None and not report.conflict and not report.opted_out:
+                report.refused = _take_over_refusal(pod, spec)
             continue
         if state.get("podIP") and state.get("phase") == "Running":
             asks.append(_ask(ctx, report, f"{state['podIP']}:{port}"))
@@ -208,6 +253,15 @@ async def observe(
     if pods is not None:
         status["adjustments"] = adjustments(reports, old.get("adjustments"))
     return Outcome(status, failures)
+
+
+def _take_over_refusal(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> str:
+    """Why the port take-over would refuse this pod ("" if it would not, or is not asked for)."""
+    try:
+        take_over_plan(pod, spec)
+    except takeover.TakeOverRefused as exc:
+        return str(exc)
+    return ""
 
 
 async def _ask(ctx: Context, report: PodReport, address: str) -> None:
@@ -264,5 +318,10 @@ def admit(
     problems = _spec_problems(policy.get("spec") or {})
     if problems:
         return {}, [f"binbatch: policy {policy['name']} is invalid ({problems[0][0]}: {problems[0][1]}); no sidecar"]
-    patch = build_pod_patch(pod, policy["name"], int(policy.get("generation") or 0), policy["spec"], default_image)
+    try:
+        patch = build_pod_patch(pod, policy["name"], int(policy.get("generation") or 0), policy["spec"], default_image)
+    except takeover.TakeOverRefused as exc:
+        # Never a half-patched pod: it runs as written, without a sidecar, and says why.
+        message = f"binbatch: policy {policy['name']} cannot take over this pod's serving port ({exc}); no sidecar"
+        return {"metadata": {"annotations": {REFUSED_ANNOTATION: str(exc)[:1024]}}}, [message]
     return patch, []

@@ -63,6 +63,7 @@ class PodReport:
     error: str = ""  # why there are no stats
     opted_out: bool = False  # binbatch.io/inject: "false": never injected, nothing to report
     sidecar_of: str | None = None  # a sidecar container it runs: the injecting policy ("" unknown); None: none
+    refused: str = ""  # why the port take-over cannot rewrite it (field: message); "" when it can or is not asked
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,8 @@ def aggregate(
         return [_ready(valid, sidecars, metrics, children_ready, failures, 0), valid, sidecars, metrics], {}
     pods = [p for p in pods if not p.opted_out]
     injected = [p for p in pods if p.injected]
-    missing = sorted(p.name for p in pods if not p.injected and p.sidecar_of is None and not p.conflict)
+    refused = sorted(f"{p.name}: {p.refused}" for p in pods if not p.injected and p.refused)
+    missing = sorted(p.name for p in pods if not p.injected and p.sidecar_of is None and not p.conflict and not p.refused)
     conflicts = sorted(_conflict_entry(p) for p in pods if p.conflict)
     outdated = sorted(p.name for p in injected if p.outdated)
 
@@ -128,6 +130,11 @@ def aggregate(
         sidecars = Condition("SidecarsInjected", "False", "SelectorConflict",
                              "More than one policy selects these pods, so none is injected into them when they "
                              "are (re)created: " + "; ".join(conflicts[:10]))  # fmt: skip
+    elif refused:
+        sidecars = Condition("SidecarsInjected", "False", "TakeOverRefused",
+                             f"{len(refused)} selected pod(s) cannot have their serving port taken over "
+                             "(spec.sidecar.takeOverServingPort) and run without a sidecar; change the named field "
+                             "and recreate them: " + "; ".join(refused[:10]))  # fmt: skip
     elif missing:
         sidecars = Condition("SidecarsInjected", "False", "PodsNeedRestart",
                              f"{len(missing)} selected pod(s) have no sidecar: none was injected when they were "

@@ -23,11 +23,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from binbatch_operator.builders import MANAGED_LABELS, build_service, sidecar_config
+from binbatch_operator.builders import MANAGED_LABELS, build_headless_service, build_service, sidecar_config
 from binbatch_sidecar.cli import build_parser
 from binbatch_sidecar.config import ConfigError
 from binbatch_sidecar.emulator import config_from_args
 from binbatch_sidecar.engine.sidecar_metrics import SidecarMetrics
+from binbatch_sidecar.engine.vllm_metrics import ALIASES
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "binbatch"
@@ -53,13 +54,18 @@ SCOPED = {"webhook": {"namespaceSelector": {"matchLabels": None, "matchExpressio
                       "listenAddress": "::", "port": 10443, "extraHostnames": ["hook.example.org", "10.0.0.9"]},
           "sidecar": {"native": True}}  # fmt: skip
 EVERY_NAMESPACE = {"webhook": {"namespaceSelector": {"matchLabels": None}}}  # Helm: null drops a default key
+KEDA = {"autoscaling": {"target": {"name": "vllm"}, "minReplicas": 2, "maxReplicas": 6, "waitingPerPod": 12,
+                        "keda": {"enabled": True, "serverAddress": "http://prometheus.monitoring:9090"}},
+        "serviceMonitor": {"enabled": True, "engineMetrics": True}}  # fmt: skip
+HPA = {"autoscaling": {"target": {"name": "vllm", "kind": "StatefulSet"}, "hpa": {"enabled": True}}}
 VALUE_SETS = {
     "defaults": None, "monitoring": MONITORING, "custom-tag": CUSTOM_TAG, "single": SINGLE,
     "cert-manager": CERT_MANAGER, "cert-manager-issuer": CERT_MANAGER_ISSUER, "scoped": SCOPED,
+    "keda": KEDA, "hpa": HPA,
 }  # fmt: skip
 
 NAMESPACED = {"ServiceAccount", "Service", "Deployment", "ConfigMap", "ServiceMonitor", "Role", "RoleBinding",
-              "PodDisruptionBudget", "Issuer", "Certificate"}  # fmt: skip
+              "PodDisruptionBudget", "Issuer", "Certificate", "ScaledObject", "HorizontalPodAutoscaler"}  # fmt: skip
 
 # A Prometheus duration, as prometheus-operator checks it.
 DURATION = "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
@@ -80,7 +86,11 @@ SERVICE_MONITOR = {
             "required": ["selector", "endpoints"],
             "properties": {
                 "selector": {"type": "object", "additionalProperties": False, "properties": {
-                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "matchExpressions": {"type": "array", "items": {
+                        "type": "object", "additionalProperties": False, "required": ["key", "operator"], "properties": {
+                            "key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                            "values": {"type": "array", "items": {"type": "string"}}}}}}},
                 "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
                     "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
                 "endpoints": {"type": "array", "minItems": 1, "items": {
@@ -123,6 +133,29 @@ CUSTOM_KINDS = {
         }, ["secretName", "issuerRef"]),
     }, ["spec"]),
 }  # fmt: skip
+
+
+# The part of KEDA's ScaledObject (keda.sh/v1alpha1) the chart uses, closed like the strict
+# Kubernetes schemas, with the types of KEDA's own CRD (kedacore/charts,
+# keda/templates/crds/crd-scaledobjects.yaml, KEDA 2.x): int32 counts, a required target
+# name, triggers of a type and string-to-string metadata.  The CRD itself is not vendored.
+_INT32 = {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1}
+_PROMETHEUS_METADATA = _closed({
+    "serverAddress": {"type": "string", "pattern": "^https?://"}, "query": {"type": "string", "minLength": 1},
+    "threshold": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"}, "activationThreshold": {"type": "string"},
+}, ["serverAddress", "query", "threshold"])  # fmt: skip
+CUSTOM_KINDS["ScaledObject"] = _closed({
+    "apiVersion": {"const": "keda.sh/v1alpha1"}, "kind": {"const": "ScaledObject"}, "metadata": {"type": "object"},
+    "spec": _closed({
+        "scaleTargetRef": _closed({"apiVersion": {"type": "string"}, "kind": {"enum": ["Deployment", "StatefulSet"]},
+                                   "name": {"type": "string", "minLength": 1}}, ["name"]),
+        "minReplicaCount": {**_INT32, "minimum": 0}, "maxReplicaCount": {**_INT32, "minimum": 1},
+        "pollingInterval": _INT32, "cooldownPeriod": _INT32,
+        "triggers": {"type": "array", "minItems": 1, "items": _closed({
+            "type": {"const": "prometheus"}, "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+            "name": {"type": "string"}, "metadata": _PROMETHEUS_METADATA}, ["type", "metadata"])},
+    }, ["scaleTargetRef", "triggers"]),
+}, ["spec"])  # fmt: skip
 
 
 # ------------------------------------------------------------------ helpers
@@ -349,7 +382,7 @@ EXPECTED_RULES = {
     ("binbatch.io", "batchingpolicies/status", ("get", "patch"), ()),
     ("binbatch.io", "batchingpolicies/finalizers", ("update",), ()),
     ("", "configmaps", ("create", "get", "list", "patch", "watch"), ()),
-    ("", "services", ("create", "get", "list", "patch", "watch"), ()),
+    ("", "services", ("create", "delete", "get", "list", "patch", "watch"), ()),
     ("", "pods", ("get", "list", "watch"), ()),
     ("", "events", ("create",), ()),
     ("events.k8s.io", "events", ("create",), ()),
@@ -659,12 +692,110 @@ def test_service_monitor_scrapes_the_services_the_operator_creates():
     service = build_service("p", "ns", {"selector": {"matchLabels": {"app": "x"}}})
     sidecar_name = MANAGED_LABELS["app.kubernetes.io/name"]
     assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": sidecar_name}
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert selects(monitor["spec"]["selector"], service["metadata"]["labels"])
+    headless = build_headless_service("p", "ns", {"selector": {"matchLabels": {"app": "x"}}, "service": {"headless": True}})
+    assert not selects(monitor["spec"]["selector"], headless["metadata"]["labels"])  # the same pods: scraped once
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "15s"}
     assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector's meaning (matchLabels and the four matchExpressions operators)."""
+    if not selector["matchLabels"].items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        held = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[op]  # fmt: skip
+        if not held:
+            return False
+    return True
+
+
+def test_service_monitor_can_scrape_the_engines_through_the_sidecars_http_port():
+    monitor = one(objects(KEDA), "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][1] == {"port": "http", "path": "/metrics", "interval": "15s"}
+    service = build_service("p", "ns", {"selector": {"matchLabels": {"app": "x"}}})
+    assert "http" in {p["name"] for p in service["spec"]["ports"]}
+
+
+# ------------------------------------------------------------------ autoscaling
+
+
+def test_keda_scales_the_target_on_the_backlog_per_pod():
+    (scaled,) = [o for o in objects(KEDA) if o["kind"] == "ScaledObject"]
+    spec = scaled["spec"]
+    assert scaled["metadata"]["namespace"] == NAMESPACE
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "vllm"}
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (2, 6)
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"] == {
+        "serverAddress": "http://prometheus.monitoring:9090", "threshold": "12",
+        "query": f'sum(binbatch_requests_waiting{{namespace="{NAMESPACE}", pod=~"vllm-.*"}})',
+    }  # fmt: skip
+    assert not [o for o in objects(KEDA) if o["kind"] == "HorizontalPodAutoscaler"]
+
+
+def test_keda_query_and_namespace_can_be_set():
+    values = {"autoscaling": {"target": {"name": "vllm", "namespace": "llm"},
+                              "keda": {"enabled": True, "query": 'sum(binbatch_requests_waiting{service="fast-binbatch"})'}}}  # fmt: skip
+    (scaled,) = [o for o in objects(values) if o["kind"] == "ScaledObject"]
+    assert scaled["metadata"]["namespace"] == "llm"
+    assert scaled["spec"]["triggers"][0]["metadata"]["query"] == 'sum(binbatch_requests_waiting{service="fast-binbatch"})'
+    validate_kubernetes(scaled)
+
+
+def test_notes_name_the_autoscaler_to_watch():
+    assert f"kubectl --namespace {NAMESPACE} get scaledobject vllm-binbatch" in rendered(KEDA)["binbatch/templates/NOTES.txt"]
+    assert f"kubectl --namespace {NAMESPACE} get hpa vllm-binbatch" in rendered(HPA)["binbatch/templates/NOTES.txt"]
+    assert "binbatch_requests_waiting" not in rendered()["binbatch/templates/NOTES.txt"]
+
+
+def test_hpa_scales_on_the_pods_metric_the_adapter_serves():
+    hpa = one(objects(HPA), "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "vllm"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
+    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": "binbatch_requests_waiting"}, "target": {"type": "AverageValue", "averageValue": "8"}}}]  # fmt: skip
+    assert not [o for o in objects(HPA) if o["kind"] == "ScaledObject"]
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"autoscaling": {"keda": {"enabled": True}}}, "autoscaling.target.name"),
+        ({"autoscaling": {"target": {"name": "v"}, "keda": {"enabled": True}, "hpa": {"enabled": True}}}, "not both"),
+        ({"autoscaling": {"target": {"name": "v"}, "minReplicas": 5, "maxReplicas": 2, "hpa": {"enabled": True}}},
+         "autoscaling.minReplicas (5) must be <= autoscaling.maxReplicas (2)"),
+    ],
+    ids=["no target", "both", "min above max"],
+)
+def test_bad_autoscaling_values_fail_the_render_naming_the_value(values, says):
+    with pytest.raises(helm.HelmRenderError, match=re.escape(says)):
+        _chart().render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"autoscaling": {"minReplicas": 0}}, {"autoscaling": {"target": {"kind": "DaemonSet"}}},
+     {"autoscaling": {"keda": {"serverAddress": "prometheus:9090"}}}, {"autoscaling": {"hpa": {"enable": True}}}],
+    ids=["zero replicas", "DaemonSet", "address without scheme", "misspelt key"],
+)  # fmt: skip
+def test_the_values_schema_refuses_bad_autoscaling_values(values):
+    with pytest.raises(helm.HelmValuesError):
+        _chart().render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+# Issue 12's contract (CONTRACTS-12.md): the series helper i12-signals adds to
+# sidecar_metrics.py on its branch.  Once merged they are exported and this set is redundant.
+ISSUE_12_SERIES = {"binbatch_requests_waiting"} | {
+    f"binbatch_request_{name}_seconds{suffix}" for name in ("e2e", "ttft") for suffix in ("_bucket", "_sum", "_count")
+}
 
 
 def _exported_series() -> set[str]:
@@ -693,15 +824,33 @@ def test_dashboard_queries_only_metrics_the_sidecar_exports():
     exprs += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     used = {name for expr in exprs for name in re.findall(r"\bbinbatch_[a-z0-9_]+", expr)}
     assert used, "no binbatch_* metric in the dashboard"
-    assert used <= _exported_series(), f"not exported by the sidecar: {sorted(used - _exported_series())}"
+    known = _exported_series() | ISSUE_12_SERIES
+    assert used <= known, f"not exported by the sidecar: {sorted(used - known)}"
+    engine = {name for expr in exprs for name in re.findall(r"\bvllm:[a-z0-9_:]+", expr)}
+    vllm_names = {name for names in ALIASES.values() for name in names}
+    assert engine <= vllm_names, f"not a vLLM metric the sidecar knows: {sorted(engine - vllm_names)}"
     for expr in exprs:
         for group in re.findall(r"\bby \(([^)]*)\)", expr):
             labels = {label.strip() for label in group.split(",")}
-            assert labels <= {"bin", "outcome", "reason", "le", "pod", "namespace", "service"}, expr
+            assert labels <= {"bin", "outcome", "reason", "le", "pod", "namespace", "service", "model_name"}, expr
     # the headline panels the dashboard promises
     titles = {p["title"] for p in dashboard["panels"]}
-    for title in ("Requests by outcome", "Queue depth per bin", "B_mem per bin", "Predictor accuracy"):
+    for title in ("Requests by outcome", "Queue depth per bin", "B_mem per bin", "Predictor accuracy",
+                  "Requests waiting (sidecar + engine)", "End-to-end latency p50 / p99 by model",
+                  "Time to first token p50 / p99 by model", "KV-cache usage"):  # fmt: skip
         assert title in titles
+
+
+def test_dashboard_shows_kv_cache_usage_beside_the_target_batch_size_under_both_vllm_names():
+    panels = {p["title"]: p for p in _dashboard()["panels"]}
+    kv, target = panels["KV-cache usage"], panels["Target batch size B_t per bin"]
+    assert kv["gridPos"]["y"] == target["gridPos"]["y"]  # the same row
+    (expr,) = [t["expr"] for t in kv["targets"]]
+    assert "vllm:kv_cache_usage_perc" in expr and "vllm:gpu_cache_usage_perc" in expr
+    waiting = " ".join(t["expr"] for t in panels["Requests waiting (sidecar + engine)"]["targets"])
+    assert "binbatch_requests_waiting" in waiting and "vllm:num_requests_waiting" in waiting
+    for title in ("End-to-end latency p50 / p99 by model", "Time to first token p50 / p99 by model"):
+        assert all("by (le, model_name)" in t["expr"] for t in panels[title]["targets"])
 
 
 def test_dashboard_panels_fit_the_grid_with_unique_ids():

@@ -351,6 +351,21 @@ CASES: dict[str, tuple[dict[str, Any], bool]] = {
     "label value with a space": ({"selector": {"matchLabels": {"app": "v llm"}}}, True),
     "label value ending in a newline": ({"selector": {"matchLabels": {"app": "vllm\n"}}}, True),
     "label value of 64": ({"selector": {"matchLabels": {"app": "v" * 64}}}, True),
+    "distinct http port": ({"sidecar": {"httpPort": 8081}}, False),
+    "http port on the grpc port": ({"sidecar": {"httpPort": 50051}}, True),
+    "http port on the default metrics port": ({"sidecar": {"httpPort": 9090}}, True),
+    "take-over with its defaults": ({"sidecar": {"takeOverServingPort": {"enabled": True}}}, False),
+    "take-over of a named container": ({"sidecar": {"takeOverServingPort": {"enabled": True, "container": "vllm", "enginePort": 18000}}}, False),
+    "take-over engine port on the grpc port": ({"sidecar": {"takeOverServingPort": {"enabled": True, "enginePort": 50051}}}, True),
+    "take-over engine port on the default http port": ({"sidecar": {"takeOverServingPort": {"enabled": True, "enginePort": 8080}}}, True),
+    "take-over engine port on the metrics port": ({"sidecar": {"metricsPort": 8001, "takeOverServingPort": {"enabled": True}}}, True),
+    "engine port on the grpc port, take-over off": ({"sidecar": {"takeOverServingPort": {"enginePort": 50051}}}, False),
+    "take-over with a remote engine": ({"sidecar": {"takeOverServingPort": {"enabled": True}}, "engine": {"url": "http://vllm.llm.svc:8000"}}, True),
+    "take-over with a localhost engine": ({"sidecar": {"takeOverServingPort": {"enabled": True}}, "engine": {"url": "http://localhost:8000/"}}, False),
+    "take-over with an IPv6 loopback engine": ({"sidecar": {"takeOverServingPort": {"enabled": True}}, "engine": {"url": "http://[::1]:8000"}}, False),
+    "take-over with a look-alike host": ({"sidecar": {"takeOverServingPort": {"enabled": True}}, "engine": {"url": "http://127.0.0.1.example.com:8000"}}, True),
+    "remote engine, take-over off": ({"engine": {"url": "http://vllm.llm.svc:8000"}}, False),
+    "headless Service": ({"service": {"headless": True}}, False),
 }  # fmt: skip
 
 
@@ -382,7 +397,8 @@ def test_the_crd_defaults_are_the_sidecars_defaults() -> None:
     assert found == []
     for name in crd.CONFIG_SECTIONS:
         assert stored[name] == DEFAULTS[name], name
-    assert stored["sidecar"] == {**crd.SIDECAR_DEFAULTS, "image": ""}
+    assert stored["sidecar"] == {**crd.SIDECAR_DEFAULTS, "image": "", "takeOverServingPort": crd.TAKEOVER_DEFAULTS}
+    assert stored["service"] == crd.SERVICE_DEFAULTS
 
 
 def test_every_default_passes_its_schema_and_rules_as_written() -> None:

@@ -32,7 +32,7 @@ from binbatch_sidecar.config import parse_config
 IMAGE = "registry.example/binbatch:test"
 SPEC = {
     "selector": {"matchLabels": {"app": "vllm"}},
-    "sidecar": {"grpcPort": 50061, "metricsPort": 9191, "drainGraceSeconds": 40,
+    "sidecar": {"grpcPort": 50061, "httpPort": 8181, "metricsPort": 9191, "drainGraceSeconds": 40,
                 "resources": {"requests": {"cpu": "100m"}}},
     "bins": {"mode": "Fixed", "count": 3, "boundaries": [64, 256]},
     "batch": {"maxBatchSize": 64},
@@ -57,7 +57,7 @@ def test_configmap_carries_the_sidecar_config_the_sidecar_loads():
     cm = builders.build_configmap("fast", "llm", SPEC)
     assert cm["metadata"]["name"] == "fast-binbatch" and cm["metadata"]["namespace"] == "llm"
     cfg = parse_config(yaml.safe_load(cm["data"][builders.CONFIG_KEY]))
-    assert cfg.server.grpc_port == 50061 and cfg.server.metrics_port == 9191
+    assert cfg.server.grpc_port == 50061 and cfg.server.metrics_port == 9191 and cfg.server.http_port == 8181
     assert list(cfg.bins.boundaries) == [64, 256] and cfg.batch.max_batch_size == 64
 
 
@@ -67,6 +67,8 @@ def test_service_selects_injected_pods_on_the_sidecar_ports():
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
     assert ports["grpc"]["port"] == 50061 and ports["grpc"]["targetPort"] == "bb-grpc"
     assert ports["metrics"]["port"] == 9191 and ports["metrics"]["targetPort"] == "bb-metrics"
+    assert ports["http"]["port"] == 8181 and ports["http"]["targetPort"] == "bb-http"
+    assert ports["http"]["appProtocol"] == "http"
     assert svc["metadata"]["labels"]["app.kubernetes.io/name"] == "binbatch-sidecar"
 
 
@@ -77,7 +79,8 @@ def test_pod_patch_appends_a_locked_down_sidecar_and_keeps_the_pods_own_parts():
     side = containers[1]
     assert side["image"] == IMAGE
     assert side["command"][-1] == "/etc/binbatch/sidecar.yaml"
-    assert {p["containerPort"] for p in side["ports"]} == {50061, 9191}
+    assert {p["name"]: p["containerPort"] for p in side["ports"]} == {"bb-grpc": 50061, "bb-http": 8181, "bb-metrics": 9191}
+    assert "--http-port" not in side["command"]  # the config's server.httpPort holds
     assert side["readinessProbe"]["grpc"]["port"] == 50061
     sec = side["securityContext"]
     assert sec["runAsNonRoot"] and sec["readOnlyRootFilesystem"] and not sec["allowPrivilegeEscalation"]
@@ -386,6 +389,10 @@ class FakeKube:
         self._maybe_fail(("ensure", obj["kind"]))
         self.children[(obj["kind"], obj["metadata"]["name"])] = obj
         return "created"
+
+    async def delete(self, kind, name, namespace):
+        self._maybe_fail(("delete", kind))
+        return self.children.pop((kind, name), None) is not None
 
     async def list_pods(self, namespace, match_labels):
         self._maybe_fail(("list", "Pod"))
