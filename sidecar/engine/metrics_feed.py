@@ -116,6 +116,7 @@ class PromQLSource:
             "kv_usage": either("max", "", "kv_usage"),
             "running": f"sum(vllm:num_requests_running{s})",
             "waiting": f"sum(vllm:num_requests_waiting{s})",
+            "waiting_by_model": f"sum by (model_name) (vllm:num_requests_waiting{s})",
             # a counter's samples carry _total under both naming generations
             "preemptions": f"sum(vllm:num_preemptions_total{s})",
             "itl_sum": either("sum", "_sum", "itl"),
@@ -162,6 +163,7 @@ class PromQLSource:
             block_size=block,
             itl=histogram("itl"),
             ttft=histogram("ttft"),
+            waiting_by_model=_by_model(series["waiting_by_model"]) if series["waiting_by_model"] else None,
             names_seen=frozenset(q for q, rows in series.items() if rows),
         )
 
@@ -186,6 +188,17 @@ class PromQLSource:
         if data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
             raise MetricsUnavailable(f"Prometheus at {self.url} did not answer with an instant vector")
         return [row for row in data["result"] if isinstance(row, dict)]
+
+
+def _by_model(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """A ``sum by (model_name)`` vector as model -> value ("" for series without the label)."""
+    out: dict[str, float] = {}
+    for row in rows:
+        model = str((row.get("metric") or {}).get("model_name", ""))
+        value = _sample_value(row)
+        if value is not None:
+            out[model] = out.get(model, 0.0) + value
+    return out
 
 
 def _sample_value(row: dict[str, Any]) -> float | None:
@@ -244,6 +257,14 @@ class MetricsFeed:
             return "disabled"
         age = self.last_success_age()
         return "fresh" if age is not None and age <= self.stale_after else "stale"
+
+    def engine_waiting(self) -> dict[str, float] | None:
+        """The engine's own waiting requests by model from the last successful fetch,
+        while it is fresh (the engine part of binbatch_requests_waiting); None when
+        stale, disabled, or the engine does not expose them."""
+        if self.state != "fresh" or self.last_metrics is None:
+            return None
+        return self.last_metrics.waiting_by_model
 
     def last_success_age(self) -> float | None:
         """Seconds since the last successful fetch; None if there was none."""

@@ -107,6 +107,8 @@ class Sidecar:
             metrics_source(cfg), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
             clock=self.clock, on_snapshot=self._on_snapshot,
         )  # fmt: skip
+        self.metrics.model_label.watch(served=lambda: self._models, default=self.default_model)
+        self.metrics.requests_waiting.engine = self.feed.engine_waiting
         self.watcher = (
             ConfigWatcher(self.config_path, initial=self.loaded, on_change=self._apply,
                           poll_seconds=cfg.server.config_poll_milliseconds / 1000,
