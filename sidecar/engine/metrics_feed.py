@@ -92,10 +92,17 @@ class PromQLSource:
     """Instant queries against a Prometheus server's ``/api/v1/query``.
 
     ``selector`` is a label matcher put after every metric name, e.g. ``{pod="p"}``
-    (or "" for all series).  Each quantity tries vLLM's new name, then the old one
-    (``A or B``).  Several engines behind one selector: counts are summed, the KV
-    usage is the fullest cache (as ``vllm_metrics.parse`` does), the capacity is the
-    smallest engine's.
+    (or "" for all series).  Several engines behind one selector: counts are summed,
+    the KV usage is the fullest cache (as ``vllm_metrics.parse`` does), the capacity
+    is the smallest engine's.
+
+    A quantity vLLM renamed is read as ``agg(new or old)``: the set operator picks,
+    per series (label sets compared without the metric name), the new name where an
+    engine exposes it and the old one elsewhere, and only then aggregates.  The
+    former ``agg(new) or agg(old)`` read only the engines on new names as soon as
+    one existed -- on a real Prometheus, a selector over engines of two vLLM
+    releases saw the newer ones' KV usage (0) and missed a fuller cache on the
+    older names (``tests/integration/test_promql_real_prometheus.py``).
     """
 
     kind = "promql"
@@ -110,7 +117,7 @@ class PromQLSource:
         s = self.selector
 
         def either(fn: str, suffix: str, quantity: str) -> str:
-            return " or ".join(f"{fn}({name}{suffix}{s})" for name in vllm_metrics.ALIASES[quantity])
+            return f"{fn}(" + " or ".join(f"{name}{suffix}{s}" for name in vllm_metrics.ALIASES[quantity]) + ")"
 
         return {
             "kv_usage": either("max", "", "kv_usage"),
