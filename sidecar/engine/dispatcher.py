@@ -350,7 +350,7 @@ class Dispatcher:
             self._finish(req, "unavailable", exc=Rejected("unavailable", STOPPED))
             raise
         except Exception as exc:
-            log.exception("request failed in dispatch")
+            log.exception("request failed in dispatch", extra={"request_id": req.id})
             self._finish(req, "failed", exc=EngineError("internal", None, f"dispatch failed: {exc}"))
 
     def _complete(self, req: Request, call: Call, result: EngineResult | EngineError, batch_size: int) -> None:

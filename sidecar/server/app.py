@@ -272,8 +272,8 @@ class Sidecar:
         a file changing one is refused (raises, so the watcher keeps the running
         config and reports the error in GetConfig). Everything else takes effect
         here: the core and feed are rebuilt (the queue is kept), a new engine URL
-        or timeout gets a new engine client for new dispatches, the log level and
-        the poll interval are set; the rest is read from ``self.config`` at use.
+        or timeout gets a new engine client for new dispatches, the log level,
+        format and the poll interval are set; the rest is read from ``self.config`` at use.
         The watcher logs the applied generation (once).
         """
         cfg, running = loaded.config, self.config
@@ -298,6 +298,8 @@ class Sidecar:
             self.watcher.poll_seconds = cfg.server.config_poll_milliseconds / 1000
         if cfg.logging.level != running.logging.level:
             logs.set_level(cfg.logging.level)
+        if cfg.logging.format != running.logging.format:
+            logs.set_format(cfg.logging.format)
         self.loaded = loaded
         self.metrics.config_generation.set(loaded.generation)
         if cfg.engine.url != running.engine.url:
