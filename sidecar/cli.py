@@ -132,7 +132,7 @@ def _sidecar(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"binbatch sidecar: cannot read config: {exc}", file=sys.stderr)
         return 2
-    logs.setup(str(loaded.config.logging.level), str(loaded.config.logging.format))
+    logs.setup(str(loaded.config.logging.level))
     return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port))
 
 

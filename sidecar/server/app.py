@@ -336,6 +336,7 @@ class Sidecar:
 async def serve(loaded: LoadedConfig, config_path: str | None, host: str,
                 grpc_port: int | None, metrics_port: int | None) -> int:  # fmt: skip
     """Run a sidecar until SIGTERM or SIGINT, then drain and exit."""
+    logs.set_format(loaded.config.logging.format)  # the CLI's logs.setup chose the level
     sidecar = Sidecar(loaded, config_path=config_path, host=host, grpc_port=grpc_port, metrics_port=metrics_port)
     await sidecar.start()
     stop = asyncio.Event()
