@@ -23,6 +23,7 @@ REQUEST_FIELDS = ("request_id", "trace_id")  # the extras the request path sets;
 FORMATS = ("Json", "Text")
 
 _handler: logging.Handler | None = None  # the stderr handler ``setup`` installed
+_format = "Json"  # the logging.format last set (``current_format``)
 
 
 class TextFormatter(logging.Formatter):
@@ -55,9 +56,10 @@ def formatter(fmt: str) -> logging.Formatter:
 def setup(level: str, fmt: str = "Json") -> None:
     """Route the root logger to stderr at ``level`` (debug|info|warning|error) in
     ``fmt`` (Json | Text)."""
-    global _handler
+    global _handler, _format
     handler = logging.StreamHandler()
     handler.setFormatter(formatter(fmt))
+    _format = fmt
     root = logging.getLogger()
     root.handlers[:] = [handler]
     _handler = handler
@@ -72,6 +74,15 @@ def set_level(level: str) -> None:
 
 def set_format(fmt: str) -> None:
     """Switch the output of ``setup``'s handler to ``fmt`` (a reload of
-    ``logging.format``); without ``setup`` (a sidecar inside a test) nothing changes."""
+    ``logging.format``); without ``setup`` (a sidecar inside a test) only
+    ``current_format`` changes."""
+    global _format
+    chosen = formatter(fmt)
+    _format = fmt
     if _handler is not None:
-        _handler.setFormatter(formatter(fmt))
+        _handler.setFormatter(chosen)
+
+
+def current_format() -> str:
+    """The ``logging.format`` in effect (what the last setup or reload chose)."""
+    return _format
