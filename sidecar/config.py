@@ -28,7 +28,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
     metrics:   {source: Scrape|PromQL|None, url, intervalMilliseconds,
                 staleAfterMilliseconds, promqlSelector}
     server:    {grpcPort, httpPort, metricsPort, drainGraceSeconds, configPollMilliseconds}
-    logging:   {level: Debug|Info|Warning|Error, logPrompts}
+    logging:   {level: Debug|Info|Warning|Error, format: Json|Text, logPrompts}
     classes:   {classes: [{name, priority}]}
 
 An absent file means the defaults (``binbatch sidecar`` without ``--config``), but
@@ -73,6 +73,7 @@ AdmissionOrderName = Literal["Fifo", "ShortestFirst"]
 PredictorKind = Literal["Hint", "Online"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
+LogFormat = Literal["Json", "Text"]
 # Keys bound once at start-up (listening sockets). A reload that changes one is
 # refused and names the key; everything else is applied live.
 RESTART_KEYS = (("server", "grpc_port"), ("server", "http_port"), ("server", "metrics_port"))
@@ -262,6 +263,7 @@ class ServerConfig(_Section):
 
 class LoggingConfig(_Section):
     level: LogLevel = Field("Info", description="Level of the sidecar's logs; a reload applies it at once.")
+    format: LogFormat = Field("Json", description="Json: one JSON object per line (time, level, logger, message, and request_id/trace_id on request lines) for a log system; Text: plain lines for a person. A reload applies it at once.")  # fmt: skip
     log_prompts: bool = Field(False, description="Log each request's prompt and completion text at Info (logger binbatch.prompts). Off: never logged at any level (they may hold personal data).")  # fmt: skip
 
 

@@ -81,7 +81,8 @@ class Call:
     future: asyncio.Future[Completion]
     deltas: asyncio.Queue[str] | None = None  # streaming callers read text pieces here
     task: asyncio.Task[None] | None = None  # its own engine call (continuous mode)
-    dispatched_at: float | None = None
+    dispatched_at: float | None = None  # None: not (or no longer, after a requeue) sent to the engine
+    first_token_at: float | None = None  # a stream's first delta
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +124,7 @@ class Dispatcher:
         self._depth_gauges: list = []  # binbatch_queue_depth's child per bin (_publish_queue)
         self._publish_sizes()
         self._publish_breaker()
+        metrics.requests_waiting.sidecar = self.waiting_by_model
 
     # -- the scheduler's state, read by the server and tests -------------------------
 
@@ -186,6 +188,17 @@ class Dispatcher:
     def backlog(self) -> int:
         """Requests accepted and not yet sent to the engine."""
         return self.scheduler.backlog()
+
+    def waiting_by_model(self) -> dict[str, int]:
+        """Open requests the engine has not been sent (in bins, or pending), by the
+        model each names: binbatch_requests_waiting's sidecar part, read when
+        /metrics is scraped (one pass over the open calls then, none per step)."""
+        counts: dict[str, int] = {}
+        for call in self._calls.values():
+            if call.dispatched_at is None:
+                model = call.engine_request.params.model
+                counts[model] = counts.get(model, 0) + 1
+        return counts
 
     # -- intake ---------------------------------------------------------------------
 
@@ -319,6 +332,8 @@ class Dispatcher:
                 try:
                     async for item in self.client.stream(call.engine_request, timeout=self.engine_timeout):
                         if isinstance(item, StreamDelta):
+                            if call.first_token_at is None:
+                                self._first_token(req, call)
                             call.deltas.put_nowait(item.text)
                         else:
                             result = item
@@ -335,7 +350,7 @@ class Dispatcher:
             self._finish(req, "unavailable", exc=Rejected("unavailable", STOPPED))
             raise
         except Exception as exc:
-            log.exception("request failed in dispatch")
+            log.exception("request failed in dispatch", extra={"request_id": req.id})
             self._finish(req, "failed", exc=EngineError("internal", None, f"dispatch failed: {exc}"))
 
     def _complete(self, req: Request, call: Call, result: EngineResult | EngineError, batch_size: int) -> None:
@@ -351,6 +366,7 @@ class Dispatcher:
         if sched.breaker.state != state:
             self._breaker_changed()
         if verdict == "requeued":
+            call.dispatched_at = None  # queued again: waiting, not in the engine
             self.metrics.requeued.inc()
             self._wake.set()
         elif verdict == "failed":
@@ -373,7 +389,23 @@ class Dispatcher:
                 batch_size=batch_size,
                 predicted_tokens=predicted,
             )
+            self._observe_latency(req, call, now)
             self._resolve(req, "completed", result=completion)
+
+    def _first_token(self, req: Request, call: Call) -> None:
+        """A stream's first delta: its TTFT, from acceptance (both doors share this path)."""
+        call.first_token_at = now = self.clock.now()
+        model = self.metrics.model_label(call.engine_request.params.model)
+        self.metrics.ttft.labels(model).observe(max(0.0, now - req.arrival))
+
+    def _observe_latency(self, req: Request, call: Call, now: float) -> None:
+        """A completed request's E2E from acceptance; its TTFT too when no delta came
+        first (not streamed, or gang mode: the whole answer is its first token)."""
+        model = self.metrics.model_label(call.engine_request.params.model)
+        e2e = max(0.0, now - req.arrival)
+        self.metrics.e2e.labels(model).observe(e2e)
+        if call.first_token_at is None:
+            self.metrics.ttft.labels(model).observe(e2e)
 
     def _finish(
         self, req: Request, outcome: str, *, result: Completion | None = None, exc: BaseException | None = None

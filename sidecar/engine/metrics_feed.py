@@ -92,10 +92,17 @@ class PromQLSource:
     """Instant queries against a Prometheus server's ``/api/v1/query``.
 
     ``selector`` is a label matcher put after every metric name, e.g. ``{pod="p"}``
-    (or "" for all series).  Each quantity tries vLLM's new name, then the old one
-    (``A or B``).  Several engines behind one selector: counts are summed, the KV
-    usage is the fullest cache (as ``vllm_metrics.parse`` does), the capacity is the
-    smallest engine's.
+    (or "" for all series).  Several engines behind one selector: counts are summed,
+    the KV usage is the fullest cache (as ``vllm_metrics.parse`` does), the capacity
+    is the smallest engine's.
+
+    A quantity vLLM renamed is read as ``agg(new or old)``: the set operator picks,
+    per series (label sets compared without the metric name), the new name where an
+    engine exposes it and the old one elsewhere, and only then aggregates.  The
+    former ``agg(new) or agg(old)`` read only the engines on new names as soon as
+    one existed -- on a real Prometheus, a selector over engines of two vLLM
+    releases saw the newer ones' KV usage (0) and missed a fuller cache on the
+    older names (``tests/integration/test_promql_real_prometheus.py``).
     """
 
     kind = "promql"
@@ -110,12 +117,13 @@ class PromQLSource:
         s = self.selector
 
         def either(fn: str, suffix: str, quantity: str) -> str:
-            return " or ".join(f"{fn}({name}{suffix}{s})" for name in vllm_metrics.ALIASES[quantity])
+            return f"{fn}(" + " or ".join(f"{name}{suffix}{s}" for name in vllm_metrics.ALIASES[quantity]) + ")"
 
         return {
             "kv_usage": either("max", "", "kv_usage"),
             "running": f"sum(vllm:num_requests_running{s})",
             "waiting": f"sum(vllm:num_requests_waiting{s})",
+            "waiting_by_model": f"sum by (model_name) (vllm:num_requests_waiting{s})",
             # a counter's samples carry _total under both naming generations
             "preemptions": f"sum(vllm:num_preemptions_total{s})",
             "itl_sum": either("sum", "_sum", "itl"),
@@ -162,6 +170,7 @@ class PromQLSource:
             block_size=block,
             itl=histogram("itl"),
             ttft=histogram("ttft"),
+            waiting_by_model=_by_model(series["waiting_by_model"]) if series["waiting_by_model"] else None,
             names_seen=frozenset(q for q, rows in series.items() if rows),
         )
 
@@ -186,6 +195,17 @@ class PromQLSource:
         if data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
             raise MetricsUnavailable(f"Prometheus at {self.url} did not answer with an instant vector")
         return [row for row in data["result"] if isinstance(row, dict)]
+
+
+def _by_model(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """A ``sum by (model_name)`` vector as model -> value ("" for series without the label)."""
+    out: dict[str, float] = {}
+    for row in rows:
+        model = str((row.get("metric") or {}).get("model_name", ""))
+        value = _sample_value(row)
+        if value is not None:
+            out[model] = out.get(model, 0.0) + value
+    return out
 
 
 def _sample_value(row: dict[str, Any]) -> float | None:
@@ -244,6 +264,14 @@ class MetricsFeed:
             return "disabled"
         age = self.last_success_age()
         return "fresh" if age is not None and age <= self.stale_after else "stale"
+
+    def engine_waiting(self) -> dict[str, float] | None:
+        """The engine's own waiting requests by model from the last successful fetch,
+        while it is fresh (the engine part of binbatch_requests_waiting); None when
+        stale, disabled, or the engine does not expose them."""
+        if self.state != "fresh" or self.last_metrics is None:
+            return None
+        return self.last_metrics.waiting_by_model
 
     def last_success_age(self) -> float | None:
         """Seconds since the last successful fetch; None if there was none."""

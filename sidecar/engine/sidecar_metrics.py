@@ -2,14 +2,23 @@
 
 Names follow Prometheus conventions: ``binbatch_`` prefix, base units, ``_total``
 on counters (the client library appends it), and no high-cardinality labels: the
-bin index and a small fixed set of reasons/outcomes are the only labels.  The
-registry is injected so tests (and several sidecars in one test process) never
-share global state.
+bin index, a small fixed set of reasons/outcomes, and ``model_name`` bounded by
+``ModelLabels`` (the engine's served models; any other name is "other") are the
+only labels.  The registry is injected so tests (and several sidecars in one test
+process) never share global state.
+
+The per-request signals the ecosystem reads (issue 12) carry ``model_name`` like
+vLLM's own ``vllm:*`` series and the inference extension's
+``inference_objective_*``: ``binbatch_request_e2e_seconds``,
+``binbatch_request_ttft_seconds`` and ``binbatch_requests_waiting``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 # Seconds: from sub-millisecond queueing to long generations.
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -17,6 +26,83 @@ TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 OUTCOMES = ("completed", "rejected", "expired", "cancelled", "failed", "unavailable")
+OTHER_MODEL = "other"  # model_name of a request naming a model the engine does not serve
+
+
+class ModelLabels:
+    """The ``model_name`` label of a model, with bounded cardinality.
+
+    A request may name any model (the engine refuses an unknown one only after
+    the sidecar accepted it), so a label per named model would let clients mint
+    series.  Only the models the engine serves (its ``/v1/models``) and the
+    configured default keep their name; every other name is ``OTHER_MODEL``.
+    ``watch`` points it at the sidecar's live lists (a reload or an engine that
+    came up changes them); until then every name is "other".
+    """
+
+    def __init__(self) -> None:
+        self._served: Callable[[], Collection[str]] = tuple
+        self._default: Callable[[], str] = str
+
+    def watch(self, served: Callable[[], Collection[str]], default: Callable[[], str]) -> None:
+        self._served, self._default = served, default
+
+    def known(self) -> list[str]:
+        """The names that label as themselves (the default first), without duplicates."""
+        return list(dict.fromkeys(m for m in (self._default(), *self._served()) if m))
+
+    def __call__(self, model: str) -> str:
+        """``model``'s label; "" (a series without a model, e.g. an engine's
+        unlabelled gauge) is the default model's."""
+        if not model:
+            return self._default() or OTHER_MODEL
+        return model if model == self._default() or model in self._served() else OTHER_MODEL
+
+
+class RequestsWaiting:
+    """``binbatch_requests_waiting{model_name}``, computed when /metrics is scraped.
+
+    The honest per-pod backlog: requests the sidecar holds that the engine has not
+    started (in the bins, or taken and not yet sent) plus the engine's own
+    ``vllm:num_requests_waiting`` from the last fresh metrics fetch.  With the
+    sidecar in front, vLLM's own "waiting" stays near zero -- the queue moved into
+    the sidecar -- so autoscalers (KEDA, HPA) and endpoint pickers should read
+    this one instead.  While the engine's metrics are stale or off (no source)
+    only the sidecar's part is counted: an old engine figure could be anything.
+
+    ``sidecar`` and ``engine`` are set by their owners (the dispatcher, the
+    metrics feed): each returns requests by model name (the engine's may be None:
+    nothing fresh).  Every known model is exported, at 0 when idle, so a query on
+    one model's series finds it before its first request.
+    """
+
+    NAME = "binbatch_requests_waiting"
+    DOC = ("Requests waiting for the engine to start them: held by the sidecar (bins and pending) plus the "
+           "engine's own vllm:num_requests_waiting from the last fresh scrape (the sidecar's part alone while "
+           "engine metrics are stale); the per-pod backlog autoscalers and endpoint pickers should read")  # fmt: skip
+
+    def __init__(self, labels: ModelLabels) -> None:
+        self.labels = labels
+        self.sidecar: Callable[[], Mapping[str, float]] = dict
+        self.engine: Callable[[], Mapping[str, float] | None] = lambda: None
+
+    def values(self) -> dict[str, float]:
+        """model_name label -> requests waiting."""
+        totals = dict.fromkeys((self.labels(m) for m in self.labels.known()), 0.0)
+        for part in (self.sidecar(), self.engine() or {}):
+            for model, n in part.items():
+                label = self.labels(model)
+                totals[label] = totals.get(label, 0.0) + max(0.0, n)
+        return totals
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.NAME, self.DOC, labels=["model_name"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.NAME, self.DOC, labels=["model_name"])
+        for label, value in sorted(self.values().items()):
+            family.add_metric([label], value)
+        yield family
 
 
 class SidecarMetrics:
@@ -30,6 +116,18 @@ class SidecarMetrics:
             ["outcome"], registry=r,
         )  # fmt: skip
         self.accepted = Counter("binbatch_requests_accepted", "Requests accepted into a bin", registry=r)
+        self.model_label = ModelLabels()
+        self.e2e = Histogram(
+            "binbatch_request_e2e_seconds", "Time from acceptance to the last token of completed requests, by model",
+            ["model_name"], buckets=TIME_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "binbatch_request_ttft_seconds",
+            "Time from acceptance to the first token, by model: a stream's first delta; "
+            "the whole answer (= e2e) for a request not streamed", ["model_name"], buckets=TIME_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.requests_waiting = RequestsWaiting(self.model_label)
+        r.register(self.requests_waiting)
         self.queue_depth = Gauge("binbatch_queue_depth", "Requests waiting in each bin", ["bin"], registry=r)
         self.batches = Counter(
             "binbatch_batches", "Batches dispatched, by bin and reason (full|timeout|slo|policy|room|drain)",

@@ -88,6 +88,9 @@ class EngineMetrics:
     block_size: int | None = None
     itl: HistogramTotals | None = None
     ttft: HistogramTotals | None = None
+    # vllm:num_requests_waiting by its model_name label ("" for a series without one),
+    # for binbatch_requests_waiting; None when the engine does not expose it
+    waiting_by_model: dict[str, float] | None = None
     names_seen: frozenset[str] = field(default_factory=frozenset)  # the ALIASES families present
 
     @property
@@ -126,6 +129,17 @@ def parse(text: str) -> EngineMetrics:
         count = sum(s.value for s in f.samples if s.name.endswith("_count"))
         return HistogramTotals(total, count)
 
+    def by_model(quantity: str) -> dict[str, float] | None:
+        f = family(quantity)
+        if f is None:
+            return None
+        out: dict[str, float] = {}
+        for s in f.samples:
+            if not s.name.endswith("_created"):
+                model = s.labels.get("model_name", "")
+                out[model] = out.get(model, 0.0) + s.value
+        return out
+
     blocks = block = None
     cfg = family("cache_config")
     if cfg is not None:
@@ -142,6 +156,7 @@ def parse(text: str) -> EngineMetrics:
         block_size=block,
         itl=histogram("itl"),
         ttft=histogram("ttft"),
+        waiting_by_model=by_model("waiting"),
         names_seen=frozenset(families),
     )
 

@@ -111,6 +111,8 @@ class Sidecar:
             metrics_source(cfg), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
             clock=self.clock, on_snapshot=self._on_snapshot,
         )  # fmt: skip
+        self.metrics.model_label.watch(served=lambda: self._models, default=self.default_model)
+        self.metrics.requests_waiting.engine = self.feed.engine_waiting
         self.watcher = (
             ConfigWatcher(self.config_path, initial=self.loaded, on_change=self._apply,
                           poll_seconds=cfg.server.config_poll_milliseconds / 1000,
@@ -284,8 +286,8 @@ class Sidecar:
         a file changing one is refused (raises, so the watcher keeps the running
         config and reports the error in GetConfig). Everything else takes effect
         here: the core and feed are rebuilt (the queue is kept), a new engine URL
-        or timeout gets a new engine client for new dispatches, the log level and
-        the poll interval are set; the rest is read from ``self.config`` at use.
+        or timeout gets a new engine client for new dispatches, the log level,
+        format and the poll interval are set; the rest is read from ``self.config`` at use.
         The watcher logs the applied generation (once).
         """
         cfg, running = loaded.config, self.config
@@ -310,6 +312,8 @@ class Sidecar:
             self.watcher.poll_seconds = cfg.server.config_poll_milliseconds / 1000
         if cfg.logging.level != running.logging.level:
             logs.set_level(cfg.logging.level)
+        if cfg.logging.format != running.logging.format:
+            logs.set_format(cfg.logging.format)
         self.loaded = loaded
         self.metrics.config_generation.set(loaded.generation)
         if cfg.engine.url != running.engine.url:
@@ -346,6 +350,7 @@ class Sidecar:
 async def serve(loaded: LoadedConfig, config_path: str | None, host: str,
                 grpc_port: int | None, metrics_port: int | None) -> int:  # fmt: skip
     """Run a sidecar until SIGTERM or SIGINT, then drain and exit."""
+    logs.set_format(loaded.config.logging.format)  # the CLI's logs.setup chose the level
     sidecar = Sidecar(loaded, config_path=config_path, host=host, grpc_port=grpc_port, metrics_port=metrics_port)
     await sidecar.start()
     stop = asyncio.Event()

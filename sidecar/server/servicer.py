@@ -278,7 +278,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             request_class=msg.request_class,
         )
         if cfg.logging.log_prompts:
-            prompt_log.info("request %s prompt: %s", req.id, text)
+            prompt_log.info("request %s prompt: %s", req.id, text, extra={"request_id": req.id})
         loop = asyncio.get_running_loop()
         call = Call(engine_request, loop.create_future(), asyncio.Queue() if stream else None)
         return req, call
@@ -303,7 +303,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _log_completion(self, req: Request, completion: Completion) -> None:
         self.on_completion(completion.engine_seconds, completion.batch_size, completion.result.completion_tokens)
         if self.config().logging.log_prompts:
-            prompt_log.info("request %s completion: %s", req.id, completion.result.text)
+            prompt_log.info("request %s completion: %s", req.id, completion.result.text,
+                            extra={"request_id": req.id})  # fmt: skip
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext

@@ -64,9 +64,9 @@ async def test_promql_source_builds_engine_metrics(prometheus: Prometheus) -> No
     sel = '{pod="p"}'
     source = PromQLSource(str(prometheus.server.make_url("/")), sel)
     q = source.queries()
-    assert q["kv_usage"] == f"max(vllm:kv_cache_usage_perc{sel}) or max(vllm:gpu_cache_usage_perc{sel})"
-    assert q["itl_sum"] == (f"sum(vllm:inter_token_latency_seconds_sum{sel}) or "
-                            f"sum(vllm:time_per_output_token_seconds_sum{sel})")  # fmt: skip
+    assert q["kv_usage"] == f"max(vllm:kv_cache_usage_perc{sel} or vllm:gpu_cache_usage_perc{sel})"
+    assert q["itl_sum"] == (f"sum(vllm:inter_token_latency_seconds_sum{sel} or "
+                            f"vllm:time_per_output_token_seconds_sum{sel})")  # fmt: skip
     assert q["cache_config"] == f"max by (num_gpu_blocks, block_size) (vllm:cache_config_info{sel})"
     prometheus.answers = {
         q["kv_usage"]: vec(0.4),

@@ -29,6 +29,7 @@ from binbatch_sidecar.config import SidecarConfig
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.request import Request
 from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.server import logs
 from binbatch_sidecar.server.app import Sidecar
 
 FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_size=16)
@@ -37,11 +38,13 @@ OTHER = "http://127.0.0.1:9"  # a second engine URL; rows that need it to answer
 
 @pytest.fixture
 def root_level():
-    """logging.level is applied to the root logger: give the test process its level back."""
+    """logging.level is applied to the root logger, logging.format to the log
+    output: give the test process its level and format back."""
     root = logging.getLogger()
-    saved = root.level
+    saved = root.level, logs.current_format()
     yield
-    root.setLevel(saved)
+    root.setLevel(saved[0])
+    logs.set_format(saved[1])
 
 
 def _core(sc: Sidecar):
@@ -131,6 +134,7 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ("server", "drain_grace_seconds"): ({"server": {"drainGraceSeconds": 3}}, lambda s: s.config.server.drain_grace_seconds, 3),  # read by stop()  # fmt: skip
     ("server", "config_poll_milliseconds"): ({"server": {"configPollMilliseconds": 250}}, lambda s: s.watcher.poll_seconds, 0.25),  # fmt: skip
     ("logging", "level"): ({"logging": {"level": "Debug"}}, lambda s: logging.getLogger().level, logging.DEBUG),
+    ("logging", "format"): ({"logging": {"format": "Text"}}, lambda s: logs.current_format(), "Text"),  # and see test_sidecar_process  # fmt: skip
     ("logging", "log_prompts"): ({"logging": {"logPrompts": True}}, lambda s: s.config.logging.log_prompts, True),  # read per request; see test_sidecar_input  # fmt: skip
     ("classes", "classes"): (
         {"classes": {"classes": [{"name": "x", "priority": 5}]}}, lambda s: s.config.classes.priority_of("x"), 5,

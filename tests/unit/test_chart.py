@@ -517,7 +517,7 @@ def test_operator_command_and_environment():
     assert container["name"] == "operator"
     assert container["command"] == [
         "kopf", "run", "-m", "binbatch_operator.main", "--all-namespaces", f"--peering={RELEASE}",
-        "--liveness=http://0.0.0.0:8080/healthz",
+        "--liveness=http://0.0.0.0:8080/healthz", "--log-format=json",
     ]  # fmt: skip
     service = one(objs, "Service")["metadata"]["name"]
     assert env(container) == {

@@ -77,6 +77,7 @@ server:
   configPollMilliseconds: 2000
 logging:
   level: Debug
+  format: Text
   logPrompts: true
 classes:
   classes:
@@ -104,6 +105,7 @@ def test_no_document_gives_the_defaults():
         parse_config({"batch": {"dispatch": "Smdp"}})  # the SMDP policy is in the core, not yet in the sidecar
     assert (cfg.server.grpc_port, cfg.server.metrics_port) == (50051, 9090)
     assert cfg.logging.level == "Info" and not cfg.logging.log_prompts
+    assert cfg.logging.format == "Json"
 
 
 def test_defaults_convert_to_si_units():
@@ -124,7 +126,7 @@ def test_full_example_parses_every_key():
     assert cfg.bins.boundaries == [64, 256, 1024]
     assert (cfg.batch.mode, cfg.batch.sizing, cfg.batch.static_size) == ("Gang", "Sla", 16)
     assert cfg.metrics.promql_selector == '{pod="vllm-0"}'
-    assert cfg.logging.log_prompts is True
+    assert cfg.logging.log_prompts is True and cfg.logging.format == "Text"
     assert cfg.tpot_seconds == pytest.approx(0.05)
     assert cfg.queue_budget_seconds(None) == pytest.approx(2.0 * 0.25)  # the policy's SLO, 25% of it
     assert cfg.queue_budget_seconds(800) == pytest.approx(0.8 * 0.25)
@@ -208,6 +210,7 @@ def test_unknown_key_is_rejected_by_name():
         ({"batch": {"staticSize": "32"}}, "batch.staticSize", "Input should be a valid integer"),
         ({"batch": {"staticSize": 32.0}}, "batch.staticSize", "Input should be a valid integer"),
         ({"logging": {"logPrompts": "yes"}}, "logging.logPrompts", "Input should be a valid boolean"),
+        ({"logging": {"format": "json"}}, "logging.format", "Input should be 'Json' or 'Text'"),
         ({"bins": {"boundaries": [10, "20", 30]}}, "bins.boundaries[1]", "Input should be a valid integer"),
         ({"bins": {"mode": "fixed"}}, "bins.mode", "Input should be 'Fixed', 'Auto' or 'Adaptive'"),
         ({"batch": None}, "batch", "Input should be a valid dictionary or instance of BatchConfig"),

@@ -135,6 +135,8 @@ async def scenario(mode: str, k: int, size: int, inflight: int, program: list[tu
                 engine.resolve(i, how)
             case ("resize", n):
                 former.set_target_sizes(n)
+        # binbatch_requests_waiting's sidecar part is exactly the open requests in bins and pending
+        assert sum(d.waiting_by_model().values()) == sum(former.bin_depths()) + d.pending_requests()
 
     if drain:  # SIGTERM with no grace left: every caller is answered; "cut off" counts those the drain answered
         before = d.totals["unavailable"]

@@ -138,3 +138,20 @@ async def test_run_survives_exceptions_from_the_source_and_the_consumer() -> Non
         with pytest.raises(asyncio.CancelledError):
             await task
     assert calls == 3 and feed.state == "fresh"
+
+
+async def test_engine_waiting_is_read_only_while_the_metrics_are_fresh() -> None:
+    """The engine part of binbatch_requests_waiting: the last fetch's per-model
+    waiting while fresh; None once stale (the gauge then counts the sidecar alone)."""
+    clock = ManualClock()
+    source = FakeSource(metrics(waiting_by_model={"m": 3.0}), MetricsUnavailable("down"), MetricsUnavailable("down"))
+    feed, _ = make_feed(source, clock, stale_after=3.0)
+    assert feed.engine_waiting() is None  # nothing fetched yet
+    await feed.poll_once()
+    assert feed.engine_waiting() == {"m": 3.0}
+    clock.advance(2.0)
+    await feed.poll_once()  # failed, but the last success is 2 s old: still fresh
+    assert feed.engine_waiting() == {"m": 3.0}
+    clock.advance(2.0)
+    await feed.poll_once()
+    assert feed.state == "stale" and feed.engine_waiting() is None

@@ -79,3 +79,19 @@ def test_a_malformed_family_the_sizer_reads_still_fails_the_parse() -> None:
 def test_exposes_vllm_sees_a_sample_of_any_vllm_family() -> None:
     assert vllm_metrics.exposes_vllm("# HELP x y\nvllm:whatever 1\n")
     assert not vllm_metrics.exposes_vllm("process_cpu_seconds_total 1\n# TYPE vllm:x gauge\n")
+
+
+def test_the_filtered_scrape_keeps_the_engines_waiting_by_model() -> None:
+    """binbatch_requests_waiting adds vLLM's own waiting, per model_name, from the
+    pre-filtered scrape; a series without model_name counts under ""."""
+    text = _exposition(legacy=False).replace(
+        'vllm:num_requests_waiting{engine="0",model_name="emulated"} 2.0\n',
+        'vllm:num_requests_waiting{engine="0",model_name="emulated"} 2.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="other-model"} 5.0\n'
+        'vllm:num_requests_waiting{engine="2",model_name="other-model"} 1.0\n'
+        'vllm:num_requests_waiting{engine="3"} 4.0\n',
+    )
+    m = vllm_metrics.parse(text)
+    assert m.waiting_by_model == {"emulated": 2.0, "other-model": 6.0, "": 4.0}
+    assert m.waiting == 12.0
+    assert vllm_metrics.parse("vllm:num_requests_running 1\n").waiting_by_model is None
