@@ -51,9 +51,17 @@ class ConfigWatcher:
         self.on_refused = on_refused
         self.last_error: str | None = None
         self._refused: str | None = None  # sha256 (or error text) of the last refused file: logged once
+        # One check at a time: the poll loop and an explicit check() (tests, the admin path) may
+        # overlap while on_change awaits (an engine swap); without this, a slower apply of an
+        # older file could finish last and put the older config back.
+        self._lock = asyncio.Lock()
 
     async def check(self) -> bool:
         """Apply the file if its content changed and is valid; True if applied."""
+        async with self._lock:
+            return await self._check()
+
+    async def _check(self) -> bool:
         try:
             raw = Path(self.path).read_bytes()
         except OSError as exc:

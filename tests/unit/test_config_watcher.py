@@ -192,3 +192,33 @@ async def test_run_reports_a_refused_file_once_however_often_it_polls(cfg_path):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert len(refused) == 1 and "invalid YAML" in refused[0]
+
+
+async def test_overlapping_checks_never_put_an_older_file_back(cfg_path):
+    """The poll loop and an explicit check() overlap while an apply awaits (an engine swap).
+
+    The first check applies file A and is held inside on_change; meanwhile the file becomes B
+    and a second check runs.  Unserialised, B was applied while A's apply was still running,
+    and A's finished last: the watcher then ran A with B on disk.
+    """
+    release, entered = asyncio.Event(), asyncio.Event()
+    applied: list[int] = []
+
+    async def slow_apply(new: LoadedConfig) -> None:
+        if new.config.batch.static_size == 24:
+            entered.set()
+            await release.wait()
+        applied.append(new.config.batch.static_size)
+
+    watcher = ConfigWatcher(cfg_path, initial=load_config(cfg_path), on_change=slow_apply, poll_seconds=1.0)
+    write(cfg_path, {"batch": {"staticSize": 24}})
+    first = asyncio.create_task(watcher.check())
+    await entered.wait()
+    write(cfg_path, {"batch": {"staticSize": 32}})
+    second = asyncio.create_task(watcher.check())
+    await asyncio.sleep(0)  # ok-sleep: one turn, so an unserialised second check would run now
+    release.set()
+    assert await first and await second
+    assert applied == [24, 32]
+    assert watcher.current.config.batch.static_size == 32
+    assert watcher.current.generation == 3
