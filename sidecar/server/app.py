@@ -1,11 +1,12 @@
 """The sidecar process's lifecycle: start (wire the dispatcher, engine client,
-metrics feed, gRPC server and metrics endpoint), the engine health loop, reload
-(apply a new config live), drain and stop.
+metrics feed, gRPC server, OpenAI-compatible HTTP door and metrics endpoint),
+the engine health loop, reload (apply a new config live), drain and stop.
 
 What it wires lives beside it: ``assembly`` turns a config into the scheduling
 core, ``servicer`` holds the gRPC servicers (given only the collaborators they
-call), ``replies`` builds the Admin replies, ``metrics_endpoint`` the HTTP
-``/metrics`` and ``/healthz``, ``config_watcher`` the reload by file content.
+call), ``openai_http`` the HTTP door (sharing the servicer's ``front``: one
+scheduler, two doors), ``replies`` builds the Admin replies, ``metrics_endpoint``
+the HTTP ``/metrics`` and ``/healthz``, ``config_watcher`` the reload by file content.
 
 ``Sidecar`` is usable in-process (tests start one on port 0 against the emulator
 or a real vLLM); ``serve`` runs it until SIGTERM/SIGINT.
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import sys
 import time
 
 import grpc
@@ -36,6 +39,7 @@ from . import logs
 from .assembly import build_bin_count, build_core, build_smdp, dispatch_mode, metrics_source
 from .config_watcher import ConfigWatcher
 from .metrics_endpoint import metrics_app
+from .openai_http import OpenAIDoor
 from .reflection import enable_reflection
 from .replies import Replies
 from .servicer import AdminServicer, InferenceServicer, add_servicers
@@ -46,8 +50,17 @@ SERVICE_NAMES = ("binbatch.v1.Inference", "binbatch.v1.Admin")
 HEALTH_INTERVAL = 1.0
 
 
+class ListenError(Exception):
+    """A listener could not bind its port: one line naming the setting and the port
+    (``serve`` prints it and exits 2, no traceback)."""
+
+    def __init__(self, setting: str, host: str, port: int, error: OSError) -> None:
+        why = "already in use" if error.errno == errno.EADDRINUSE else (error.strerror or str(error))
+        super().__init__(f"{setting}: cannot listen on {host}:{port}: {why}")
+
+
 class Sidecar:
-    """One sidecar.  ``await start()``, then ``grpc_port``/``metrics_port``; ``await stop()``."""
+    """One sidecar.  ``await start()``, then ``grpc_port``/``http_port``/``metrics_port``; ``await stop()``."""
 
     def __init__(
         self,
@@ -58,6 +71,7 @@ class Sidecar:
         host: str = "127.0.0.1",
         grpc_port: int | None = None,
         metrics_port: int | None = None,
+        http_port: int | None = None,
     ) -> None:
         self.loaded = loaded
         self.config_path = config_path
@@ -65,6 +79,7 @@ class Sidecar:
         self.host = host
         self._grpc_port_req = loaded.config.server.grpc_port if grpc_port is None else grpc_port
         self._metrics_port_req = loaded.config.server.metrics_port if metrics_port is None else metrics_port
+        self._http_port_req = loaded.config.server.http_port if http_port is None else http_port
         self.metrics = SidecarMetrics()
         self.started_at = time.monotonic()
         self.throughput = ThroughputWindow(self.clock.now())  # fed by the servicer per completion
@@ -77,12 +92,17 @@ class Sidecar:
         self._tasks: list[asyncio.Task] = []
         self.grpc_port = 0
         self.metrics_port = 0
+        self.http_port = 0
         self._retiring: set[EngineClient] = set()  # replaced by a reload, closed once their calls end
         self._background: set[asyncio.Task] = set()
 
     @property
     def config(self) -> SidecarConfig:
         return self.loaded.config
+
+    def ready(self) -> bool:
+        """Serving: the engine answers its health check and no drain has begun."""
+        return self.engine_serving and self.dispatcher.accepting
 
     def default_model(self) -> str:
         if self.config.engine.model:
@@ -129,6 +149,18 @@ class Sidecar:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
         self.grpc_port = self.server.add_insecure_port(f"{self.host}:{self._grpc_port_req}")
+        door = OpenAIDoor(inference.front, engine=lambda: self.client, ready=self.ready)
+        self._http_runner = web.AppRunner(door.app(), access_log=None, handler_cancellation=True)
+        await self._http_runner.setup()
+        try:
+            site = web.TCPSite(self._http_runner, self.host, self._http_port_req)
+            await site.start()
+        except OSError as exc:
+            await self._http_runner.cleanup()
+            await self.server.stop(None)
+            await self.client.close()
+            raise ListenError("server.httpPort", self.host, self._http_port_req, exc) from None
+        self.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         await self._set_health(False)
         await self.server.start()
         self._runner = web.AppRunner(metrics_app(self.metrics.render, lambda: self.engine_serving), access_log=None)
@@ -142,8 +174,8 @@ class Sidecar:
         self._tasks = [asyncio.create_task(t) for t in loops]
         if self.watcher:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
-        log.info("sidecar serving gRPC on %s:%d, metrics on :%d, engine %s, mode %s",
-                 self.host, self.grpc_port, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
+        log.info("sidecar serving gRPC on %s:%d, HTTP on :%d, metrics on :%d, engine %s, mode %s",
+                 self.host, self.grpc_port, self.http_port, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
 
     async def stop(self, grace: float | None = None) -> int:
         """Stop intake, drain within ``grace`` seconds, then shut everything down.
@@ -152,6 +184,7 @@ class Sidecar:
         await self.health.enter_graceful_shutdown()
         cut = await self.dispatcher.drain(grace)
         await self.server.stop(1.0)
+        await self._http_runner.cleanup()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -330,10 +363,15 @@ class Sidecar:
 
 
 async def serve(loaded: LoadedConfig, config_path: str | None, host: str,
-                grpc_port: int | None, metrics_port: int | None) -> int:  # fmt: skip
-    """Run a sidecar until SIGTERM or SIGINT, then drain and exit."""
-    sidecar = Sidecar(loaded, config_path=config_path, host=host, grpc_port=grpc_port, metrics_port=metrics_port)
-    await sidecar.start()
+                grpc_port: int | None, metrics_port: int | None, http_port: int | None = None) -> int:  # fmt: skip
+    """Run a sidecar until SIGTERM or SIGINT, then drain and exit (2: a port could not be bound)."""
+    sidecar = Sidecar(loaded, config_path=config_path, host=host, grpc_port=grpc_port, metrics_port=metrics_port,
+                      http_port=http_port)  # fmt: skip
+    try:
+        await sidecar.start()
+    except ListenError as exc:
+        print(f"binbatch sidecar: {exc}", file=sys.stderr, flush=True)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
