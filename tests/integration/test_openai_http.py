@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+import yaml
 from aiohttp import web
 from sidecar_harness import Running, prompt_request, running_sidecar, sidecar_config
 
@@ -357,3 +360,42 @@ async def test_request_log_lines_carry_the_request_id_and_trace_id(tmp_path, cap
                                               extra_headers={"traceparent": PARENT, "x-request-id": "r-9"})  # fmt: skip
     refused = [r for r in caplog.records if r.getMessage().startswith("refused")]
     assert [(r.request_id, r.trace_id) for r in refused] == [("r-9", TRACE_ID)]
+
+
+async def test_a_gang_batch_carries_one_members_traceparent_and_streams_its_text_in_one_piece(tmp_path):
+    """Several prompts go as one engine call: it can carry one trace context (EngineRequest)."""
+    other = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    gang = {"batch": {"mode": "Gang", "sizing": "Static", "staticSize": 2, "maxWaitMilliseconds": 600000},
+            "bins": {"count": 1}}  # fmt: skip
+    async with door(tmp_path, **gang) as d:
+
+        async def streamed(parent: str) -> tuple[list[str], str]:
+            stream = await d.client.completions.create(model=d.model, prompt="g", max_tokens=4, stream=True,
+                                                       extra_body={"ignore_eos": True},
+                                                       extra_headers={"traceparent": parent})  # fmt: skip
+            chunks = [c async for c in stream]
+            return [c.choices[0].text for c in chunks if c.choices[0].text], chunks[-1].choices[0].finish_reason
+
+        answers = await asyncio.gather(streamed(PARENT), streamed(other))
+        assert [(len(texts), finish) for texts, finish in answers] == [(1, "length"), (1, "length")]
+        (call,) = d.engine_calls("/v1/completions")
+        assert call["headers"]["traceparent"] in (PARENT, other)
+
+
+async def test_the_http_port_in_use_is_one_line_naming_the_setting_and_exit_2(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = tmp_path / "sidecar.yaml"
+        path.write_text(yaml.safe_dump(sidecar_config("http://127.0.0.1:9")))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "binbatch_sidecar.cli", "sidecar", "--config", str(path), "--host", "127.0.0.1",
+            "--grpc-port", "0", "--metrics-port", "0", env={"BINBATCH_HTTP_PORT": str(port), "PATH": ""},
+            stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
+        )  # fmt: skip
+        async with asyncio.timeout(60):
+            _, err = await proc.communicate()
+    assert proc.returncode == 2
+    lines = err.decode().strip().splitlines()
+    assert lines == [f"binbatch sidecar: server.httpPort: cannot listen on 127.0.0.1:{port}: already in use"]
