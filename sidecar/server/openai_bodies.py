@@ -107,6 +107,8 @@ def parse_body(obj: dict[str, Any], chat: bool) -> CompletionBody | ChatBody:
         body = (ChatBody if chat else CompletionBody).model_validate(obj)
     except ValidationError as exc:
         raise _invalid(exc) from None
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequest("stream_options: only with stream: true (as vLLM and OpenAI have it)")
     for name, allowed in _NO_OP.items():
         if name in body.model_fields_set and not _no_op(getattr(body, name), allowed):
             shown = ", ".join(json.dumps(v) for v in allowed if v is not None)

@@ -51,6 +51,7 @@ def test_chat_takes_max_completion_tokens_and_text_parts():
         ({"prompt": "x", "max_tokens": 0}, False, "max_tokens"),
         ({"prompt": "x", "stream_options": {"continuous_usage_stats": True}}, False, "stream_options.continuous_usage_stats"),
         ({"prompt": "x", "tools": []}, False, "tools"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, False, "stream_options"),  # not streaming
         ({}, False, "prompt"),
         ({"messages": []}, True, "messages"),
         ({"messages": [{"role": "", "content": "x"}]}, True, "messages[0].role"),
