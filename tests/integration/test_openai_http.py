@@ -399,3 +399,12 @@ async def test_the_http_port_in_use_is_one_line_naming_the_setting_and_exit_2(tm
     assert proc.returncode == 2
     lines = err.decode().strip().splitlines()
     assert lines == [f"binbatch sidecar: server.httpPort: cannot listen on 127.0.0.1:{port}: already in use"]
+
+
+async def test_the_engines_own_refusal_keeps_its_status(tmp_path):
+    """An engine 4xx maps like gRPC's INVALID_ARGUMENT, with the engine's status (404: no such model)."""
+    async with door(tmp_path) as d:
+        with pytest.raises(openai.NotFoundError) as err:
+            await d.client.completions.create(model="no-such-model", prompt="x", max_tokens=3)
+        assert err.value.status_code == 404 and err.value.code == "engine_refused"
+        assert "engine: The model `no-such-model` does not exist." in err.value.message
