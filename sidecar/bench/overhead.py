@@ -162,7 +162,8 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
                     lat[name].append(time.perf_counter() - t0)
             p = {name: (percentile(v, 0.5), percentile(v, 0.99)) for name, v in lat.items()}
             say(f"one at a time, {cfg.latency_calls} calls each: direct p50 {p['direct'][0] * 1e3:.2f} ms, "
-                f"sidecar (gRPC) p50 {p['sidecar'][0] * 1e3:.2f} ms, HTTP door p50 {p['http'][0] * 1e3:.2f} ms")  # fmt: skip
+                f"sidecar (gRPC) p50 {p['sidecar'][0] * 1e3:.2f} ms, "
+                f"HTTP door p50 {p['http'][0] * 1e3:.2f} ms")  # fmt: skip
             rates: list[dict[str, Any]] = []
             for c in cfg.concurrencies:
                 for name, call in (("direct", direct), ("sidecar", through)):

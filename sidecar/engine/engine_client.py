@@ -511,7 +511,8 @@ class EngineClient:
                 timeout=aiohttp.ClientTimeout(total=self.timeout_seconds),
             )  # fmt: skip
         except aiohttp.ClientConnectorError as exc:
-            raise EngineError("unavailable", None, f"cannot connect to the engine: {_describe(exc)}", sent=False) from exc
+            message = f"cannot connect to the engine: {_describe(exc)}"
+            raise EngineError("unavailable", None, message, sent=False) from exc
         except aiohttp.ClientError as exc:
             raise EngineError("unavailable", None, f"the engine connection failed: {_describe(exc)}") from exc
 

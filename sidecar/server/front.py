@@ -236,8 +236,8 @@ class Front:
             tpot_slo=f.slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in f.slo else None,  # TpotGate
             request_class=f.request_class,
         )
-        ticket = Ticket(req, Call(engine_request, asyncio.get_running_loop().create_future(),
-                                  asyncio.Queue() if stream else None), f.trace.trace_id if f.trace else "")  # fmt: skip
+        call = Call(engine_request, asyncio.get_running_loop().create_future(), asyncio.Queue() if stream else None)
+        ticket = Ticket(req, call, f.trace.trace_id if f.trace else "")
         if cfg.logging.log_prompts:
             prompt_log.info("request %s prompt: %s", req.id, text, extra=ticket.log_extra)
         return ticket

@@ -80,7 +80,8 @@ class ChatBody(_Common):
 # field -> the values that change nothing (what is accepted of what binbatch does not carry)
 _NO_OP: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "echo": (None, False), "suffix": (None, ""),
-    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
 }  # fmt: skip
 
 
