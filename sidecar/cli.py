@@ -147,7 +147,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         print(f"binbatch sidecar: cannot read config {path}: {(exc.strerror or str(exc)).lower()}", file=sys.stderr)
         return EXIT_CANNOT_START
     logs.setup(str(loaded.config.logging.level))
-    return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port))
+    return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port, args.http_port))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="address to bind (default $BINBATCH_HOST or 0.0.0.0)")
     sc.add_argument("--grpc-port", type=_port, default=_env_port("BINBATCH_GRPC_PORT"),
                     help="gRPC port (default $BINBATCH_GRPC_PORT, else server.grpcPort; fixed until restart)")
+    sc.add_argument("--http-port", type=_port, default=_env_port("BINBATCH_HTTP_PORT"),
+                    help="OpenAI-compatible HTTP port (default $BINBATCH_HTTP_PORT, else server.httpPort; "
+                    "fixed until restart)")
     sc.add_argument("--metrics-port", type=_port, default=_env_port("BINBATCH_METRICS_PORT"),
                     help="Prometheus metrics port (default $BINBATCH_METRICS_PORT, else server.metricsPort; "
                     "fixed until restart)")

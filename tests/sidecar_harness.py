@@ -24,7 +24,7 @@ def sidecar_config(engine_url: str, **sections: dict[str, Any]) -> dict[str, Any
     doc: dict[str, Any] = {
         "engine": {"url": engine_url},
         "metrics": {"url": f"{engine_url}/metrics", "intervalMilliseconds": 100, "staleAfterMilliseconds": 2000},
-        "server": {"grpcPort": 0, "metricsPort": 0, "drainGraceSeconds": 10},
+        "server": {"grpcPort": 0, "httpPort": 0, "metricsPort": 0, "drainGraceSeconds": 10},
     }
     for name, values in sections.items():
         doc.setdefault(name, {}).update(values)

@@ -89,7 +89,7 @@ def sidecar_doc(engine_url: str, model: str, overrides: dict[str, Any]) -> dict[
     return {
         "engine": {"url": engine_url, "model": model},
         "metrics": {"url": f"{engine_url}/metrics", "intervalMilliseconds": 200},
-        "server": {"grpcPort": 0, "metricsPort": 0, "drainGraceSeconds": 5},
+        "server": {"grpcPort": 0, "httpPort": 0, "metricsPort": 0, "drainGraceSeconds": 5},
         "logging": {"level": "Info"},
         **overrides,
     }

@@ -121,7 +121,7 @@ class Bench:
                         "intervalMilliseconds": self.cfg.metrics_interval_ms,
                         "staleAfterMilliseconds": self.cfg.metrics_stale_ms},  # fmt: skip
             "bins": {"maxOutputTokens": 256},
-            "server": {"grpcPort": 0, "metricsPort": 0, "drainGraceSeconds": self.cfg.grace_seconds,
+            "server": {"grpcPort": 0, "httpPort": 0, "metricsPort": 0, "drainGraceSeconds": self.cfg.grace_seconds,
                        "configPollMilliseconds": 100},  # fmt: skip
             "logging": {"level": "Info"},
         }

@@ -61,7 +61,7 @@ async def _run_one(url: str, overrides: dict[str, Any], lengths: list[int], tmp:
         "engine": {"url": url},
         "metrics": {"url": f"{url}/metrics", "intervalMilliseconds": 200},
         "predictor": {"kind": "Hint"},
-        "server": {"grpcPort": 0, "metricsPort": 0},
+        "server": {"grpcPort": 0, "httpPort": 0, "metricsPort": 0},
         "logging": {"level": "Warning"},
         **overrides,
     }

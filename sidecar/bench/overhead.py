@@ -4,9 +4,10 @@ The engine is the emulator with zero step time (it answers as fast as its HTTP
 server can), so what is left of a call's latency is transport and scheduling.
 In one run, interleaved call by call:
 
-* **added latency**: one call at a time, alternately direct (``POST
-  /v1/completions``) and through the sidecar (gRPC ``Generate``); added p50/p99 =
-  the sidecar path's percentile minus the direct path's;
+* **added latency**: one call at a time, in turn direct (``POST
+  /v1/completions``), through the sidecar's gRPC door (``Generate``) and through
+  its OpenAI-compatible HTTP door (``POST /v1/completions`` on ``httpPort``);
+  added p50/p99 = a door's percentile minus the direct path's;
 * **most requests per second**: closed-loop callers (each sends its next request
   when the last one is answered) at a few concurrencies for a fixed time, through
   the sidecar and, for reference, direct.
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import io
 import pstats
+import re
 import signal
 import sys
 import tempfile
@@ -45,7 +47,8 @@ from .chaos_load import percentile
 from .bench_processes import EngineProcess, EngineShape, served_model, sidecar_doc
 from .chaos_processes import SIDECAR_READY, SidecarProcess
 
-JSON_KEYS = ("added_p50_ms", "added_p99_ms", "max_requests_per_s")
+JSON_KEYS = ("added_p50_ms", "added_p99_ms", "max_requests_per_s", "http_added_p50_ms", "http_added_p99_ms")
+_HTTP_PORT = re.compile(r"HTTP on :(\d+)")  # in the sidecar's "serving gRPC on ..." line
 INSTANT = EngineShape(step_a=0.0, step_c=0.0, num_gpu_blocks=65536, block_size=16, max_num_seqs=1024,
                       max_model_len=512)  # fmt: skip
 # Admission must never be what limits this bench: a static size far above the
@@ -80,7 +83,7 @@ class _ProfiledSidecar(SidecarProcess):
 
     async def start(self) -> None:
         args = ["-m", "cProfile", "-o", self.profile, "-m", "binbatch_sidecar.cli", "sidecar",
-                "--config", str(self.config_path), "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0"]  # fmt: skip
+                "--config", str(self.config_path), "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0"]  # fmt: skip
         self.grpc_port = await self._spawn(args, SIDECAR_READY, self.cwd)
 
 
@@ -123,6 +126,7 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
                 + (f" (under cProfile -> {cfg.profile})" if cfg.profile else ""))  # fmt: skip
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(sidecar.target))
             stub = pb_grpc.InferenceStub(channel)
+            door = f"http://127.0.0.1:{http_port(sidecar.lines)}/v1/completions"
 
             async def direct(i: int) -> None:
                 body = completion_body(model, f"overhead {i}", 1, stream=False)
@@ -137,18 +141,29 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
                 if reply.completion_tokens != 1:
                     raise CallFailed(f"sidecar answered {reply.completion_tokens} tokens, asked for 1")
 
-            for i in range(20):  # warm both paths (connections, first-call imports)
-                await direct(i)
-                await through(i)
-            lat: dict[str, list[float]] = {"direct": [], "sidecar": []}
+            async def through_http(i: int) -> None:
+                body = {"model": model, "prompt": f"overhead {i}", "max_tokens": 1, "ignore_eos": True}
+                async with session.post(door, json=body, headers={"x-expected-output-tokens": "1"}) as resp:
+                    if resp.status != 200:
+                        raise CallFailed(f"the HTTP door answered HTTP {resp.status}: {await resp.text()}")
+                    tokens = (await resp.json())["usage"]["completion_tokens"]
+                if tokens != 1:
+                    raise CallFailed(f"the HTTP door answered {tokens} tokens, asked for 1")
+
+            paths = (("direct", direct), ("sidecar", through), ("http", through_http))
+            for i in range(20):  # warm every path (connections, first-call imports)
+                for _, call in paths:
+                    await call(i)
+            lat: dict[str, list[float]] = {name: [] for name, _ in paths}
             for i in range(cfg.latency_calls):
-                for name, call in (("direct", direct), ("sidecar", through)) if i % 2 else (("sidecar", through), ("direct", direct)):
+                for name, call in paths[i % 3:] + paths[:i % 3]:  # each path first in turn
                     t0 = time.perf_counter()
                     await call(i)
                     lat[name].append(time.perf_counter() - t0)
             p = {name: (percentile(v, 0.5), percentile(v, 0.99)) for name, v in lat.items()}
             say(f"one at a time, {cfg.latency_calls} calls each: direct p50 {p['direct'][0] * 1e3:.2f} ms, "
-                f"sidecar p50 {p['sidecar'][0] * 1e3:.2f} ms")  # fmt: skip
+                f"sidecar (gRPC) p50 {p['sidecar'][0] * 1e3:.2f} ms, "
+                f"HTTP door p50 {p['http'][0] * 1e3:.2f} ms")  # fmt: skip
             rates: list[dict[str, Any]] = []
             for c in cfg.concurrencies:
                 for name, call in (("direct", direct), ("sidecar", through)):
@@ -159,6 +174,8 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
         "added_p50_ms": (p["sidecar"][0] - p["direct"][0]) * 1e3,
         "added_p99_ms": (p["sidecar"][1] - p["direct"][1]) * 1e3,
         "max_requests_per_s": max(r["requests_per_s"] for r in rates if r["path"] == "sidecar"),
+        "http_added_p50_ms": (p["http"][0] - p["direct"][0]) * 1e3,
+        "http_added_p99_ms": (p["http"][1] - p["direct"][1]) * 1e3,
         "latency_ms": {name: {"p50": v[0] * 1e3, "p99": v[1] * 1e3} for name, v in p.items()},
         "rates": rates,
     }
@@ -166,6 +183,15 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
         out["profile_top"] = hot_spots(cfg.profile)
         say("sidecar hot spots (cProfile, by own time):\n" + out["profile_top"])
     return out
+
+
+def http_port(lines: list[str]) -> int:
+    """The HTTP door's port from the sidecar's start-up lines (the process was
+    started with ``--http-port 0``; ``serving gRPC on ...`` names both ports)."""
+    for line in lines:
+        if match := _HTTP_PORT.search(line):
+            return int(match.group(1))
+    raise RuntimeError("the sidecar named no HTTP port:\n" + "".join(lines[-20:]))
 
 
 def hot_spots(path: str, limit: int = 20) -> str:
@@ -183,9 +209,10 @@ def print_table(doc: dict[str, Any]) -> None:
     lat = doc["latency_ms"]
     print("binbatch bench overhead: one sidecar in front of an instant engine (emulator, zero step time)")
     print(f"{'path':10} {'p50 ms':>8} {'p99 ms':>8}")
-    for name in ("direct", "sidecar"):
+    for name in ("direct", "sidecar", "http"):
         print(f"{name:10} {lat[name]['p50']:8.2f} {lat[name]['p99']:8.2f}")
-    print(f"{'added':10} {doc['added_p50_ms']:8.2f} {doc['added_p99_ms']:8.2f}")
+    print(f"{'added':10} {doc['added_p50_ms']:8.2f} {doc['added_p99_ms']:8.2f}  (gRPC door)")
+    print(f"{'added':10} {doc['http_added_p50_ms']:8.2f} {doc['http_added_p99_ms']:8.2f}  (HTTP door)")
     print(f"{'path':10} {'callers':>8} {'req/s':>8}")
     for r in doc["rates"]:
         print(f"{r['path']:10} {r['concurrency']:8d} {r['requests_per_s']:8.0f}")

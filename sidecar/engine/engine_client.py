@@ -37,11 +37,13 @@ import functools
 import io
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import yarl
+from multidict import CIMultiDict
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ ERROR_TEXT_LIMIT = 500
 DEFAULT_MAX_BODY_BYTES = 768 * 1024
 
 EngineErrorKind = str  # "unavailable" | "invalid" | "timeout" | "internal"
+Headers = tuple[tuple[str, str], ...]
 
 
 # ------------------------------------------------------------------------ data types
@@ -99,11 +102,18 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One caller's request: a text ``prompt`` or chat ``messages`` as (role, content)."""
+    """One caller's request: a text ``prompt`` or chat ``messages`` as (role, content).
+
+    ``trace_headers``: the caller's W3C trace context (``traceparent``,
+    ``tracestate``), sent with its engine call.  A multi-prompt call is one HTTP
+    request with room for one trace context: it carries its first member's (the
+    others' traces do not continue into the engine; vLLM takes one per request).
+    """
 
     params: SamplingParams
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None
+    trace_headers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -253,7 +263,8 @@ class EngineClient:
                 groups.setdefault(request.params, []).append(i)
         for params, members in groups.items():
             prompts = [requests[i].prompt or "" for i in members]
-            jobs.append((members, functools.partial(self._completions_call, params, prompts)))
+            trace = requests[members[0]].trace_headers  # one HTTP request, one trace context (EngineRequest)
+            jobs.append((members, functools.partial(self._completions_call, params, prompts, trace)))
         if len(jobs) == 1:  # continuous mode: one request, no extra task for a gather
             members, call = jobs[0]
             answers = [await self._bounded(call, len(members), deadline, limit)]
@@ -280,7 +291,9 @@ class EngineClient:
             log.exception("engine call failed unexpectedly")
             return _fan_out(EngineError("internal", None, f"client error: {type(exc).__name__}: {exc}"), n)
 
-    async def _completions_call(self, params: SamplingParams, prompts: list[str]) -> list[EngineResult | EngineError]:
+    async def _completions_call(
+        self, params: SamplingParams, prompts: list[str], trace: Headers = ()
+    ) -> list[EngineResult | EngineError]:
         """One ``/v1/completions`` call for prompts sharing ``params`` (or several,
         when one would exceed ``max_body_bytes``)."""
         if len(prompts) > 1:
@@ -288,33 +301,35 @@ class EngineClient:
             if len(chunks) > 1:
                 log.debug("%d prompts exceed %d bytes in one call: %d calls", len(prompts), self.max_body_bytes,
                           len(chunks))  # fmt: skip
-                return await self._split(params, chunks)
+                return await self._split(params, chunks, trace)
         encoded = _encode(_completions_body(params, prompts))
         size = len(encoded)
         if size > self.max_body_bytes:
             if len(prompts) > 1:  # _pack's arithmetic is exact; this is a safety net
-                return await self._split(params, _halves(prompts))
+                return await self._split(params, _halves(prompts), trace)
             return [_too_large(size, self.max_body_bytes)]
         try:
-            data = await self._call_json("POST", "/v1/completions", encoded)
+            data = await self._call_json("POST", "/v1/completions", encoded, trace)
         except EngineError as err:
             if len(prompts) > 1 and err.status == 413:
                 log.info("engine refused a %d-prompt call of %d bytes as too large; splitting it in halves",
                          len(prompts), size)  # fmt: skip
-                return await self._split(params, _halves(prompts))
+                return await self._split(params, _halves(prompts), trace)
             if len(prompts) > 1 and err.status in (400, 422):
                 log.info("engine refused a %d-prompt call (HTTP %d); sending its prompts one by one",
                          len(prompts), err.status)  # fmt: skip
-                return await self._split(params, [[p] for p in prompts])
+                return await self._split(params, [[p] for p in prompts], trace)
             return _fan_out(err, len(prompts))
         try:
             return list(self._completion_results(data, params, prompts))
         except EngineError as err:
             return _fan_out(err, len(prompts))
 
-    async def _split(self, params: SamplingParams, chunks: list[list[str]]) -> list[EngineResult | EngineError]:
+    async def _split(
+        self, params: SamplingParams, chunks: list[list[str]], trace: Headers = ()
+    ) -> list[EngineResult | EngineError]:
         """Send each chunk as its own call, concurrently; results in prompt order."""
-        parts = await asyncio.gather(*(self._completions_call(params, c) for c in chunks))
+        parts = await asyncio.gather(*(self._completions_call(params, c, trace) for c in chunks))
         return [r for part in parts for r in part]
 
     def _completion_results(
@@ -353,7 +368,7 @@ class EngineClient:
         encoded = _encode(_chat_body(request))
         if len(encoded) > self.max_body_bytes:
             raise _too_large(len(encoded), self.max_body_bytes)
-        data = await self._call_json("POST", "/v1/chat/completions", encoded)
+        data = await self._call_json("POST", "/v1/chat/completions", encoded, request.trace_headers)
         choices = data.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
             raise EngineError("internal", 200, "expected exactly one choice from the engine")
@@ -386,7 +401,7 @@ class EngineClient:
             raise _too_large(len(encoded), self.max_body_bytes)
         try:
             async with asyncio.timeout_at(deadline):
-                resp = await self._send("POST", path, encoded)
+                resp = await self._send("POST", path, encoded, headers=request.trace_headers)
         except TimeoutError:
             raise timed_out from None
         try:
@@ -473,25 +488,56 @@ class EngineClient:
         }  # fmt: skip
         return [c["id"] for c in cards]
 
+    # -- passthrough -------------------------------------------------------------------
+
+    async def forward(
+        self, method: str, path_qs: str, headers: Mapping[str, str] | Iterable[tuple[str, str]],
+        body: aiohttp.StreamReader | bytes | None,
+    ) -> aiohttp.ClientResponse:  # fmt: skip
+        """Send a request on to the engine as it came (the HTTP door's other paths:
+        ``/metrics``, ``/tokenize``, ...) and return the response, headers read: the
+        caller streams its body and releases it.
+
+        Nothing is added or rewritten: no default ``Accept-Encoding``/``User-Agent``,
+        and a compressed reply stays compressed (its ``Content-Encoding`` holds).
+        Never retried (the request may not be idempotent), bounded by
+        ``timeout_seconds`` as a whole.  An engine that cannot be reached raises
+        ``EngineError`` ("unavailable")."""
+        url = yarl.URL(self.base_url + path_qs, encoded=True)
+        try:
+            return await self._http().request(
+                method, url, headers=CIMultiDict(headers), data=body, allow_redirects=False, auto_decompress=False,
+                skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_seconds),
+            )  # fmt: skip
+        except aiohttp.ClientConnectorError as exc:
+            message = f"cannot connect to the engine: {_describe(exc)}"
+            raise EngineError("unavailable", None, message, sent=False) from exc
+        except aiohttp.ClientError as exc:
+            raise EngineError("unavailable", None, f"the engine connection failed: {_describe(exc)}") from exc
+
     # -- HTTP --------------------------------------------------------------------------
 
     async def _send(
-        self, method: str, path: str, data: bytes | None = None, *, retries: int | None = None
+        self, method: str, path: str, data: bytes | None = None, *, retries: int | None = None, headers: Headers = ()
     ) -> aiohttp.ClientResponse:
         """Send a request with the JSON body ``data`` (encoded once by the caller,
         so the bytes sent are the bytes ``max_body_bytes`` was checked on) and
-        return the response (headers read, body not).
+        ``headers`` (the trace context), and return the response (headers read,
+        body not).
 
         Retries only ``ClientConnectorError`` -- the connection was never made."""
         session = self._http()
         url = self.base_url + path
         attempts = self.connect_retries if retries is None else retries
-        headers = None if data is None else {"Content-Type": "application/json"}
+        sent_headers = dict(headers)
+        if data is not None:
+            sent_headers["Content-Type"] = "application/json"
         for attempt in range(attempts + 1):
             try:
                 # a file-like body: aiohttp warns about (and would block on) large raw bytes
                 body_io = None if data is None else io.BytesIO(data)
-                return await session.request(method, url, data=body_io, headers=headers)
+                return await session.request(method, url, data=body_io, headers=sent_headers or None)
             except aiohttp.ClientConnectorError as exc:
                 if attempt >= attempts:
                     message = f"cannot connect to the engine: {_describe(exc)}"
@@ -503,9 +549,11 @@ class EngineClient:
                 raise EngineError("unavailable", None, f"the engine connection failed: {_describe(exc)}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _call_json(self, method: str, path: str, data: bytes | None = None) -> dict[str, Any]:
+    async def _call_json(
+        self, method: str, path: str, data: bytes | None = None, headers: Headers = ()
+    ) -> dict[str, Any]:
         """Send, read the whole reply, and return its JSON object (or raise EngineError)."""
-        resp = await self._send(method, path, data)
+        resp = await self._send(method, path, data, headers=headers)
         try:
             raw = await resp.read()
         except aiohttp.ClientError as exc:

@@ -1,11 +1,12 @@
 """The sidecar process's lifecycle: start (wire the dispatcher, engine client,
-metrics feed, gRPC server and metrics endpoint), the engine health loop, reload
-(apply a new config live), drain and stop.
+metrics feed, gRPC server, OpenAI-compatible HTTP door and metrics endpoint),
+the engine health loop, reload (apply a new config live), drain and stop.
 
 What it wires lives beside it: ``assembly`` turns a config into the scheduling
 core, ``servicer`` holds the gRPC servicers (given only the collaborators they
-call), ``replies`` builds the Admin replies, ``metrics_endpoint`` the HTTP
-``/metrics`` and ``/healthz``, ``config_watcher`` the reload by file content.
+call), ``openai_http`` the HTTP door (sharing the servicer's ``front``: one
+scheduler, two doors), ``replies`` builds the Admin replies, ``metrics_endpoint``
+the HTTP ``/metrics`` and ``/healthz``, ``config_watcher`` the reload by file content.
 
 ``Sidecar`` is usable in-process (tests start one on port 0 against the emulator
 or a real vLLM); ``serve`` runs it until SIGTERM/SIGINT.
@@ -36,6 +37,7 @@ from . import logs, ports
 from .assembly import build_bin_count, build_core, build_smdp, dispatch_mode, metrics_source
 from .config_watcher import ConfigWatcher
 from .metrics_endpoint import metrics_app
+from .openai_http import OpenAIDoor
 from .reflection import enable_reflection
 from .replies import Replies
 from .servicer import AdminServicer, InferenceServicer, add_servicers
@@ -47,7 +49,7 @@ HEALTH_INTERVAL = 1.0
 
 
 class Sidecar:
-    """One sidecar.  ``await start()``, then ``grpc_port``/``metrics_port``; ``await stop()``."""
+    """One sidecar.  ``await start()``, then ``grpc_port``/``http_port``/``metrics_port``; ``await stop()``."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class Sidecar:
         host: str = "127.0.0.1",
         grpc_port: int | None = None,
         metrics_port: int | None = None,
+        http_port: int | None = None,
     ) -> None:
         self.loaded = loaded
         self.config_path = config_path
@@ -65,9 +68,11 @@ class Sidecar:
         self.host = host
         self._grpc_port_req = loaded.config.server.grpc_port if grpc_port is None else grpc_port
         self._metrics_port_req = loaded.config.server.metrics_port if metrics_port is None else metrics_port
+        self._http_port_req = loaded.config.server.http_port if http_port is None else http_port
         self._port_settings = (  # named in a ListenError
             ports.setting_name("server.grpcPort", "--grpc-port", "BINBATCH_GRPC_PORT", grpc_port is not None),
             ports.setting_name("server.metricsPort", "--metrics-port", "BINBATCH_METRICS_PORT", metrics_port is not None),
+            ports.setting_name("server.httpPort", "--http-port", "BINBATCH_HTTP_PORT", http_port is not None),
         )  # fmt: skip
         self.metrics = SidecarMetrics()
         self.started_at = time.monotonic()
@@ -81,12 +86,17 @@ class Sidecar:
         self._tasks: list[asyncio.Task] = []
         self.grpc_port = 0
         self.metrics_port = 0
+        self.http_port = 0
         self._retiring: set[EngineClient] = set()  # replaced by a reload, closed once their calls end
         self._background: set[asyncio.Task] = set()
 
     @property
     def config(self) -> SidecarConfig:
         return self.loaded.config
+
+    def ready(self) -> bool:
+        """Serving: the engine answers its health check and no drain has begun."""
+        return self.engine_serving and self.dispatcher.accepting
 
     def default_model(self) -> str:
         if self.config.engine.model:
@@ -134,6 +144,8 @@ class Sidecar:
         add_servicers(self.server, inference, AdminServicer(self.replies))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
+        door = OpenAIDoor(inference.front, engine=lambda: self.client, ready=self.ready)
+        self._http_runner = web.AppRunner(door.app(), access_log=None, handler_cancellation=True)
         self._runner = web.AppRunner(metrics_app(self.metrics.render, lambda: self.engine_serving), access_log=None)
         try:  # a port in use: ListenError, after closing what was opened
             self.grpc_port = ports.bind_grpc(self.server, self.host, self._grpc_port_req, self._port_settings[0])
@@ -142,6 +154,9 @@ class Sidecar:
             await self._runner.setup()
             self.metrics_port = await ports.start_site(self._runner, self.host, self._metrics_port_req,
                                                        self._port_settings[1])  # fmt: skip
+            await self._http_runner.setup()
+            self.http_port = await ports.start_site(self._http_runner, self.host, self._http_port_req,
+                                                    self._port_settings[2])  # fmt: skip
         except BaseException:
             await self._abort_start()
             raise
@@ -151,14 +166,15 @@ class Sidecar:
         self._tasks = [asyncio.create_task(t) for t in loops]
         if self.watcher:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
-        log.info("sidecar serving gRPC on %s:%d, metrics on :%d, engine %s, mode %s",
-                 self.host, self.grpc_port, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
+        log.info("sidecar serving gRPC on %s:%d, HTTP on :%d, metrics on :%d, engine %s, mode %s",
+                 self.host, self.grpc_port, self.http_port, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
 
     async def _abort_start(self) -> None:
         """A failed start (a port in use): close what was opened, so the process
         can exit with one clear line instead of leaking a server into a closed loop."""
         await self.server.stop(None)
         await self._runner.cleanup()
+        await self._http_runner.cleanup()
         await self.client.close()
 
     async def stop(self, grace: float | None = None) -> int:
@@ -168,6 +184,7 @@ class Sidecar:
         await self.health.enter_graceful_shutdown()
         cut = await self.dispatcher.drain(grace)
         await self.server.stop(1.0)
+        await self._http_runner.cleanup()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -348,10 +365,11 @@ class Sidecar:
 
 
 async def serve(loaded: LoadedConfig, config_path: str | None, host: str,
-                grpc_port: int | None, metrics_port: int | None) -> int:  # fmt: skip
+                grpc_port: int | None, metrics_port: int | None, http_port: int | None = None) -> int:  # fmt: skip
     """Run a sidecar until SIGTERM or SIGINT, then drain and exit."""
     logs.set_format(loaded.config.logging.format)  # the CLI's logs.setup chose the level
-    sidecar = Sidecar(loaded, config_path=config_path, host=host, grpc_port=grpc_port, metrics_port=metrics_port)
+    sidecar = Sidecar(loaded, config_path=config_path, host=host, grpc_port=grpc_port, metrics_port=metrics_port,
+                      http_port=http_port)  # fmt: skip
     await sidecar.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

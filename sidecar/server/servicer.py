@@ -1,11 +1,13 @@
 """gRPC servicers: ``binbatch.v1.Inference`` and ``binbatch.v1.Admin``.
 
-Thin by design: translate a ``GenerateRequest`` into a core ``Request`` plus an
-engine request, hand it to the dispatcher, await the outcome, translate back.
-A servicer is given the few collaborators it calls (the dispatcher, a clock,
-getters for the running config and the default model; the Admin servicer its
-``AdminReplies``), never the process object, so this module does not import
-``app`` and a unit test builds one from fakes.
+Thin by design: parse a ``GenerateRequest`` and its metadata into the
+door-neutral ``front.Fields``, hand them to ``front.Front`` (shared with the
+OpenAI-compatible HTTP door: same bounds, same submit into the same dispatcher),
+await the outcome, translate back.  A servicer is given the few collaborators
+it calls (the dispatcher, a clock, getters for the running config and the
+default model; the Admin servicer its ``AdminReplies``), never the process
+object, so this module does not import ``app`` and a unit test builds one from
+fakes.
 Every error becomes a gRPC status in one place, ``_status_of``.  The gRPC deadline
 becomes the request's deadline (it leaves its bin when it passes).  When an RPC
 ends for any reason (the caller cancelled, its deadline passed, the stream was
@@ -19,14 +21,13 @@ Input is parsed strictly, within the bounds the proto documents: every bad input
 INVALID_ARGUMENT naming what is wrong, and is not logged above DEBUG, so no
 client can flood the logs or reach a traceback with its input.  The request
 deserializer never raises for that reason (``add_inference_servicer``).
+W3C ``traceparent``/``tracestate`` metadata travel on to the engine's request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -36,27 +37,34 @@ from google.protobuf.message import DecodeError
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
-from ..config import CLASS_PRIORITY_LIMIT, SidecarConfig
+from ..config import SidecarConfig
 from ..core.clock import Clock
 from ..core.request import Request
 from ..core.stages import RequestDispatcher
 from ..engine.dispatcher import Call, Completion, Rejected
-from ..engine.engine_client import EngineError, EngineRequest, SamplingParams
+from ..engine.engine_client import EngineError
+from .front import (  # noqa: F401 - the bounds and helpers are re-exported: binbatch.proto documents them here
+    MODEL_LIMIT,
+    PRIORITY_LIMIT,
+    PRIORITY_SPAN,
+    REQUEST_ID_LIMIT,
+    SLO_KEYS,
+    SLO_LIMITS,
+    STOP_COUNT_LIMIT,
+    STOP_LENGTH_LIMIT,
+    TEMPERATURE_LIMIT,
+    TEMPLATE_TOKENS,
+    Fields,
+    Front,
+    InvalidRequest,
+    Ticket,
+    estimate_prompt_tokens,
+    read_slo,
+    unset_max_tokens,
+)
+from .trace_context import read_trace_context
 
 log = logging.getLogger("binbatch.api")
-prompt_log = logging.getLogger("binbatch.prompts")  # only with logging.logPrompts
-
-# Bounds of the request's fields and metadata (documented in binbatch.proto).
-SLO_LIMITS = {"x-slo-ttft-ms": 600_000, "x-slo-tpot-ms": 100_000}  # milliseconds, like latency.*Milliseconds
-SLO_KEYS = tuple(SLO_LIMITS)
-REQUEST_ID_LIMIT = 128
-MODEL_LIMIT = 512
-TEMPERATURE_LIMIT = 100.0
-STOP_COUNT_LIMIT = 16
-STOP_LENGTH_LIMIT = 1024
-PRIORITY_LIMIT = CLASS_PRIORITY_LIMIT
-PRIORITY_SPAN = 2 * PRIORITY_LIMIT + 1  # a class's priority ranks before the request's own
-_DIGITS = re.compile(r"[0-9]{1,9}")  # plain ASCII digits; longer is beyond every bound anyway
 
 _REJECTED_CODES = {
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -70,10 +78,6 @@ _ENGINE_CODES = {
     "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
     "internal": grpc.StatusCode.INTERNAL,
 }
-
-
-class InvalidRequest(Exception):
-    """A request field is wrong; the message starts with the field's name."""
 
 
 class Undecodable:
@@ -143,32 +147,6 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
-# Tokens a chat template may add around the messages (roles, special tokens).
-TEMPLATE_TOKENS = 64
-
-
-def unset_max_tokens(cap: int, context_length: int | None, prompt: str) -> int:
-    """What to send as ``max_tokens`` when the caller set none: the policy's cap
-    (``bins.maxOutputTokens``), but no more than the engine's context leaves after
-    the prompt -- vLLM refuses prompt + max_tokens over ``max_model_len``, while a
-    request that names no limit expects whatever the context allows.  The prompt's
-    byte count bounds its token count (byte-level tokenizers give a token at least
-    one byte); when that bound leaves no room, the usual ~4 bytes per token does."""
-    if context_length is None:
-        return cap
-    for prompt_tokens in (len(prompt.encode()), estimate_prompt_tokens(prompt)):
-        room = context_length - prompt_tokens - TEMPLATE_TOKENS
-        if room >= 1:
-            return min(cap, room)
-    return cap  # the prompt alone fills the context: the engine says so
-
-
-def estimate_prompt_tokens(text: str) -> int:
-    """A tokenizer-free estimate (~4 bytes per token) used only to bucket prompts
-    for the online predictor before the engine reports the true count."""
-    return max(1, len(text.encode()) // 4)
-
-
 class AdminReplies(Protocol):
     """What the Admin servicer answers with (``replies.Replies``)."""
 
@@ -180,27 +158,23 @@ class AdminReplies(Protocol):
 class InferenceServicer(pb_grpc.InferenceServicer):
     """Given the few things it calls: the dispatcher, the clock, a getter for the
     running config (a reload replaces it) and one for the default model (learned
-    from the engine after start-up)."""
+    from the engine after start-up).  ``front`` (the same for the HTTP door) does
+    the door-neutral work."""
 
     def __init__(
         self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig],
         default_model: Callable[[], str], context_length: Callable[[str], int | None] = lambda model: None,
         on_completion: Callable[[float, int, int], None] = lambda engine_seconds, batch_size, output_tokens: None,
-    ) -> None:
+    ) -> None:  # fmt: skip
+        self.front = Front(dispatcher, clock, config=config, default_model=default_model,
+                           context_length=context_length, on_completion=on_completion)  # fmt: skip
         self.dispatcher = dispatcher
-        self.clock = clock
-        self.config = config
-        self.default_model = default_model
-        self.context_length = context_length  # the engine's max_model_len for a model, if it said
-        self.on_completion = on_completion  # (engine seconds, batch size, output tokens): Stats.throughput, Smdp fit
 
-    def _build(
-        self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, stream: bool
-    ) -> tuple[Request, Call]:
-        """Validate ``msg`` and make the core request and the caller's handle."""
-        cfg = self.config()
+    def _fields(self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext) -> Fields:
+        """What only gRPC knows: the oneof input, the proto's optional fields, the
+        metadata and the RPC's deadline."""
         if isinstance(msg, Undecodable):
-            raise InvalidRequest(msg.message)
+            raise InvalidRequest(msg.message, "request")
         which = msg.WhichOneof("input")
         if which is None:
             raise InvalidRequest("input: set either prompt or chat")
@@ -214,121 +188,66 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if not m.role:
                     raise InvalidRequest(f"chat.messages[{i}].role: must not be empty")
             messages = tuple((m.role, m.content) for m in msg.chat.messages)
-        if len(msg.model) > MODEL_LIMIT:
-            raise InvalidRequest(f"model: at most {MODEL_LIMIT} characters")
-        model = msg.model or self.default_model()
-        if not model:
-            raise InvalidRequest("model: required (the sidecar has no default model: set engine.model)")
-        cap = cfg.bins.max_output_tokens
-        max_tokens = msg.max_tokens  # 0: unset; the engine is sent the cap
-        if max_tokens > cap:
-            raise InvalidRequest(f"max_tokens: {max_tokens} exceeds the limit of {cap} (bins.maxOutputTokens)")
-        if msg.HasField("temperature") and not 0 <= msg.temperature <= TEMPERATURE_LIMIT:
-            raise InvalidRequest(f"temperature: must be in [0, {TEMPERATURE_LIMIT:g}], got {msg.temperature:g}")
-        if msg.HasField("top_p") and not 0 < msg.top_p <= 1:
-            raise InvalidRequest(f"top_p: must be in (0, 1], got {msg.top_p:g}")
-        if msg.HasField("min_tokens") and msg.min_tokens > (max_tokens or cap):
-            raise InvalidRequest(f"min_tokens: {msg.min_tokens} exceeds max_tokens {max_tokens or cap}")
-        if msg.HasField("expected_output_tokens") and not 1 <= msg.expected_output_tokens <= cap:
-            raise InvalidRequest(f"expected_output_tokens: must be in [1, {cap}] (bins.maxOutputTokens), got {msg.expected_output_tokens}")  # fmt: skip
-        if not -PRIORITY_LIMIT <= msg.priority <= PRIORITY_LIMIT:
-            raise InvalidRequest(f"priority: must be in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {msg.priority}")
-        if len(msg.stop) > STOP_COUNT_LIMIT:
-            raise InvalidRequest(f"stop: at most {STOP_COUNT_LIMIT} sequences, got {len(msg.stop)}")
-        for i, seq in enumerate(msg.stop):
-            if not 1 <= len(seq) <= STOP_LENGTH_LIMIT:
-                raise InvalidRequest(f"stop[{i}]: must be 1 to {STOP_LENGTH_LIMIT} characters, got {len(seq)}")
-        if len(msg.request_id) > REQUEST_ID_LIMIT:
-            raise InvalidRequest(f"request_id: at most {REQUEST_ID_LIMIT} characters")
-        class_priority = 0
-        if msg.request_class:
-            found = cfg.classes.priority_of(msg.request_class)
-            if found is None:
-                names = ", ".join(c.name for c in cfg.classes.classes) or "none"
-                shown = msg.request_class if len(msg.request_class) <= 64 else msg.request_class[:64] + "..."
-                raise InvalidRequest(f"request_class: unknown class {shown!r} (the policy's classes.classes defines: {names})")  # fmt: skip
-            class_priority = found
-        slo = _read_slo(context)
-        text = msg.prompt if which == "prompt" else "".join(c for _, c in messages or ())
-        params = SamplingParams(
-            model=model,
-            # never unset: bins.maxOutputTokens is the cap the docs promise, within the engine's context
-            max_tokens=max_tokens or unset_max_tokens(cap, self.context_length(model), text),
+        metadata = tuple(context.invocation_metadata() or ())
+        return Fields(
+            prompt=msg.prompt if which == "prompt" else None,
+            messages=messages,
+            model=msg.model,
+            max_tokens=msg.max_tokens,
             temperature=msg.temperature if msg.HasField("temperature") else None,
             top_p=msg.top_p if msg.HasField("top_p") else None,
             stop=tuple(msg.stop),
             seed=msg.seed if msg.HasField("seed") else None,
             ignore_eos=msg.ignore_eos,
             min_tokens=msg.min_tokens if msg.HasField("min_tokens") else None,
-        )
-        engine_request = EngineRequest(params=params, prompt=msg.prompt if which == "prompt" else None, messages=messages)
-        now = self.clock.now()
-        remaining = context.time_remaining()
-        budget = cfg.queue_budget_seconds(slo.get("x-slo-ttft-ms"))  # TTFT SLO: bounds the wait in a bin
-        req = Request(
-            id=msg.request_id or uuid.uuid4().hex,
-            arrival=now,
-            prompt_tokens=estimate_prompt_tokens(text),
-            max_tokens=max_tokens,
-            hint_tokens=float(msg.expected_output_tokens) if msg.HasField("expected_output_tokens") else None,
-            priority=class_priority * PRIORITY_SPAN + msg.priority,
-            deadline=None if remaining is None else now + remaining,
-            send_by=None if budget is None else now + budget,
-            tpot_slo=slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in slo else None,  # TpotGate
+            expected_output_tokens=msg.expected_output_tokens if msg.HasField("expected_output_tokens") else None,
+            priority=msg.priority,
             request_class=msg.request_class,
+            request_id=msg.request_id,
+            slo=read_slo(metadata),
+            timeout=context.time_remaining(),
+            trace=read_trace_context(metadata),
         )
-        if cfg.logging.log_prompts:
-            prompt_log.info("request %s prompt: %s", req.id, text, extra={"request_id": req.id})
-        loop = asyncio.get_running_loop()
-        call = Call(engine_request, loop.create_future(), asyncio.Queue() if stream else None)
-        return req, call
 
-    async def _accept(self, msg, context, stream: bool) -> tuple[Request, Call] | None:
+    def _build(
+        self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, stream: bool
+    ) -> tuple[Request, Call]:
+        """Validate ``msg`` and make the core request and the caller's handle."""
+        ticket = self.front.build(self._fields(msg, context), stream)
+        return ticket.req, ticket.call
+
+    async def _accept(self, msg, context, stream: bool) -> Ticket | None:
         """Submit the request; None if it was refused (the RPC is aborted then)."""
         try:
-            req, call = self._build(msg, context, stream)
-            self.dispatcher.submit(req, call)
+            ticket = self.front.submit(self._fields(msg, context), stream)
         except (InvalidRequest, Rejected) as exc:
-            log.debug("refused: %s", exc)
             await _abort(context, exc)
             return None
-        context.add_done_callback(lambda _: self._withdraw(req, call))
-        return req, call
-
-    def _withdraw(self, req: Request, call: Call) -> None:
-        """The RPC ended: a request still unanswered has nobody waiting for it."""
-        if not call.future.done():
-            self.dispatcher.cancel(req)
-
-    def _log_completion(self, req: Request, completion: Completion) -> None:
-        self.on_completion(completion.engine_seconds, completion.batch_size, completion.result.completion_tokens)
-        if self.config().logging.log_prompts:
-            prompt_log.info("request %s completion: %s", req.id, completion.result.text,
-                            extra={"request_id": req.id})  # fmt: skip
+        context.add_done_callback(lambda _: self.front.withdraw(ticket))
+        return ticket
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse | None:
-        accepted = await self._accept(request, context, stream=False)
-        if accepted is None:
+        ticket = await self._accept(request, context, stream=False)
+        if ticket is None:
             return None
-        req, call = accepted
         try:
-            completion = await asyncio.shield(call.future)
+            completion = await asyncio.shield(ticket.call.future)
         except asyncio.CancelledError:
-            self.dispatcher.cancel(req)
+            self.front.withdraw(ticket)
             raise
         except Exception as exc:  # noqa: BLE001 - every outcome becomes a status
             await _abort(context, exc)
             return None
-        self._log_completion(req, completion)
-        return _response(req, completion)
+        self.front.finished(ticket, completion)
+        return _response(ticket.req, completion)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        accepted = await self._accept(request, context, stream=True)
-        if accepted is None:
+        ticket = await self._accept(request, context, stream=True)
+        if ticket is None:
             return
-        req, call = accepted
+        call = ticket.call
         assert call.deltas is not None
         index = 0
         try:
@@ -347,14 +266,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort(context, exc)
             return
         finally:
-            self._withdraw(req, call)  # cancelled, or closed while gRPC sent a chunk (GeneratorExit)
-        self._log_completion(req, completion)
+            self.front.withdraw(ticket)  # cancelled, or closed while gRPC sent a chunk (GeneratorExit)
+        self.front.finished(ticket, completion)
         if index == 0 and completion.result.text:
             yield pb.GenerateChunk(text=completion.result.text, index=0)  # gang mode: one chunk
             index = 1
         # The chunks carried the text: the final chunk's is empty (binbatch.proto,
         # GenerateChunk), so a client that concatenates every chunk gets it once.
-        final = _response(req, completion)
+        final = _response(ticket.req, completion)
         final.text = ""
         yield pb.GenerateChunk(final=final, index=index)
 
@@ -391,24 +310,6 @@ def _response(req: Request, c: Completion) -> pb.GenerateResponse:
         predicted_output_tokens=c.predicted_tokens,
         request_id=req.id,
     )
-
-
-def _read_slo(context: grpc.aio.ServicerContext) -> dict[str, int]:
-    """The Gateway API Inference Extension's SLO headers, validated strictly: plain
-    ASCII digits (``int()`` would take " 7 ", "1_000" and any length), within
-    ``SLO_LIMITS``, at most once each."""
-    out: dict[str, int] = {}
-    for key, value in context.invocation_metadata() or ():
-        if key not in SLO_LIMITS:
-            continue
-        limit = SLO_LIMITS[key]
-        if key in out:
-            raise InvalidRequest(f"{key}: given more than once")
-        if not isinstance(value, str) or not _DIGITS.fullmatch(value) or not 1 <= int(value) <= limit:
-            shown = value if len(value) <= 32 else value[:32] + "..."
-            raise InvalidRequest(f"{key}: must be a whole number of milliseconds in [1, {limit}], got {shown!r}")
-        out[key] = int(value)
-    return out
 
 
 class AdminServicer(pb_grpc.AdminServicer):

@@ -1,0 +1,270 @@
+"""The door-neutral half of a request's way in, shared by both front doors.
+
+The gRPC servicer (``servicer``) and the OpenAI-compatible HTTP door
+(``openai_http``) each parse their own wire format into ``Fields``; everything
+after that is here, once: the bounds every field is checked against, the core
+``Request`` and the ``EngineRequest`` built from them, the submit into the one
+dispatcher (so both doors go through the same predictor, bins, sizer and
+admission), the withdraw when the caller is gone, and the bookkeeping of a
+completion.  A rule changed here changes for both doors alike.
+
+Every bad value raises ``InvalidRequest`` whose message starts with the field's
+name as the caller spelled it (``names`` maps the neutral name to the door's:
+the HTTP door's hint is the header ``x-expected-output-tokens``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ..config import CLASS_PRIORITY_LIMIT, SidecarConfig
+from ..core.clock import Clock
+from ..core.request import Request
+from ..core.stages import RequestDispatcher
+from ..engine.dispatcher import Call, Completion
+from ..engine.engine_client import EngineRequest, SamplingParams
+from .trace_context import TraceContext
+
+log = logging.getLogger("binbatch.api")
+prompt_log = logging.getLogger("binbatch.prompts")  # only with logging.logPrompts
+
+# Bounds of the request's fields and metadata (documented in binbatch.proto).
+SLO_LIMITS = {"x-slo-ttft-ms": 600_000, "x-slo-tpot-ms": 100_000}  # milliseconds, like latency.*Milliseconds
+SLO_KEYS = tuple(SLO_LIMITS)
+REQUEST_ID_LIMIT = 128
+MODEL_LIMIT = 512
+TEMPERATURE_LIMIT = 100.0
+STOP_COUNT_LIMIT = 16
+STOP_LENGTH_LIMIT = 1024
+PRIORITY_LIMIT = CLASS_PRIORITY_LIMIT
+PRIORITY_SPAN = 2 * PRIORITY_LIMIT + 1  # a class's priority ranks before the request's own
+DIGITS = re.compile(r"[0-9]{1,9}")  # plain ASCII digits; longer is beyond every bound anyway
+
+# Tokens a chat template may add around the messages (roles, special tokens).
+TEMPLATE_TOKENS = 64
+
+
+class InvalidRequest(Exception):
+    """A request field is wrong; the message starts with the field's name, which
+    ``param`` holds apart (the HTTP door's error JSON names it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param if param is not None else message.partition(":")[0]
+
+
+@dataclass(slots=True)
+class Fields:
+    """One request as either door parsed it: exactly one of ``prompt`` and
+    ``messages``; 0 / None / empty mean "not given"."""
+
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    model: str = ""
+    max_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    expected_output_tokens: int | None = None
+    priority: int = 0
+    request_class: str = ""
+    request_id: str = ""
+    slo: dict[str, int] = field(default_factory=dict)  # SLO_LIMITS' keys, validated (read_slo)
+    timeout: float | None = None  # seconds the caller waits at most, from acceptance
+    trace: TraceContext | None = None
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An accepted request: the core's view, the caller's handle, and what its log lines carry."""
+
+    req: Request
+    call: Call
+    trace_id: str = ""
+
+    @property
+    def log_extra(self) -> dict[str, str]:
+        return {"request_id": self.req.id, "trace_id": self.trace_id}
+
+
+def log_extra(fields: Fields) -> dict[str, str]:
+    """The logging extras of a request not (yet) accepted."""
+    return {"request_id": fields.request_id, "trace_id": fields.trace.trace_id if fields.trace else ""}
+
+
+def read_slo(pairs: Iterable[tuple[str, str]]) -> dict[str, int]:
+    """The Gateway API Inference Extension's SLO headers (gRPC metadata or HTTP
+    headers, keys matched without case), validated strictly: plain ASCII digits
+    (``int()`` would take " 7 ", "1_000" and any length), within ``SLO_LIMITS``,
+    at most once each."""
+    out: dict[str, int] = {}
+    for raw_key, value in pairs:
+        key = raw_key.lower()
+        if key not in SLO_LIMITS:
+            continue
+        limit = SLO_LIMITS[key]
+        if key in out:
+            raise InvalidRequest(f"{key}: given more than once")
+        if not isinstance(value, str) or not DIGITS.fullmatch(value) or not 1 <= int(value) <= limit:
+            shown = value if len(value) <= 32 else value[:32] + "..."
+            raise InvalidRequest(f"{key}: must be a whole number of milliseconds in [1, {limit}], got {shown!r}")
+        out[key] = int(value)
+    return out
+
+
+def unset_max_tokens(cap: int, context_length: int | None, prompt: str) -> int:
+    """What to send as ``max_tokens`` when the caller set none: the policy's cap
+    (``bins.maxOutputTokens``), but no more than the engine's context leaves after
+    the prompt -- vLLM refuses prompt + max_tokens over ``max_model_len``, while a
+    request that names no limit expects whatever the context allows.  The prompt's
+    byte count bounds its token count (byte-level tokenizers give a token at least
+    one byte); when that bound leaves no room, the usual ~4 bytes per token does."""
+    if context_length is None:
+        return cap
+    for prompt_tokens in (len(prompt.encode()), estimate_prompt_tokens(prompt)):
+        room = context_length - prompt_tokens - TEMPLATE_TOKENS
+        if room >= 1:
+            return min(cap, room)
+    return cap  # the prompt alone fills the context: the engine says so
+
+
+def estimate_prompt_tokens(text: str) -> int:
+    """A tokenizer-free estimate (~4 bytes per token) used only to bucket prompts
+    for the online predictor before the engine reports the true count."""
+    return max(1, len(text.encode()) // 4)
+
+
+class Front:
+    """Given the few things both doors call: the dispatcher, the clock, a getter
+    for the running config (a reload replaces it), one for the default model
+    (learned from the engine after start-up), the engine's context length per
+    model, and what to tell of each completion (Stats.throughput, the Smdp fit)."""
+
+    def __init__(
+        self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig],
+        default_model: Callable[[], str], context_length: Callable[[str], int | None] = lambda model: None,
+        on_completion: Callable[[float, int, int], None] = lambda engine_seconds, batch_size, output_tokens: None,
+    ) -> None:  # fmt: skip
+        self.dispatcher = dispatcher
+        self.clock = clock
+        self.config = config
+        self.default_model = default_model
+        self.context_length = context_length
+        self.on_completion = on_completion
+
+    def build(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
+        """Check ``f`` against the bounds both doors share and make the core request
+        and the caller's handle (nothing is submitted)."""
+        cfg = self.config()
+
+        def name(key: str) -> str:
+            return (names or {}).get(key, key)
+
+        def bad(key: str, problem: str) -> InvalidRequest:
+            return InvalidRequest(f"{name(key)}: {problem}", name(key))
+
+        if (f.prompt is None) == (f.messages is None):
+            raise ValueError("Fields needs exactly one of prompt and messages")  # a door's bug, not the caller's
+        if len(f.model) > MODEL_LIMIT:
+            raise bad("model", f"at most {MODEL_LIMIT} characters")
+        model = f.model or self.default_model()
+        if not model:
+            raise bad("model", "required (the sidecar has no default model: set engine.model)")
+        cap = cfg.bins.max_output_tokens
+        max_tokens = f.max_tokens  # 0: unset; the engine is sent the cap
+        if max_tokens > cap:
+            raise bad("max_tokens", f"{max_tokens} exceeds the limit of {cap} (bins.maxOutputTokens)")
+        if f.temperature is not None and not 0 <= f.temperature <= TEMPERATURE_LIMIT:
+            raise bad("temperature", f"must be in [0, {TEMPERATURE_LIMIT:g}], got {f.temperature:g}")
+        if f.top_p is not None and not 0 < f.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {f.top_p:g}")
+        if f.min_tokens is not None and f.min_tokens > (max_tokens or cap):
+            raise bad("min_tokens", f"{f.min_tokens} exceeds max_tokens {max_tokens or cap}")
+        hint = f.expected_output_tokens
+        if hint is not None and not 1 <= hint <= cap:
+            raise bad("expected_output_tokens", f"must be in [1, {cap}] (bins.maxOutputTokens), got {hint}")
+        if not -PRIORITY_LIMIT <= f.priority <= PRIORITY_LIMIT:
+            raise bad("priority", f"must be in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {f.priority}")
+        if len(f.stop) > STOP_COUNT_LIMIT:
+            raise bad("stop", f"at most {STOP_COUNT_LIMIT} sequences, got {len(f.stop)}")
+        for i, seq in enumerate(f.stop):
+            if not 1 <= len(seq) <= STOP_LENGTH_LIMIT:
+                raise InvalidRequest(f"{name('stop')}[{i}]: must be 1 to {STOP_LENGTH_LIMIT} characters, got {len(seq)}")  # fmt: skip
+        if len(f.request_id) > REQUEST_ID_LIMIT:
+            raise bad("request_id", f"at most {REQUEST_ID_LIMIT} characters")
+        class_priority = 0
+        if f.request_class:
+            found = cfg.classes.priority_of(f.request_class)
+            if found is None:
+                names_ = ", ".join(c.name for c in cfg.classes.classes) or "none"
+                shown = f.request_class if len(f.request_class) <= 64 else f.request_class[:64] + "..."
+                raise bad("request_class", f"unknown class {shown!r} (the policy's classes.classes defines: {names_})")
+            class_priority = found
+        text = f.prompt if f.prompt is not None else "".join(c for _, c in f.messages or ())
+        params = SamplingParams(
+            model=model,
+            # never unset: bins.maxOutputTokens is the cap the docs promise, within the engine's context
+            max_tokens=max_tokens or unset_max_tokens(cap, self.context_length(model), text),
+            temperature=f.temperature,
+            top_p=f.top_p,
+            stop=f.stop,
+            seed=f.seed,
+            ignore_eos=f.ignore_eos,
+            min_tokens=f.min_tokens,
+        )
+        trace_headers = f.trace.headers() if f.trace else ()
+        engine_request = EngineRequest(params=params, prompt=f.prompt, messages=f.messages, trace_headers=trace_headers)
+        now = self.clock.now()
+        budget = cfg.queue_budget_seconds(f.slo.get("x-slo-ttft-ms"))  # TTFT SLO: bounds the wait in a bin
+        req = Request(
+            id=f.request_id or uuid.uuid4().hex,
+            arrival=now,
+            prompt_tokens=estimate_prompt_tokens(text),
+            max_tokens=max_tokens,
+            hint_tokens=float(hint) if hint is not None else None,
+            priority=class_priority * PRIORITY_SPAN + f.priority,
+            deadline=None if f.timeout is None else now + f.timeout,
+            send_by=None if budget is None else now + budget,
+            tpot_slo=f.slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in f.slo else None,  # TpotGate
+            request_class=f.request_class,
+        )
+        call = Call(engine_request, asyncio.get_running_loop().create_future(), asyncio.Queue() if stream else None)
+        ticket = Ticket(req, call, f.trace.trace_id if f.trace else "")
+        if cfg.logging.log_prompts:
+            prompt_log.info("request %s prompt: %s", req.id, text, extra=ticket.log_extra)
+        return ticket
+
+    def submit(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
+        """Build and queue the request; raises ``InvalidRequest`` or ``Rejected``
+        (draining, full queue, engine down) -- logged at DEBUG only, so no client
+        can flood the logs with its input."""
+        try:
+            ticket = self.build(f, stream, names)
+            self.dispatcher.submit(ticket.req, ticket.call)
+        except Exception as exc:
+            log.debug("refused: %s", exc, extra=log_extra(f))
+            raise
+        log.debug("accepted into bin %s", ticket.req.bin, extra=ticket.log_extra)
+        return ticket
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """The caller is gone (cancelled, disconnected, past its deadline): a
+        request still unanswered leaves its bin, or its engine call is aborted."""
+        if not ticket.call.future.done():
+            log.debug("withdrawn: the caller left", extra=ticket.log_extra)
+            self.dispatcher.cancel(ticket.req)
+
+    def finished(self, ticket: Ticket, completion: Completion) -> None:
+        """A completion reached its caller: feed the throughput window and the
+        batch-time fit; log the text only with ``logging.logPrompts``."""
+        self.on_completion(completion.engine_seconds, completion.batch_size, completion.result.completion_tokens)
+        if self.config().logging.log_prompts:
+            prompt_log.info("request %s completion: %s", ticket.req.id, completion.result.text, extra=ticket.log_extra)

@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP door: a second way into the same scheduler.
+
+Clients, gateways and routers that speak vLLM's OpenAI API (the production-stack
+router, the Gateway API Inference Extension, KServe, the ``openai`` package)
+reach the sidecar here unchanged.  This module only translates: the JSON body
+(``openai_bodies``) and headers into ``front.Fields``, the outcome back into
+OpenAI JSON or server-sent events.  Submitting, bins, the deadline in the queue
+and withdrawing are ``front.Front``'s, exactly as for gRPC.
+
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (whole, or SSE with
+``stream: true``); ``GET /health`` (the sidecar's readiness: 200 while it serves,
+503 while draining or with the engine down); every other path (``/v1/models``,
+``/metrics``, ``/tokenize``, ...) goes to the engine as it came, minus the
+hop-by-hop headers, and its answer comes back streamed.
+
+Headers in: ``x-request-id`` (else one is made; echoed on every answer),
+``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (as gRPC metadata), ``x-expected-output-tokens``
+(gRPC's ``expected_output_tokens``), ``x-request-class`` / ``x-request-priority``
+(gRPC's ``request_class`` / ``priority``), ``x-request-timeout-ms`` (the deadline,
+as gRPC's: a request still queued then leaves its bin, one running is aborted;
+504), ``traceparent`` / ``tracestate`` (passed to the engine).  Headers out:
+``x-request-id``, ``x-binbatch-predicted-tokens``, ``x-binbatch-bin``,
+``x-binbatch-queue-ms`` -- on a stream they go with its first chunk, when the
+request has left its bin, so all three are known then.
+
+Errors are OpenAI's error JSON with the status gRPC's code maps to: 400 naming the
+field (``param``), 429 with ``Retry-After`` on a full queue (RESOURCE_EXHAUSTED),
+503 while draining or with the engine down, 504 past the deadline, the engine's
+own 4xx, 500 for an engine reply the sidecar cannot read.  An error after a
+stream began is an ``error`` event, then ``[DONE]``.
+
+A client that disconnects is gone for good: the runner cancels its handler
+(``handler_cancellation``) and the request is withdrawn -- out of its bin, or
+its engine call aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from ..engine.dispatcher import Completion, Rejected
+from ..engine.engine_client import EngineClient, EngineError
+from .front import DIGITS, REQUEST_ID_LIMIT, Fields, Front, InvalidRequest, Ticket, read_slo
+from .openai_bodies import ChatBody, CompletionBody, include_usage, parse_body, read_json, to_fields
+from .trace_context import read_trace_context
+
+log = logging.getLogger("binbatch.http")
+
+REQUEST_ID = "x-request-id"
+TIMEOUT = "x-request-timeout-ms"
+TIMEOUT_LIMIT_MS = 3_600_000
+HINT = "x-expected-output-tokens"
+CLASS = "x-request-class"
+PRIORITY = "x-request-priority"
+PREDICTED, BIN, QUEUE_MS = "x-binbatch-predicted-tokens", "x-binbatch-bin", "x-binbatch-queue-ms"
+RETRY_AFTER_SECONDS = 1  # a full queue drains in about a batch's time; the client's retry comes back then
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a completion body; the engine's own cap (engine.maxRequestBodyBytes) applies after
+# RFC 9110 §7.6.1 hop-by-hop headers, and Host (the engine's is its own)
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+                        "te", "trailer", "transfer-encoding", "upgrade", "host"})  # fmt: skip
+_VISIBLE = re.compile(r"[!-~]{1,%d}" % REQUEST_ID_LIMIT)  # an id safe to echo in a header
+_SIGNED = re.compile(r"-?[0-9]{1,9}")
+
+# names the door reports a neutral field by (front.build's ``names``)
+HEADER_NAMES = {"expected_output_tokens": HINT, "request_class": CLASS, "priority": PRIORITY,
+                "request_id": REQUEST_ID}  # fmt: skip
+
+_REJECTED = {  # Rejected.kind -> (status, type, code)
+    "resource_exhausted": (429, "rate_limit_error", "queue_full"),
+    "unavailable": (503, "service_unavailable_error", "unavailable"),
+    "deadline": (504, "timeout_error", "deadline_exceeded"),
+    "cancelled": (499, "cancelled_error", "cancelled"),  # nobody reads it: the client left
+}
+_ENGINE = {  # EngineError.kind -> (status, type, code); "invalid" keeps the engine's 4xx
+    "invalid": (400, "invalid_request_error", "engine_refused"),
+    "unavailable": (503, "service_unavailable_error", "engine_unavailable"),
+    "timeout": (504, "timeout_error", "engine_timeout"),
+    "internal": (500, "server_error", "engine_reply_unreadable"),
+}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error JSON."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def status_of(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """The one place where errors become HTTP statuses (gRPC's ``_status_of``)."""
+    if isinstance(exc, InvalidRequest):
+        return 400, error_body(str(exc), "invalid_request_error", exc.param)
+    if isinstance(exc, Rejected):
+        status, type_, code = _REJECTED.get(exc.kind, (500, "server_error", exc.kind))
+        return status, error_body(exc.message, type_, None, code)
+    if isinstance(exc, EngineError):
+        status, type_, code = _ENGINE.get(exc.kind, (500, "server_error", exc.kind))
+        if exc.kind == "invalid" and exc.status is not None and 400 <= exc.status < 500:
+            status = exc.status
+        return status, error_body(f"engine: {exc.message}", type_, None, code)
+    return 500, error_body(f"internal error: {type(exc).__name__}", "server_error")
+
+
+def error_response(exc: BaseException, request_id: str | None) -> web.Response:
+    status, body = status_of(exc)
+    headers = {REQUEST_ID: request_id} if request_id else {}
+    if status == 429:
+        headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _header(request: web.Request, name: str) -> str | None:
+    values = request.headers.getall(name, [])
+    if len(values) > 1:
+        raise InvalidRequest(f"{name}: given more than once")
+    return values[0] if values else None
+
+
+def read_headers(request: web.Request, f: Fields) -> None:
+    """The door's headers into ``f`` (the request id is read before, to echo it)."""
+    pairs = tuple(request.headers.items())
+    f.slo = read_slo(pairs)
+    f.trace = read_trace_context(pairs)
+    if (hint := _header(request, HINT)) is not None:
+        if not DIGITS.fullmatch(hint):
+            raise InvalidRequest(f"{HINT}: must be a whole number of tokens, got {hint[:32]!r}")
+        f.expected_output_tokens = int(hint)
+    if (priority := _header(request, PRIORITY)) is not None:
+        if not _SIGNED.fullmatch(priority):
+            raise InvalidRequest(f"{PRIORITY}: must be a whole number, got {priority[:32]!r}")
+        f.priority = int(priority)
+    f.request_class = _header(request, CLASS) or ""
+    if (timeout := _header(request, TIMEOUT)) is not None:
+        if not DIGITS.fullmatch(timeout) or not 1 <= int(timeout) <= TIMEOUT_LIMIT_MS:
+            raise InvalidRequest(f"{TIMEOUT}: must be a whole number of milliseconds in [1, {TIMEOUT_LIMIT_MS}], "
+                                 f"got {timeout[:32]!r}")  # fmt: skip
+        f.timeout = int(timeout) / 1000
+
+
+class _Shape:
+    """The reply JSON of one request, completion or chat, whole or as chunks."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, usage_chunks: bool) -> None:
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.usage_chunks = usage_chunks  # include_usage: chunks carry "usage": null, the last one the counts
+        self.first = True
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def whole(self, c: Completion) -> dict[str, Any]:
+        r = c.result
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": r.text}
+        else:
+            choice["text"] = r.text
+        choice |= {"logprobs": None, "finish_reason": r.finish_reason}
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+        return body | {"usage": _usage(c)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if self.first else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        self.first = False
+        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        return out | {"usage": None} if self.usage_chunks else out
+
+    def usage_chunk(self, c: Completion) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": _usage(c)}
+
+
+def _usage(c: Completion) -> dict[str, int]:
+    r = c.result
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens}  # fmt: skip
+
+
+async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+class OpenAIDoor:
+    """Given what it calls: the shared ``front``, the engine client in use (a
+    reload may replace it), and the sidecar's readiness."""
+
+    def __init__(self, front: Front, *, engine: Callable[[], EngineClient], ready: Callable[[], bool]) -> None:
+        self.front = front
+        self.engine = engine
+        self.ready = ready
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_http_errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        app.router.add_route("*", "/{tail:.*}", self.passthrough)  # /v1/models, /metrics, /tokenize, ...
+        return app
+
+    async def health(self, _: web.Request) -> web.Response:
+        ready = self.ready()
+        return web.Response(text="ok" if ready else "not serving (draining, or the engine is down)",
+                            status=200 if ready else 503)  # fmt: skip
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        given = request.headers.getall(REQUEST_ID, [])
+        if len(given) > 1 or (given and not _VISIBLE.fullmatch(given[0])):
+            problem = f"{REQUEST_ID}: one value of 1 to {REQUEST_ID_LIMIT} visible ASCII characters"
+            return error_response(InvalidRequest(problem), None)
+        request_id = given[0] if given else uuid.uuid4().hex
+        try:
+            body = parse_body(read_json(await request.read()), chat)
+            f, names = to_fields(body)
+            f.request_id = request_id
+            read_headers(request, f)
+            ticket = self.front.submit(f, body.stream, HEADER_NAMES | names)
+        except (InvalidRequest, Rejected) as exc:
+            return error_response(exc, request_id)
+        model = ticket.call.engine_request.params.model
+        shape = _Shape(chat, request_id, model, body.stream and include_usage(body))
+        try:
+            if body.stream:
+                try:
+                    return await self._stream(request, ticket, body, shape, f.timeout)
+                except ConnectionResetError:  # the client left mid-stream; nothing more can reach it
+                    log.debug("the client left mid-stream", extra=ticket.log_extra)
+                    return web.Response(status=499)
+            try:
+                async with asyncio.timeout(f.timeout):
+                    completion = await asyncio.shield(ticket.call.future)
+            except TimeoutError:
+                return error_response(Rejected("deadline", f"{TIMEOUT}: the deadline passed"), request_id)
+            except (Rejected, EngineError) as exc:
+                log.debug("failed: %s", exc, extra=ticket.log_extra)
+                return error_response(exc, request_id)
+            self.front.finished(ticket, completion)
+            return web.json_response(shape.whole(completion), headers=_placement(ticket, completion))
+        finally:
+            self.front.withdraw(ticket)  # the client left (cancelled handler) or the deadline passed
+
+    async def _stream(
+        self, request: web.Request, ticket: Ticket, body: CompletionBody | ChatBody, shape: _Shape,
+        timeout: float | None,
+    ) -> web.StreamResponse:  # fmt: skip
+        """Server-sent events: a chunk per piece of text as the engine makes it,
+        the last one with the finish reason, the usage chunk if asked, ``[DONE]``.
+        The response starts (status, headers) with the first chunk, so an error
+        before it is still a plain error with its status."""
+        call = ticket.call
+        assert call.deltas is not None
+        response: web.StreamResponse | None = None
+        try:
+            try:
+                async with asyncio.timeout(timeout):
+                    while not call.future.done() or not call.deltas.empty():
+                        piece = await call.deltas.get()
+                        while not call.deltas.empty():  # the engine ran ahead: one chunk for what arrived
+                            piece += call.deltas.get_nowait()
+                        if piece:
+                            response = response or await self._open(request, ticket, None)
+                            await _sse(response, shape.chunk(piece))
+                    completion = call.future.result()
+            except TimeoutError:
+                raise Rejected("deadline", f"{TIMEOUT}: the deadline passed") from None
+        except (Rejected, EngineError) as exc:
+            log.debug("failed: %s", exc, extra=ticket.log_extra)
+            if response is None:
+                return error_response(exc, ticket.req.id)
+            await _sse(response, status_of(exc)[1])
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        self.front.finished(ticket, completion)
+        if response is None:  # gang mode (the text comes whole) or an empty completion
+            response = await self._open(request, ticket, completion)
+            if completion.result.text:
+                await _sse(response, shape.chunk(completion.result.text))
+        await _sse(response, shape.chunk(None if shape.chat else "", completion.result.finish_reason))
+        if include_usage(body):
+            await _sse(response, shape.usage_chunk(completion))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _open(self, request: web.Request, ticket: Ticket, completion: Completion | None) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               **_placement(ticket, completion, self.front.clock.now())})  # fmt: skip
+        await response.prepare(request)
+        return response
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Any other path: to the engine as it came; its answer streamed back."""
+        listed = {t.strip().lower() for v in request.headers.getall("Connection", []) for t in v.split(",")}
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | listed]
+        try:
+            upstream = await self.engine().forward(
+                request.method, request.path_qs, headers, request.content if request.body_exists else None
+            )
+        except EngineError as exc:
+            return error_response(exc, None)
+        try:
+            listed = {t.strip().lower() for v in upstream.headers.getall("Connection", []) for t in v.split(",")}
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for k, v in upstream.headers.items():
+                if k.lower() not in HOP_BY_HOP | listed:
+                    response.headers.add(k, v)
+            await response.prepare(request)
+            try:
+                async for data in upstream.content.iter_any():
+                    await response.write(data)
+            except (aiohttp.ClientError, TimeoutError) as exc:  # the engine broke off: so does this answer
+                log.debug("passthrough %s %s broke off: %r", request.method, request.path, exc)
+                response.force_close()
+                return response
+            await response.write_eof()
+            return response
+        finally:
+            upstream.release()
+
+
+def _placement(ticket: Ticket, completion: Completion | None, now: float | None = None) -> dict[str, str]:
+    """Where the request went: its id, predicted length, bin and time queued (from
+    the completion, else -- a stream's first chunk -- from the request and its
+    dispatch time)."""
+    req, call = ticket.req, ticket.call
+    if completion is not None:
+        predicted, bin_, queued = completion.predicted_tokens, completion.bin, completion.queue_seconds
+    else:
+        predicted, bin_ = req.predicted_tokens or 0.0, req.bin or 0
+        sent = call.dispatched_at if call.dispatched_at is not None else now
+        queued = max(0.0, (sent or req.arrival) - req.arrival)
+    return {REQUEST_ID: req.id, PREDICTED: f"{predicted:g}", BIN: str(bin_), QUEUE_MS: f"{queued * 1000:.3f}"}
+
+
+@web.middleware
+async def _http_errors(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+    """aiohttp's own refusals (a body over the size limit) as OpenAI error JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        body = error_body(exc.reason if exc.text is None else exc.text, "invalid_request_error", "body")
+        return web.json_response(body, status=exc.status)
