@@ -518,9 +518,11 @@ def main(argv: list[str] | None = None) -> int:
             model_spec=LARGE_MODEL if args.large else SMALL_MODEL,
             dtype=args.dtype,
         )
+    # a background job ignores SIGINT: let SIGTERM stop the server the same way
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with srv:
         print(f"base_url={srv.base_url} log={srv.log_path} rss={srv.rss_bytes() / 2**30:.2f} GiB", flush=True)
-        print("Ctrl-C stops it.", flush=True)
+        print("Ctrl-C or SIGTERM stops it.", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             srv._proc.wait()  # type: ignore[union-attr]
     return 0
