@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine (see README):
-#   make demo   -- the main job: the sidecar on the embedded engine, multi-bin vs one bin
+#   make demo   -- the main job: the embedded engine called directly vs through the sidecar (demo.png)
 #   make test   -- the whole test suite
 # Both build their own virtual environment in .venv first.
 

@@ -117,16 +117,20 @@ def _bench_overhead(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .bench import demo
+    from .bench import demo, e2e
 
-    cfg = demo.DemoConfig(requests=args.requests, seed=args.seed)
+    cfg = demo.config(quick=args.quick, seed=args.seed, requests=args.requests, repeats=args.repeats)
     say = (lambda m: None) if args.quiet else (lambda m: print(f"[demo] {m}", file=sys.stderr, flush=True))
     doc = demo.run(cfg, say)
+    if args.plot:
+        e2e.plot({**doc, "_setup": doc["setup"]}, args.plot)
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        demo.print_table(doc)
+        demo.print_report(doc)
+        if args.plot:
+            print(f"plot written to {args.plot}")
     return 0
 
 
@@ -217,10 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     oh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     oh.set_defaults(func=_bench_overhead)
 
-    dm = sub.add_parser("demo", help="the data plane on the embedded engine: multi-bin vs one bin, side by side")
-    dm.add_argument("--requests", type=_positive_int, default=384, help="requests per scenario (default 384)")
-    dm.add_argument("--seed", type=int, default=1, help="random seed for the lengths (default 1)")
-    dm.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    dm = sub.add_parser("demo", help="your engine called directly vs through the sidecar, one win at a time, "
+                                      "on the embedded engine (~3 min; --quick < 1 min)")
+    dm.add_argument("--plot", metavar="FILE.png", default="demo.png",
+                    help="draw latency and goodput vs load, direct and sidecar (default demo.png; '' for none)")
+    dm.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
+    dm.add_argument("--requests", type=_positive_int, help="requests per chat/short run (default 64)")
+    dm.add_argument("--repeats", type=_positive_int, help="interleaved repeats of every run (default 2)")
+    dm.add_argument("--seed", type=int, default=1, help="random seed of the workloads (default 1)")
+    dm.add_argument("--json", action="store_true", help="print one JSON document {setup, runs, ratios, wins}")
     dm.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     dm.set_defaults(func=_demo)
 

@@ -86,6 +86,7 @@ class E2EConfig:
     kv_engine: EngineShape = KV_LIMITED
     ample_engine: EngineShape = AMPLE_KV
     only: tuple[str, ...] = ()  # scenario keys ("mixed@gang") or shapes ("chat"); empty: all
+    clients: tuple[str, ...] = ()  # client keys ("direct", "hint", ...) to send with; empty: all
 
 
 SCENARIO_NAMES = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang")
@@ -144,9 +145,11 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
         Scenario("mixed@gang", "mixed burst, gang", "ample", "mixed", cfg.gang_requests, None,
                  (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8), cfg.gang_scale),  # fmt: skip
     ]
-    if not cfg.only:
-        return plan
-    return [sc for sc in plan if sc.key in cfg.only or sc.shape in cfg.only]
+    if cfg.only:
+        plan = [sc for sc in plan if sc.key in cfg.only or sc.shape in cfg.only]
+    if cfg.clients:
+        plan = [replace(sc, clients=tuple(c for c in sc.clients if c.key in cfg.clients)) for sc in plan]
+    return [sc for sc in plan if sc.clients]
 
 
 def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -280,8 +283,12 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
     )
     models = {name: await served_model(session, url) for name, url in urls.items()}
+    plan = scenarios(cfg)
+    used = {c.sidecar for sc in plan for c in sc.clients}
     channels: dict[str, grpc.aio.Channel] = {}
     for key, (engine, overrides) in sidecar_overrides(cfg).items():
+        if key not in used:
+            continue
         proc = await start_sidecar(sidecar_doc(urls[engine], models[engine], overrides), tmp / f"{key}.yaml", tmp)
         stack.push_async_callback(proc.signal_and_wait, signal.SIGTERM, 15)
         channels[key] = await stack.enter_async_context(grpc.aio.insecure_channel(proc.target))
@@ -304,7 +311,6 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         result.preemptions = None if before is None or after is None else after - before
         return result
 
-    plan = scenarios(cfg)
     capacity = 0.0
     if any(sc.load is not None for sc in plan):  # the Poisson loads are fractions of it
         cap_reqs = workloads.build("chat", cfg.requests, rate=None, seed=cfg.seed, scale=cfg.scale)

@@ -88,6 +88,21 @@ PROFILES: dict[str, dict[str, object]] = {
     # ~50 ms at 32 concurrent, so vLLM's ITL histogram (first bucket 10 ms) resolves
     # it. Not used by default; for TPOT-SLA experiments.
     "large": {"model_spec": LARGE_MODEL, "kv_cache_bytes": 2**30},
+    # The large model with the small_kv cache (15 usable blocks of 32 tokens): a
+    # GPU-like step cost and KV-limited concurrency, so a burst is preempted. The
+    # CI smoke run of `binbatch bench e2e --engine` (test_bench_e2e_vllm.py).
+    "large_small_kv": {
+        "model_spec": LARGE_MODEL,
+        "extra_args": ("--num-gpu-blocks-override", "16", "--block-size", "32"),
+        "max_model_len": 256,
+    },
+    # The large model with 24 blocks of 32 tokens (768, the embedded engine's
+    # KV_LIMITED budget): the full bench's chat scenarios (docs/results-vllm-cpu.md).
+    "large_kv_limited": {
+        "model_spec": LARGE_MODEL,
+        "extra_args": ("--num-gpu-blocks-override", "24", "--block-size", "32"),
+        "max_model_len": 512,
+    },
 }
 
 
@@ -483,22 +498,31 @@ def _stop_all() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Start a server by hand: python tests/vllm_support/server.py [--large] [-- vLLM args]."""
+    """Start a server by hand: python tests/vllm_support/server.py [--large | --profile NAME] [-- vLLM args]."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--large", action="store_true", help="8 layers, hidden 1024")
+    parser.add_argument("--profile", choices=sorted(PROFILES), help="one of the tests' PROFILES (overrides --large)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("vllm_args", nargs="*", help="extra vLLM arguments (after --)")
     args = parser.parse_args(argv)
-    srv = VllmServer(
-        extra_args=args.vllm_args,
-        model_spec=LARGE_MODEL if args.large else SMALL_MODEL,
-        dtype=args.dtype,
-    )
+    if args.profile:
+        base = PROFILES[args.profile]
+        srv = VllmServer.from_profile(
+            args.profile, dtype=args.dtype, extra_args=(*base.get("extra_args", ()), *args.vllm_args)
+        )
+    else:
+        srv = VllmServer(
+            extra_args=args.vllm_args,
+            model_spec=LARGE_MODEL if args.large else SMALL_MODEL,
+            dtype=args.dtype,
+        )
+    # a background job ignores SIGINT: let SIGTERM stop the server the same way
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with srv:
-        print(f"base_url={srv.base_url} log={srv.log_path} rss={srv.rss_bytes() / 2**30:.2f} GiB")
-        print("Ctrl-C stops it.")
+        print(f"base_url={srv.base_url} log={srv.log_path} rss={srv.rss_bytes() / 2**30:.2f} GiB", flush=True)
+        print("Ctrl-C or SIGTERM stops it.", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             srv._proc.wait()  # type: ignore[union-attr]
     return 0

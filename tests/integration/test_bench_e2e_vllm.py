@@ -1,0 +1,51 @@
+"""``binbatch bench e2e --engine URL --quick`` against a REAL vLLM CPU server.
+
+The bench's promise is that a user reruns it against their own engine; this is
+that run, short enough for CI, on the 8-layer hidden-1024 model (a GPU-like
+fixed step cost, unlike the 2-layer one) with a KV cache small enough that the
+burst is preempted (profile ``large_small_kv``).  It holds the document to its
+contract -- direct first in every scenario, every ratio present and computed,
+preemptions read from vLLM's own ``/metrics`` -- not to its figures.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from test_bench_e2e import _bench
+
+from binbatch_sidecar.bench.e2e import RATIO_KEYS, ROW_KEYS
+
+pytestmark = pytest.mark.vllm
+
+# The default SLO (TTFT 500 ms, TPOT 20 ms) is the embedded engine's; this model's
+# inter-token latency alone is ~35 ms, so a CI smoke run takes a loose one: every
+# ratio then has a direct figure to divide by.
+SLO = ("--slo-ttft-ms", "20000", "--slo-tpot-ms", "1000")
+
+
+@pytest.mark.parametrize("vllm_server", ["large_small_kv"], indirect=True)
+async def test_quick_e2e_bench_against_real_vllm_runs_direct_first_and_reads_its_preemptions(vllm_server, tmp_path):
+    doc = await _bench(tmp_path, "e2e", "--engine", vllm_server.base_url, *SLO)
+
+    assert list(doc) == ["runs", "ratios"]
+    runs = doc["runs"]
+    scenarios = [r["name"].split(" | ")[0] for r in runs]
+    for i, row in enumerate(runs):
+        assert tuple(row) == ROW_KEYS
+        if i == 0 or scenarios[i] != scenarios[i - 1]:
+            assert row["mode"] == "direct", row["name"]
+        assert row["requests_per_s"] > 0, row["name"]
+        # vLLM's vllm:num_preemptions_total, before/after each run
+        assert isinstance(row["preemptions"], float) and row["preemptions"] >= 0, row["name"]
+    assert {"direct", "continuous", "gang", "ideal-gang"} == {r["mode"] for r in runs}
+
+    burst = {r["mode"]: r for r in runs if r["name"].startswith("chat burst") and "online" not in r["name"]}
+    assert burst["direct"]["preemptions"] > 0, "the squeezed KV cache must preempt a direct burst"
+    assert tuple(doc["ratios"]) == RATIO_KEYS
+    for key, value in doc["ratios"].items():
+        assert type(value) is float and math.isfinite(value), (key, value)
+    assert doc["ratios"]["preemptions_under_kv_pressure"] == pytest.approx(
+        burst["continuous"]["preemptions"] / burst["direct"]["preemptions"]
+    )

@@ -1,0 +1,57 @@
+"""``binbatch demo``: its plan (e2e's scenarios, best clients only) and how it
+judges a run against issue 11's targets (no processes started)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from binbatch_sidecar.bench import demo, e2e
+
+
+def test_client_filter_keeps_the_scenarios_and_drops_other_clients():
+    plan = e2e.scenarios(replace(e2e.E2EConfig(), clients=("direct", "hint")))
+
+    assert [sc.key for sc in plan] == ["chat@0.5", "chat@0.8", "chat@0.95", "chat@1.1", "chat@burst", "short@ample",
+                                       "mixed@gang"]  # fmt: skip
+    assert all([c.key for c in sc.clients] == ["direct", "hint"] for sc in plan[:5])
+    assert all([c.key for c in sc.clients] == ["direct"] for sc in plan[5:])
+
+
+def test_demo_plan_sends_direct_first_then_the_best_configuration_of_each_win():
+    plan = e2e.scenarios(demo.config())
+
+    assert all(sc.clients[0].key == "direct" for sc in plan)
+    assert {c.key for sc in plan for c in sc.clients} == set(demo.CLIENTS)
+    assert {c.ratio for w in demo.WINS for c in w.checks} == set(e2e.RATIO_KEYS) - {"gang_k8_gain_vs_ideal"}
+
+
+def _doc(cfg: e2e.E2EConfig, ratios: dict[str, float | None]) -> dict:
+    runs = []
+    for sc in e2e.scenarios(cfg):
+        for c in sc.clients:
+            fast = c.key in ("direct", "ideal4", "gang4")
+            runs.append({
+                "name": f"{sc.label} | {c.label}", "mode": c.mode, "k": c.k, "load": sc.load,
+                "requests_per_s": 10.0 if fast else 5.0, "output_tokens_per_s": 400.0, "ttft_p50_s": 0.015,
+                "ttft_p99_s": 0.1, "tpot_p50_s": 0.012, "tpot_p99_s": 0.02, "e2e_p50_s": 0.6, "e2e_p99_s": 2.0,
+                "goodput_per_s": 9.0, "preemptions": 40.0 if c.key == "direct" else 4.0,
+            })  # fmt: skip
+    return {"runs": runs, "ratios": ratios, "_setup": {"goodput_load": 0.95}}
+
+
+def test_a_missed_target_is_judged_missed_with_the_figures_it_came_from():
+    cfg = demo.config()
+    ratios = dict.fromkeys(e2e.RATIO_KEYS, 1.0) | {"e2e_mean_at_95pct_load": 1.05, "preemptions_under_kv_pressure": 0.1,
+                                                   "gang_k4_gain_vs_ideal": None}  # fmt: skip
+    wins = {w["key"]: w for w in demo.judge(_doc(cfg, ratios), cfg)}
+
+    latency = {c["ratio"]: c["met"] for c in wins["latency"]["checks"]}
+    assert latency == {"e2e_mean_at_95pct_load": False, "e2e_p99_at_95pct_load": True}
+    assert "direct 15 ms" in wins["latency"]["measured"]
+    assert [c["met"] for c in wins["kv"]["checks"]] == [True, True]  # the bounds are inclusive
+    assert "direct 40, sidecar 4" in wins["kv"]["measured"]
+    assert wins["goodput"]["scenario"] == "chat@0.95"
+    assert wins["gang"]["checks"][0]["met"] is None  # not measured is neither met nor missed
+    assert "sidecar 2.00x" in wins["gang"]["measured"] and "ideal client 2.00x" in wins["gang"]["measured"]
+    for w in wins.values():
+        assert w["rows"][0].endswith("| direct"), w["key"]
