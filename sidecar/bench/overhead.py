@@ -213,8 +213,11 @@ def print_table(doc: dict[str, Any]) -> None:
     for name in ("direct", "sidecar"):
         print(f"{name:10} {lat[name]['p50']:8.2f} {lat[name]['p99']:8.2f}")
     print(f"{'added':10} {doc['added_p50_ms']:8.2f} {doc['added_p99_ms']:8.2f}")
-    print(f"{'path':10} {'callers':>8} {'req/s':>8}")
+    procs = ("client", "sidecar", "engine")
+    print(f"{'path':10} {'callers':>8} {'req/s':>8}   CPU us per request: " + " ".join(f"{p:>8}" for p in procs))
     for r in doc["rates"]:
-        print(f"{r['path']:10} {r['concurrency']:8d} {r['requests_per_s']:8.0f}")
+        cpu = r.get("cpu_us_per_request", {})
+        shown = " ".join("       -" if cpu.get(p) is None else f"{cpu[p]:8.0f}" for p in procs)
+        print(f"{r['path']:10} {r['concurrency']:8d} {r['requests_per_s']:8.0f}   {'':20}{shown}")
     print(f"max requests/s through the sidecar: {doc['max_requests_per_s']:.0f}")
     sys.stdout.flush()
