@@ -15,6 +15,9 @@ In one run, interleaved call by call:
 The bench client, the sidecar and the engine are three processes on this
 machine's cores, so the figures say what the whole stack reaches here; the
 table names the direct rate too, which bounds what any front end can reach.
+Each rate window also reports the CPU each process spent per request (from
+/proc on Linux): the sidecar's share is what it costs, the bench client's says
+whether the client, not the sidecar, limited the rate.
 ``--profile FILE.prof`` runs the sidecar under cProfile (slower: compare the
 hot spots, not the rates) and prints its top functions on stderr.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
 import pstats
 import re
 import signal
@@ -87,8 +91,27 @@ class _ProfiledSidecar(SidecarProcess):
         self.grpc_port = await self._spawn(args, SIDECAR_READY, self.cwd)
 
 
-async def _closed_loop(call: Callable[[int], Awaitable[None]], concurrency: int, window_s: float) -> float:
-    """Requests per second that ``concurrency`` closed-loop callers complete in ``window_s``."""
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system, all threads) ``pid`` has used; None for this
+    process means ``os.times``; None when /proc cannot say (not Linux, gone)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # the command name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _per_request_us(before: float | None, after: float | None, n: int) -> float | None:
+    return None if before is None or after is None or n == 0 else (after - before) / n * 1e6
+
+
+async def _closed_loop(call: Callable[[int], Awaitable[None]], concurrency: int, window_s: float) -> tuple[float, int]:
+    """Requests per second that ``concurrency`` closed-loop callers complete in
+    ``window_s``, and how many they completed."""
     loop = asyncio.get_running_loop()
     end = loop.time() + window_s
     done = 0
@@ -103,7 +126,7 @@ async def _closed_loop(call: Callable[[int], Awaitable[None]], concurrency: int,
 
     t0 = loop.time()
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    return done / (loop.time() - t0)
+    return done / (loop.time() - t0), done
 
 
 async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str, Any]:
@@ -165,11 +188,15 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
                 f"sidecar (gRPC) p50 {p['sidecar'][0] * 1e3:.2f} ms, "
                 f"HTTP door p50 {p['http'][0] * 1e3:.2f} ms")  # fmt: skip
             rates: list[dict[str, Any]] = []
+            pids = {"client": None, "sidecar": sidecar.pid, "engine": engine.pid}
             for c in cfg.concurrencies:
                 for name, call in (("direct", direct), ("sidecar", through)):
-                    rate = await _closed_loop(call, c, cfg.window_s)
-                    rates.append({"path": name, "concurrency": c, "requests_per_s": rate})
-                    say(f"{name}, {c} callers: {rate:.0f} requests/s")
+                    before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+                    rate, n = await _closed_loop(call, c, cfg.window_s)
+                    cpu_us = {k: _per_request_us(before[k], cpu_seconds(pid), n) for k, pid in pids.items()}
+                    rates.append({"path": name, "concurrency": c, "requests_per_s": rate, "cpu_us_per_request": cpu_us})
+                    shown = ", ".join(f"{k} {v:.0f}" for k, v in cpu_us.items() if v is not None)
+                    say(f"{name}, {c} callers: {rate:.0f} requests/s (CPU us per request: {shown})")
     out = {
         "added_p50_ms": (p["sidecar"][0] - p["direct"][0]) * 1e3,
         "added_p99_ms": (p["sidecar"][1] - p["direct"][1]) * 1e3,
@@ -213,8 +240,11 @@ def print_table(doc: dict[str, Any]) -> None:
         print(f"{name:10} {lat[name]['p50']:8.2f} {lat[name]['p99']:8.2f}")
     print(f"{'added':10} {doc['added_p50_ms']:8.2f} {doc['added_p99_ms']:8.2f}  (gRPC door)")
     print(f"{'added':10} {doc['http_added_p50_ms']:8.2f} {doc['http_added_p99_ms']:8.2f}  (HTTP door)")
-    print(f"{'path':10} {'callers':>8} {'req/s':>8}")
+    procs = ("client", "sidecar", "engine")
+    print(f"{'path':10} {'callers':>8} {'req/s':>8}   CPU us per request: " + " ".join(f"{p:>8}" for p in procs))
     for r in doc["rates"]:
-        print(f"{r['path']:10} {r['concurrency']:8d} {r['requests_per_s']:8.0f}")
+        cpu = r.get("cpu_us_per_request", {})
+        shown = " ".join("       -" if cpu.get(p) is None else f"{cpu[p]:8.0f}" for p in procs)
+        print(f"{r['path']:10} {r['concurrency']:8d} {r['requests_per_s']:8.0f}   {'':20}{shown}")
     print(f"max requests/s through the sidecar: {doc['max_requests_per_s']:.0f}")
     sys.stdout.flush()

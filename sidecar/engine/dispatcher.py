@@ -27,6 +27,7 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from ..core.breaker import STATES
 from ..core.clock import Clock
@@ -94,6 +95,48 @@ class Adjustment:
     reason: str
 
 
+class Wakeup:
+    """What the dispatch loop sleeps on: ``set()`` wakes it (several calls before it
+    runs again wake it once), ``wait(timeout)`` sleeps until then or the timeout.
+
+    ``asyncio.wait_for(event.wait(), timeout)`` made a task (and a timer) for every
+    pass of the loop -- about two passes per request -- so this waits on a bare
+    future and arms a timer only when the scheduler has a deadline."""
+
+    __slots__ = ("_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self._set = True
+        _fire(self._waiter)
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self, timeout: float | None = None) -> None:
+        """Return once ``set()`` was called (at once if it was since ``clear()``),
+        or after ``timeout`` seconds."""
+        if self._set:
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _fire, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+
+def _fire(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -117,11 +160,17 @@ class Dispatcher:
         self._wall_time = wall_time
         self._calls: dict[Request, Call] = {}  # accepted and not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
-        self._wake = asyncio.Event()
+        self._wake = Wakeup()
         self._idle = asyncio.Event()
         self._idle.set()
         self._opens_published = 0
-        self._depth_gauges: list = []  # binbatch_queue_depth's child per bin (_publish_queue)
+        self._children: dict[tuple[object, ...], Any] = {}  # labelled metric children (_child)
+        self._depth_bins = 0  # binbatch_queue_depth children made so far (_publish_queue)
+        # Read when /metrics is scraped, not written on every loop pass.
+        metrics.inflight_requests.set_function(lambda: self.inflight_requests)
+        metrics.inflight_batches.set_function(lambda: self.inflight_batches)
+        metrics.pending_requests.set_function(self.pending_requests)
+        self._publish_queue()
         self._publish_sizes()
         self._publish_breaker()
         metrics.requests_waiting.sidecar = self.waiting_by_model
@@ -208,7 +257,7 @@ class Dispatcher:
             bin_ = self.scheduler.submit(req)
         except Rejected:
             if self.accepting:
-                self.metrics.requests.labels("rejected").inc()
+                self._child(self.metrics.requests, "rejected").inc()
             raise
         self._calls[req] = call
         self.metrics.accepted.inc()
@@ -244,11 +293,7 @@ class Dispatcher:
             self._wake.clear()
             self._step()
             wake_at = self.scheduler.next_wake()
-            timeout = None if wake_at is None else max(0.0, wake_at - self.clock.now())
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
+            await self._wake.wait(None if wake_at is None else max(0.0, wake_at - self.clock.now()))
 
     def _step(self) -> None:
         """One pass: let the scheduler decide, then start what it dispatched."""
@@ -258,13 +303,12 @@ class Dispatcher:
             self._resolve(req, "expired", exc=Rejected("deadline", "deadline passed while queued"))
         for batch in decided.batches:
             label = str(batch.bin)
-            self.metrics.batches.labels(label, batch.reason).inc()
-            self.metrics.batch_size.labels(label).observe(batch.size)
+            self._child(self.metrics.batches, label, batch.reason).inc()
+            self._child(self.metrics.batch_size, label).observe(batch.size)
         for d in decided.dispatches:
             self._start(d, now)
-        if decided.dispatches:
-            self._publish_inflight()
-        self._publish_queue()
+        if self.core.former.k > self._depth_bins:
+            self._publish_queue()
         if self.scheduler.idle():
             self._idle.set()
 
@@ -303,7 +347,6 @@ class Dispatcher:
                 why = f"dispatch failed: {error}" if error else "the engine call ended without an answer"
                 self._finish(req, "failed", exc=EngineError("internal", None, why))
         if released:
-            self._publish_inflight()
             self._wake.set()
 
     # -- engine calls ----------------------------------------------------------------
@@ -420,7 +463,7 @@ class Dispatcher:
         self, req: Request, outcome: str, *, result: Completion | None = None, exc: BaseException | None = None
     ) -> None:
         """Answer the caller of ``req``, which the scheduler has just ended."""
-        self.metrics.requests.labels(outcome).inc()
+        self._child(self.metrics.requests, outcome).inc()
         call = self._calls.pop(req, None)
         if call is None or call.future.done():
             return
@@ -525,20 +568,26 @@ class Dispatcher:
 
     # -- observability -----------------------------------------------------------------
 
-    def _publish_queue(self) -> None:
-        """Runs on every step: the per-bin gauges are looked up once per bin count
-        (``labels()`` hashes its label values on every call)."""
-        depths = self.core.former.bin_depths()
-        gauges = self._depth_gauges
-        if len(gauges) != len(depths):
-            gauges[:] = [self.metrics.queue_depth.labels(str(i)) for i in range(len(depths))]
-        for gauge, depth in zip(gauges, depths):
-            gauge.set(depth)
-        self.metrics.pending_requests.set(self.pending_requests())
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once: ``labels()`` validates, hashes
+        and takes a lock on every call, several times per request."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
-    def _publish_inflight(self) -> None:
-        self.metrics.inflight_requests.set(self.inflight_requests)
-        self.metrics.inflight_batches.set(self.inflight_batches)
+    def _publish_queue(self) -> None:
+        """A depth gauge per bin, read when /metrics is scraped (a bin a reload
+        removed reads 0).  The step makes the children of new bins only."""
+        k = self.core.former.k
+        for i in range(self._depth_bins, k):
+            self.metrics.queue_depth.labels(str(i)).set_function(lambda i=i: self._bin_depth(i))
+        self._depth_bins = max(self._depth_bins, k)
+
+    def _bin_depth(self, i: int) -> int:
+        depths = self.core.former.bin_depths()
+        return depths[i] if i < len(depths) else 0
 
     def _publish_breaker(self) -> None:
         for state in STATES:

@@ -306,3 +306,47 @@ async def test_batch_size_changes_are_logged_once_per_interval_unless_the_reason
     assert len(info) == 2 and "stale-metrics" in info[-1].getMessage()
     assert "39 more changes" in info[-1].getMessage() and len(debug) == 39
     assert len(d.adjustments) == 32  # Stats still keeps every recent change
+
+
+async def test_gauges_read_the_queue_and_the_engine_as_they_are_when_scraped():
+    """The depth, pending and in-flight gauges are read at scrape time (the loop no
+    longer writes them on every pass): a scrape sees the state of that moment, and
+    a bin a reload removed reads 0 rather than its last depth."""
+    d, client, clock = make(mode="continuous", static=2, k=2, max_wait=10.0)
+    reg = d.metrics.registry
+
+    def value(name: str, **labels: str) -> float | None:
+        return reg.get_sample_value(name, labels)
+
+    for i in range(3):
+        submit(d, i, max_tokens=90)  # bin 1 of 2; two of them form a full batch at once
+    assert [value("binbatch_queue_depth", bin=b) for b in "01"] == [0, 1]
+    assert value("binbatch_pending_requests") == 2 and value("binbatch_inflight_requests") == 0
+    d._step()
+    await settle()
+    assert value("binbatch_inflight_requests") == 2 and value("binbatch_pending_requests") == 0
+    client.answer(0)
+    await settle()
+    assert value("binbatch_inflight_requests") == 1
+    assert value("binbatch_requests_total", outcome="completed") == 1
+    new_d, _, _ = make(mode="continuous", static=2, k=1, max_wait=10.0, clock=clock)
+    d.replace_core(new_d.core, mode="continuous", max_inflight_batches=2, engine_timeout=None)
+    assert value("binbatch_queue_depth", bin="1") == 0  # bin 1 is gone: no stale depth
+    assert value("binbatch_queue_depth", bin="0") == d.core.former.bin_depths()[0] == 1
+
+
+async def test_wakeup_wakes_once_for_several_sets_and_times_out_without_one():
+    from binbatch_sidecar.engine.dispatcher import Wakeup
+
+    w = Wakeup()
+    w.set()
+    w.set()
+    await asyncio.wait_for(w.wait(None), 1)  # already set: returns at once
+    w.clear()
+    waiter = asyncio.ensure_future(w.wait(None))
+    await settle()
+    assert not waiter.done()
+    w.set()
+    await asyncio.wait_for(waiter, 1)
+    w.clear()
+    await asyncio.wait_for(w.wait(0.001), 1)  # the armed timeout ends the wait (a real 1 ms)

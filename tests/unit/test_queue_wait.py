@@ -139,3 +139,26 @@ async def test_overload_is_refused_at_once_when_the_predicted_wait_exceeds_the_d
     assert d.core.former.queued() == 60
     for _, fut in client.calls[40:]:
         fut.cancel()
+
+
+def test_running_sums_equal_a_fresh_pass_over_the_window_after_evictions_and_age_outs():
+    """The windows keep their sums as samples enter, are evicted (the window is
+    full) and age out, so reading the rate and the mean service time costs O(1)
+    per submit; they must equal the plain mean over what the window holds."""
+    import random
+
+    rng = random.Random(7)
+    rate = ServiceRate(window=16, max_age=5.0, min_samples=1)
+    t, last, kept = 0.0, None, []  # kept: (time, service, busy) as the old deques held them
+    for i in range(2000):
+        t += rng.choice((0.0, rng.random() * 0.3, 7.0 if i % 400 == 399 else 0.01))
+        s = rng.random() * 3
+        rate.completed(t, saturated=True, service_seconds=s)
+        kept.append((t, s, None if last is None else max(0.0, t - last)))
+        last = t
+        window = [k for k in kept[-16:] if t - k[0] <= 5.0]
+        services = [k[1] for k in window]
+        assert rate.service_seconds(t) == pytest.approx(sum(services) / len(services), rel=1e-9, abs=1e-9)
+        busy = [k[2] for k in kept[1:][-16:] if t - k[0] <= 5.0]
+        expected = len(busy) / sum(busy) if busy and sum(busy) > 0 else None
+        assert rate.rate(t) == (None if expected is None else pytest.approx(expected, rel=1e-6))

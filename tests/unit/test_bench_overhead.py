@@ -1,0 +1,51 @@
+"""``binbatch bench overhead``'s CPU accounting: each rate window says how much CPU
+the client, the sidecar and the engine spent per request, so a reader can tell
+which process limited the rate (the three share this machine's cores)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from binbatch_sidecar.bench.overhead import cpu_seconds, print_table
+
+
+def _spin(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_cpu_seconds_of_a_process_grow_with_the_cpu_it_uses():
+    own, by_pid = cpu_seconds(), cpu_seconds(os.getpid())
+    assert own is not None and by_pid is not None
+    _spin(0.3)
+    assert cpu_seconds() - own >= 0.25
+    assert cpu_seconds(os.getpid()) - by_pid >= 0.2  # /proc counts in clock ticks
+
+
+def test_cpu_seconds_of_a_process_that_is_gone_is_none():
+    assert cpu_seconds(2**22 + 12345) is None  # above Linux's pid_max limit
+
+
+def test_the_table_shows_each_process_cpu_per_request(capsys):
+    doc = {
+        "added_p50_ms": 0.5, "added_p99_ms": 1.5, "max_requests_per_s": 900.0,
+        "http_added_p50_ms": 0.3, "http_added_p99_ms": 1.0,  # the HTTP door's, where the bench has one
+        "latency_ms": {"direct": {"p50": 0.5, "p99": 1.0}, "sidecar": {"p50": 1.0, "p99": 2.5},
+                       "http": {"p50": 0.8, "p99": 2.0}},
+        "rates": [
+            {"path": "direct", "concurrency": 16, "requests_per_s": 3000.0,
+             "cpu_us_per_request": {"client": 120.0, "sidecar": 2.0, "engine": 140.0}},
+            {"path": "sidecar", "concurrency": 16, "requests_per_s": 900.0,
+             "cpu_us_per_request": {"client": 300.0, "sidecar": 850.0, "engine": None}},
+        ],
+    }  # fmt: skip
+    print_table(doc)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["sidecar", "16", "900", "300", "850", "-"] in rows
+    assert ["direct", "16", "3000", "120", "2", "140"] in rows
