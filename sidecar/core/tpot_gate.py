@@ -12,8 +12,12 @@ and by its TTFT budget (``send_by``): once that passes it is admitted anyway, as
 late tokens beat no tokens.
 
 Unknown means open: without fresh metrics (no source, stale scrapes) or without
-an observation (no token generated since the last scrape: the engine is idle, and
-a request entering an idle engine gets its best TPOT) the gate admits.
+an observation on an idle engine (no token generated since the last scrape and
+nothing running: a request entering an idle engine gets its best TPOT) the gate
+admits.  A fresh sample with requests running but no new token is not idleness:
+the source has not moved yet (a PromQL source polls every half second, Prometheus
+scrapes every 15-30 s and answers the same sample in between), so the last
+observation stands; reading it as "unknown" opened the gate between scrapes.
 
 Pure: the former asks ``admits`` when it hands out a batch, the sidecar calls
 ``observe`` on every metrics snapshot.
@@ -32,10 +36,13 @@ class TpotGate:
     observed: float | None = None  # the engine's recent mean inter-token latency, seconds
     fresh: bool = False
 
-    def observe(self, tpot_seconds: float | None, fresh: bool) -> None:
-        """A metrics snapshot: its recent inter-token latency and whether it is fresh."""
-        self.observed = tpot_seconds
+    def observe(self, tpot_seconds: float | None, fresh: bool, running: int | None = None) -> None:
+        """A metrics snapshot: its recent inter-token latency, whether it is fresh, and
+        how many requests the engine runs (None: not reported)."""
         self.fresh = fresh
+        if fresh and tpot_seconds is None and running:
+            return  # the same sample again (see the module doc): keep the last observation
+        self.observed = tpot_seconds
 
     def applies(self, slo: float | None) -> bool:
         """Does a request with TPOT SLO ``slo`` (seconds, None: none) need the gate?"""

@@ -206,7 +206,8 @@ class Sidecar:
         self._update_smdp()
         gate = self.dispatcher.core.former.gate
         if gate is not None:  # before on_snapshot, whose wake lets held requests go
-            gate.observe(snapshot.tpot_seconds if snapshot else None, fresh=snapshot is not None and snapshot.fresh)
+            gate.observe(snapshot.tpot_seconds if snapshot else None, fresh=snapshot is not None and snapshot.fresh,
+                         running=snapshot.running if snapshot else None)  # fmt: skip
         self.dispatcher.on_snapshot(snapshot)
 
     def _choose_bin_count(self, snapshot) -> None:

@@ -42,6 +42,22 @@ def test_unknown_engine_tpot_admits():
     assert gate.admits(0.010, now=0.0)  # stale metrics
     gate.observe(None, fresh=True)
     assert gate.admits(0.010, now=0.0)  # no token since the last scrape: the engine is idle
+    gate.observe(None, fresh=True, running=0)
+    assert gate.admits(0.010, now=0.0)  # idle, and says so
+
+
+def test_an_unchanged_sample_with_requests_running_keeps_the_last_tpot():
+    """A PromQL source answers the same Prometheus sample between scrapes (15-30 s):
+    no new token is counted while requests run.  That is no news, not an idle engine,
+    so the gate stays shut on the last observation instead of opening until the next scrape."""
+    gate = TpotGate(policy_tpot=None)
+    gate.observe(0.080, fresh=True, running=12)
+    assert not gate.admits(0.010, now=0.0)
+    gate.observe(None, fresh=True, running=12)
+    assert not gate.admits(0.010, now=0.0)
+    assert gate.admits(0.100, now=0.0)  # a looser SLO than what was observed still goes
+    gate.observe(None, fresh=False, running=12)
+    assert gate.admits(0.010, now=0.0)  # stale metrics: unknown, open
 
 
 def test_spent_ttft_budget_admits_a_held_request():
