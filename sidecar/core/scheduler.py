@@ -35,6 +35,7 @@ from .breaker import EngineBreaker
 from .clock import Clock
 from .former import Batch, BatchFormer, QueueFull
 from .inflight import InflightLedger, Slot
+from .kv_plan import KvPlan
 from .predictor import AccuracyTracker, LengthPredictor
 from .queue_wait import ServiceRate, refusal
 from .request import Request
@@ -70,6 +71,7 @@ class Core:
     sizer: BatchSizer
     accuracy: AccuracyTracker = field(default_factory=AccuracyTracker)
     admission: AdmissionOrder = field(default_factory=AdmissionOrder)  # continuous mode: who goes in next
+    kv_plan: KvPlan | None = None  # continuous mode: admit only what the KV cache holds to the end (kv_plan.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +275,7 @@ class Scheduler:
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
             if self.engine_cap is not None:
                 limit = min(limit, self.engine_cap)
-            if self.inflight_requests >= limit:
+            if self.inflight_requests >= limit or not self._kv_fits(req, now):
                 return
             pending.pop(now)
             if req.expired(now):
@@ -281,6 +283,21 @@ class Scheduler:
                     out.expired.append(req)
                 continue
             out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now), batch, (req,)))
+
+    def _kv_fits(self, req: Request, now: float) -> bool:
+        """Does the engine's KV cache hold ``req`` and every request in flight until
+        each finishes (``core.kv_plan``; no plan: yes)?  The head of the queue waits
+        when it does not: a later, smaller one is not sent past it."""
+        plan = self.core.kv_plan
+        if plan is None or plan.budget is None:
+            return True
+        inflight = [
+            plan.held(r.prompt_tokens, _expected(r), now - slot.acquired_at)
+            for slot in self.ledger.held()
+            for r in slot.requests
+            if r in self._open
+        ]
+        return plan.fits(inflight, (req.prompt_tokens + plan.block, _expected(req)))
 
     def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than
@@ -391,6 +408,10 @@ class Scheduler:
         decision = core.sizer.update(snapshot, core.binner.k, observed_batch=observed)
         core.former.set_target_sizes(decision.sizes)
         self.last_decision = decision
+        if core.kv_plan is not None and snapshot is not None and snapshot.fresh:
+            core.kv_plan.on_snapshot(
+                snapshot.kv_capacity_tokens, snapshot.kv_block_tokens, snapshot.tpot_seconds, snapshot.preemptions_delta
+            )
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
             self.engine_cap = engine_cap(
                 snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio
@@ -453,6 +474,12 @@ class Scheduler:
     def held(self) -> list[Slot]:
         """Slots of engine calls not yet ended."""
         return self.ledger.held()
+
+
+def _expected(req: Request) -> float:
+    """The output tokens ``req`` is expected to generate: its prediction, within its max_tokens."""
+    predicted = req.predicted_tokens if req.predicted_tokens is not None else float(req.max_tokens or 1)
+    return min(predicted, float(req.max_tokens)) if req.max_tokens else predicted
 
 
 def fmt(values) -> str:
