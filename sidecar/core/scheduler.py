@@ -138,6 +138,7 @@ class Scheduler:
         # continuous: taken from the former, not yet admitted, in the admission order
         self._pending: AdmissionQueue[Batch] = AdmissionQueue(core.admission)
         self.engine_cap: int | None = None  # continuous, core.admission.follow_engine: see admission.engine_cap
+        self._engine_counts: tuple[int, int] | None = None  # the engine's (running, waiting) at the last fresh scrape
         self._binner_version = core.binner.version
         core.former.set_partial_waits_for_server(mode == "gang")
 
@@ -414,10 +415,14 @@ class Scheduler:
             )
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
             self.engine_cap = engine_cap(
-                snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio
-            )
+                snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio,
+                self._engine_counts,
+            )  # fmt: skip
+            counts = (snapshot.running, snapshot.waiting)
+            self._engine_counts = None if counts[0] is None or counts[1] is None else (counts[0], counts[1])
         else:
             self.engine_cap = None
+            self._engine_counts = None
         if decision.sizes != old:
             reason = f"{decision.reason}: {decision.detail}"
             changes.append(Change("batchSize", fmt(old), fmt(decision.sizes), reason, decision.reason))
