@@ -20,8 +20,11 @@ generated so far, which it estimates from the time since the request went in
 and the engine's recent time per step (the bench's KV-pressure burst: 1 preemption
 where direct has 72, in simulation); with
 predicted lengths the engine's own preemption counter tightens the plan
-(``KvPlan.on_preemptions``).  Block rounding is covered by counting every
-sequence at a whole block more.
+(``KvPlan.on_snapshot``).  Block rounding is covered by counting every sequence
+at half a block more, the mean of what rounding up to whole blocks adds (a whole
+block each, the worst case, held the bench's KV-pressure burst to about half of
+direct's throughput; the rare sum past the mean is what the preemption feedback
+is for).
 
 Pure: no I/O, no clock.
 """
@@ -93,7 +96,12 @@ class KvPlan:
         done = 0.0
         if self.step_seconds and elapsed > 0:  # one step less: it may have started a step late
             done = min(max(math.floor(elapsed / self.step_seconds) - 1, 0), max(predicted - 1.0, 0.0))
-        return prompt + done + self.block, max(predicted - done, 1.0)
+        return prompt + done + self.margin, max(predicted - done, 1.0)
+
+    @property
+    def margin(self) -> float:
+        """Tokens a sequence holds beyond its own by block rounding, on average."""
+        return self.block / 2
 
     def fits(self, inflight: Iterable[tuple[float, float]], new: tuple[float, float]) -> bool:
         """Would the cache hold ``inflight`` and ``new`` ((held, left) each) to the end?"""

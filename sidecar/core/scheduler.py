@@ -299,7 +299,7 @@ class Scheduler:
             for r in slot.requests
             if r in self._open
         ]
-        return plan.fits(inflight, (req.prompt_tokens + plan.block, _expected(req)))
+        return plan.fits(inflight, (req.prompt_tokens + plan.margin, _expected(req)))
 
     def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than

@@ -67,8 +67,8 @@ def test_the_engines_preemptions_tighten_the_plan_and_clean_scrapes_relax_it():
 
 def test_held_counts_the_tokens_generated_since_it_was_sent():
     plan = KvPlan(capacity=1000, block=16, step_seconds=0.01)
-    assert plan.held(20, 50, 0.2) == (20 + 19 + 16, 31)  # 20 steps' time, one counted as late; a block of rounding
-    assert plan.held(20, 50, 10.0) == (20 + 49 + 16, 1)  # past its prediction: one more token, never less
+    assert plan.held(20, 50, 0.2) == (20 + 19 + 8, 31)  # 20 steps' time, one counted as late; half a block of rounding
+    assert plan.held(20, 50, 10.0) == (20 + 49 + 8, 1)  # past its prediction: one more token, never less
 
 
 def _scheduler(plan: KvPlan | None) -> tuple[Scheduler, ManualClock]:
