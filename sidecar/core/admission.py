@@ -70,7 +70,6 @@ def engine_cap(
     previous: int | None,
     kv_usage: float | None = None,
     before: tuple[int, int] | None = None,
-    ceiling: int | None = None,
 ) -> int | None:
     """How many requests to keep in the engine so its own (FCFS) queue stays empty
     and the queue forms here, where it is ordered (issue 11, win 1's condition).
@@ -80,8 +79,7 @@ def engine_cap(
     runs all it can hold, so the cap is what it runs (never below 1).  So it is
     too when it queued at the scrape before (``before``: its (running, waiting)
     then) and runs no more now: a sequence limit (vLLM's ``--max-num-seqs``), not
-    the KV cache, holds it, and a queue there would be served FCFS; that count is
-    its sequence limit, ``ceiling``, above which the cap never grows.  While it
+    the KV cache, holds it, and a queue there would be served FCFS.  While it
     queues none it has room: with no cap yet there is none (an idle engine says
     nothing about what it can hold, and a burst must not wait for the cap to grow);
     with a cap, it grows above what the engine runs, what we have in flight and
@@ -98,20 +96,7 @@ def engine_cap(
     if previous is None or running + inflight == 0:
         return None
     base = max(running, inflight, previous)
-    grown = base + max(2, base // 4)
-    return grown if ceiling is None else max(min(grown, ceiling), running)
-
-
-def sequence_limit(
-    running: int | None, waiting: int | None, kv_usage: float | None, before: tuple[int, int] | None
-) -> int | None:
-    """The engine's sequence limit, if this scrape shows it (see ``engine_cap``):
-    queued now and at the scrape before, no more running, KV to spare."""
-    if running is None or waiting is None or before is None or kv_usage is None:
-        return None
-    if waiting > 0 and before[1] > 0 and running <= before[0] and kv_usage < FULL_KV_USAGE:
-        return max(1, running)
-    return None
+    return base + max(2, base // 4)
 
 
 class _Entry(Generic[T]):

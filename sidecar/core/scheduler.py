@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from .admission import AdmissionOrder, AdmissionQueue, engine_cap, sequence_limit
+from .admission import AdmissionOrder, AdmissionQueue, engine_cap
 from .binner import AdaptiveBinner, Binner, n_max_from_memory
 from .breaker import EngineBreaker
 from .clock import Clock
@@ -139,7 +139,6 @@ class Scheduler:
         self._pending: AdmissionQueue[Batch] = AdmissionQueue(core.admission)
         self.engine_cap: int | None = None  # continuous, core.admission.follow_engine: see admission.engine_cap
         self._engine_counts: tuple[int, int] | None = None  # the engine's (running, waiting) at the last fresh scrape
-        self._seq_limit: int | None = None  # the engine's sequence limit, once a scrape showed it (sequence_limit)
         self._binner_version = core.binner.version
         core.former.set_partial_waits_for_server(mode == "gang")
 
@@ -415,19 +414,15 @@ class Scheduler:
                 snapshot.kv_capacity_tokens, snapshot.kv_block_tokens, snapshot.tpot_seconds, snapshot.preemptions_delta
             )
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
-            limit = sequence_limit(snapshot.running, snapshot.waiting, snapshot.kv_usage_ratio, self._engine_counts)
-            if limit is not None:
-                self._seq_limit = max(limit, self._seq_limit or 0)
             self.engine_cap = engine_cap(
                 snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio,
-                self._engine_counts, self._seq_limit,
+                self._engine_counts,
             )  # fmt: skip
             counts = (snapshot.running, snapshot.waiting)
             self._engine_counts = None if counts[0] is None or counts[1] is None else (counts[0], counts[1])
         else:
             self.engine_cap = None
             self._engine_counts = None
-            self._seq_limit = None
         if decision.sizes != old:
             reason = f"{decision.reason}: {decision.detail}"
             changes.append(Change("batchSize", fmt(old), fmt(decision.sizes), reason, decision.reason))

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from binbatch_sidecar.core.admission import AdmissionOrder, AdmissionQueue, engine_cap, sequence_limit
+from binbatch_sidecar.core.admission import AdmissionOrder, AdmissionQueue, engine_cap
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
@@ -231,16 +231,3 @@ def test_an_engine_held_by_its_sequence_limit_with_kv_to_spare_is_capped_at_what
     assert s.engine_cap == 8  # still queued, no more running: it is full
     # a burst the engine is taking in: it runs more than at the scrape before, so it is not full
     assert engine_cap(running=20, waiting=5, inflight=25, previous=None, kv_usage=0.2, before=(8, 12)) is None
-
-
-def test_once_the_engine_showed_its_sequence_limit_the_cap_never_grows_past_it():
-    s, clock = make(AdmissionOrder("shortest_first", follow_engine=True), slots=100, k=1)
-    full = EngineSnapshot(kv_capacity_tokens=None, kv_usage_ratio=0.1, running=8, waiting=4, fresh=True)
-    s.on_snapshot(full, 0.0)
-    s.on_snapshot(full, 0.2)
-    assert s.engine_cap == 8
-    for t in (0.4, 0.6, 0.8):  # the queue is here now: the engine queues nothing, runs its 8
-        room = EngineSnapshot(kv_capacity_tokens=None, kv_usage_ratio=0.1, running=8, waiting=0, fresh=True)
-        s.on_snapshot(room, t)
-        assert s.engine_cap == 8  # without the limit it grew by a quarter each scrape, into the engine's FCFS queue
-    assert sequence_limit(running=8, waiting=4, kv_usage=0.9, before=(8, 4)) is None  # KV full: that is not the limit
