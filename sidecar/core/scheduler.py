@@ -410,8 +410,12 @@ class Scheduler:
         core.former.set_target_sizes(decision.sizes)
         self.last_decision = decision
         if core.kv_plan is not None and snapshot is not None and snapshot.fresh:
+            # preemptions while none of ours was in the engine are another client's: not the plan's to answer
+            preempted = snapshot.preemptions_delta
+            if preempted and observed is None:
+                preempted = 0.0
             core.kv_plan.on_snapshot(
-                snapshot.kv_capacity_tokens, snapshot.kv_block_tokens, snapshot.tpot_seconds, snapshot.preemptions_delta
+                snapshot.kv_capacity_tokens, snapshot.kv_block_tokens, snapshot.tpot_seconds, preempted
             )
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
             self.engine_cap = engine_cap(

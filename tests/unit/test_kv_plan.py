@@ -140,3 +140,18 @@ def test_memory_admission_projected_builds_a_plan_and_turns_off_b_mem():
     assert build_core(parse_config({}), ManualClock()).kv_plan is None  # default: BatchSize (b_mem)
     gang = parse_config({"memory": {"admission": "Projected"}, "batch": {"mode": "Gang"}})
     assert build_core(gang, ManualClock()).kv_plan is None  # a gang batch is not admitted per request
+
+
+def test_preemptions_while_none_of_ours_is_in_the_engine_do_not_tighten_the_plan():
+    """The bench runs direct traffic on the same engine just before: its 70
+    preemptions halved the plan's budget before the sidecar sent a request."""
+    s, _ = _scheduler(KvPlan())
+    plan = s.core.kv_plan
+    assert plan is not None
+    for t in (0.2, 0.4, 0.6):
+        s.on_snapshot(EngineSnapshot(kv_capacity_tokens=768, preemptions_delta=5.0, fresh=True), t)
+    assert plan.headroom == 1.0
+    s.submit(Request(id="r", arrival=0.6, prompt_tokens=10, max_tokens=80, hint_tokens=80))
+    assert len(s.step(0.6).dispatches) == 1
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=768, preemptions_delta=5.0, fresh=True), 0.8)
+    assert plan.headroom == pytest.approx(0.9)  # ours was in the engine: the plan answers for it
