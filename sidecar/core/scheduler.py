@@ -26,7 +26,7 @@ first time (the driver resolves its caller then), and ``totals`` counts outcomes
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from .admission import AdmissionOrder, AdmissionQueue, engine_cap
@@ -406,6 +406,9 @@ class Scheduler:
             changes.append(Change("binBoundaries", "", fmt(core.binner.boundaries), why, REBALANCE_REASON))
         core.former.poll()  # re-bins the queue if the binner moved, before sizes are set
         old = list(core.former.target_sizes)
+        if observed is None and snapshot is not None and snapshot.tpot_seconds is not None:
+            # none of ours was in the engine: its TPOT is another client's batch, no evidence for b_sla
+            snapshot = replace(snapshot, tpot_seconds=None)
         decision = core.sizer.update(snapshot, core.binner.k, observed_batch=observed)
         core.former.set_target_sizes(decision.sizes)
         self.last_decision = decision

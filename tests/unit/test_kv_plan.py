@@ -155,3 +155,20 @@ def test_preemptions_while_none_of_ours_is_in_the_engine_do_not_tighten_the_plan
     assert len(s.step(0.6).dispatches) == 1
     s.on_snapshot(EngineSnapshot(kv_capacity_tokens=768, preemptions_delta=5.0, fresh=True), 0.8)
     assert plan.headroom == pytest.approx(0.9)  # ours was in the engine: the plan answers for it
+
+
+def test_a_slow_tpot_while_none_of_ours_is_in_the_engine_does_not_shrink_b_sla():
+    """Another client's batch (the bench's direct run) set that TPOT: shrinking on
+    it started every sidecar run at a small B_t."""
+    clock = ManualClock()
+    binner = FixedBinner(())
+    former = BatchFormer(binner, clock, target_size=32, max_wait=0.0, max_queue=1000)
+    sizer = BatchSizer(mode="sla", static_size=32, max_size=256, d_sla=0.020)
+    s = Scheduler(Core(HintPredictor(), binner, former, sizer), clock, mode="continuous")
+    for t in (0.2, 0.4, 0.6, 0.8):
+        decision, _ = s.on_snapshot(EngineSnapshot(tpot_seconds=0.100, fresh=True), t)
+    assert decision.sizes == [32]
+    s.submit(Request(id="r", arrival=0.8, prompt_tokens=10, max_tokens=80, hint_tokens=80))
+    assert len(s.step(0.8).dispatches) == 1
+    decision, _ = s.on_snapshot(EngineSnapshot(tpot_seconds=0.100, fresh=True), 1.0)
+    assert decision.sizes[0] < 32  # ours was in the engine: too slow, shrink
