@@ -22,7 +22,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
                 maxQueuedRequests, dispatch: MaxWait|Smdp, smdpEngineWeight, order: Fifo|ShortestFirst,
                 agingTokensPerSecond, maxQueueWaitMilliseconds, followEngineQueue}
-    memory:    {overflowPerMille, kvReservePercent, kvSaturationPercent}
+    memory:    {admission: BatchSize|Projected, overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
     predictor: {kind: Hint|Online, defaultOutputTokens}
     metrics:   {source: Scrape|PromQL|None, url, intervalMilliseconds,
@@ -70,6 +70,7 @@ Sizing = Literal["Static", "Memory", "Sla", "Combined"]
 # (core/smdp_policy.py); gang mode only.
 Dispatch = Literal["MaxWait", "Smdp"]
 AdmissionOrderName = Literal["Fifo", "ShortestFirst"]
+MemoryAdmission = Literal["BatchSize", "Projected"]
 PredictorKind = Literal["Hint", "Online"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
@@ -200,6 +201,7 @@ class BatchConfig(_Section):
 
 
 class MemoryConfig(_Section):
+    admission: MemoryAdmission = Field("BatchSize", description="How the KV cache bounds admission (sizing Memory or Combined). BatchSize: a batch size from the observed length distribution and overflowPerMille. Projected (Continuous mode): each request enters only if the cache, less kvReservePercent, holds it and every request in flight until each finishes, from their prompt and predicted output lengths; the engine's preemptions tighten it. Exact with hints: no preemption.")  # fmt: skip
     overflow_per_mille: int = Field(10, ge=1, le=999, description="Accepted probability that a batch overflows the KV cache, per mille (10 means 1%).")  # fmt: skip
     kv_reserve_percent: int = Field(0, ge=0, le=90, description="Share of the KV cache kept out of the memory bound, in percent.")  # fmt: skip
     kv_saturation_percent: int = Field(95, ge=1, le=100, description="KV-cache usage at or above which no bin grows, in percent.")  # fmt: skip

@@ -160,14 +160,16 @@ def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
     # ShortestFirst with followEngineQueue: the queue forms here, ordered (the config defaults, spelled out)
     cont = {"mode": "Continuous", "sizing": "Combined", "maxWaitMilliseconds": 0, "order": "ShortestFirst",
             "followEngineQueue": True}  # fmt: skip
+    # memory: each request enters only if the KV cache holds it to its end (kv_plan.py): no preemption with hints
+    memory = {"admission": "Projected"}
     gang = {"mode": "Gang", "sizing": "Static", "staticSize": cfg.gang_batch, "maxWaitMilliseconds": 200,
             "maxInflightBatches": 1}  # fmt: skip
     gang_bins = {"mode": "Fixed", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}
     return {
         "kv-hint": ("kv", {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max},
-                           "batch": cont, "latency": slo}),  # fmt: skip
+                           "batch": cont, "memory": memory, "latency": slo}),  # fmt: skip
         "kv-online": ("kv", {"predictor": {"kind": "Online"}, "bins": {"count": 4, "maxOutputTokens": chat_max},
-                             "batch": cont, "latency": slo}),  # fmt: skip
+                             "batch": cont, "memory": memory, "latency": slo}),  # fmt: skip
         "ample-free": ("ample", {"predictor": {"kind": "Hint"},
                                  "bins": {"count": 4, "maxOutputTokens": workloads.longest("short", cfg.scale)},
                                  "batch": cont}),  # fmt: skip

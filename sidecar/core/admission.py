@@ -64,14 +64,22 @@ FULL_KV_USAGE = 0.8
 
 
 def engine_cap(
-    running: int | None, waiting: int | None, inflight: int, previous: int | None, kv_usage: float | None = None
+    running: int | None,
+    waiting: int | None,
+    inflight: int,
+    previous: int | None,
+    kv_usage: float | None = None,
+    before: tuple[int, int] | None = None,
 ) -> int | None:
     """How many requests to keep in the engine so its own (FCFS) queue stays empty
     and the queue forms here, where it is ordered (issue 11, win 1's condition).
 
     From one metrics scrape: while the engine queues requests (``waiting`` > 0)
     with its KV cache full (``kv_usage`` ≥ ``FULL_KV_USAGE``, or not reported) it
-    runs all it can hold, so the cap is what it runs (never below 1).  While it
+    runs all it can hold, so the cap is what it runs (never below 1).  So it is
+    too when it queued at the scrape before (``before``: its (running, waiting)
+    then) and runs no more now: a sequence limit (vLLM's ``--max-num-seqs``), not
+    the KV cache, holds it, and a queue there would be served FCFS.  While it
     queues none it has room: with no cap yet there is none (an idle engine says
     nothing about what it can hold, and a burst must not wait for the cap to grow);
     with a cap, it grows above what the engine runs, what we have in flight and
@@ -82,7 +90,8 @@ def engine_cap(
     """
     if running is None or waiting is None:
         return None
-    if waiting > 0 and (kv_usage is None or kv_usage >= FULL_KV_USAGE):
+    stuck = before is not None and before[1] > 0 and running <= before[0]
+    if waiting > 0 and (kv_usage is None or kv_usage >= FULL_KV_USAGE or stuck):
         return max(1, running)
     if previous is None or running + inflight == 0:
         return None

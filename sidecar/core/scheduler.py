@@ -26,7 +26,7 @@ first time (the driver resolves its caller then), and ``totals`` counts outcomes
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from .admission import AdmissionOrder, AdmissionQueue, engine_cap
@@ -35,6 +35,7 @@ from .breaker import EngineBreaker
 from .clock import Clock
 from .former import Batch, BatchFormer, QueueFull
 from .inflight import InflightLedger, Slot
+from .kv_plan import KvPlan
 from .predictor import AccuracyTracker, LengthPredictor
 from .queue_wait import ServiceRate, refusal
 from .request import Request
@@ -70,6 +71,7 @@ class Core:
     sizer: BatchSizer
     accuracy: AccuracyTracker = field(default_factory=AccuracyTracker)
     admission: AdmissionOrder = field(default_factory=AdmissionOrder)  # continuous mode: who goes in next
+    kv_plan: KvPlan | None = None  # continuous mode: admit only what the KV cache holds to the end (kv_plan.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,7 @@ class Scheduler:
         # continuous: taken from the former, not yet admitted, in the admission order
         self._pending: AdmissionQueue[Batch] = AdmissionQueue(core.admission)
         self.engine_cap: int | None = None  # continuous, core.admission.follow_engine: see admission.engine_cap
+        self._engine_counts: tuple[int, int] | None = None  # the engine's (running, waiting) at the last fresh scrape
         self._binner_version = core.binner.version
         core.former.set_partial_waits_for_server(mode == "gang")
 
@@ -273,7 +276,7 @@ class Scheduler:
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
             if self.engine_cap is not None:
                 limit = min(limit, self.engine_cap)
-            if self.inflight_requests >= limit:
+            if self.inflight_requests >= limit or not self._kv_fits(req, now):
                 return
             pending.pop(now)
             if req.expired(now):
@@ -281,6 +284,21 @@ class Scheduler:
                     out.expired.append(req)
                 continue
             out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now), batch, (req,)))
+
+    def _kv_fits(self, req: Request, now: float) -> bool:
+        """Does the engine's KV cache hold ``req`` and every request in flight until
+        each finishes (``core.kv_plan``; no plan: yes)?  The head of the queue waits
+        when it does not: a later, smaller one is not sent past it."""
+        plan = self.core.kv_plan
+        if plan is None or plan.budget is None:
+            return True
+        inflight = [
+            plan.held(r.prompt_tokens, _expected(r), now - slot.acquired_at)
+            for slot in self.ledger.held()
+            for r in slot.requests
+            if r in self._open
+        ]
+        return plan.fits(inflight, (req.prompt_tokens + plan.margin, _expected(req)))
 
     def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than
@@ -388,15 +406,30 @@ class Scheduler:
             changes.append(Change("binBoundaries", "", fmt(core.binner.boundaries), why, REBALANCE_REASON))
         core.former.poll()  # re-bins the queue if the binner moved, before sizes are set
         old = list(core.former.target_sizes)
+        if observed is None and snapshot is not None and snapshot.tpot_seconds is not None:
+            # none of ours was in the engine: its TPOT is another client's batch, no evidence for b_sla
+            snapshot = replace(snapshot, tpot_seconds=None)
         decision = core.sizer.update(snapshot, core.binner.k, observed_batch=observed)
         core.former.set_target_sizes(decision.sizes)
         self.last_decision = decision
+        if core.kv_plan is not None and snapshot is not None and snapshot.fresh:
+            # preemptions while none of ours was in the engine are another client's: not the plan's to answer
+            preempted = snapshot.preemptions_delta
+            if preempted and observed is None:
+                preempted = 0.0
+            core.kv_plan.on_snapshot(
+                snapshot.kv_capacity_tokens, snapshot.kv_block_tokens, snapshot.tpot_seconds, preempted
+            )
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
             self.engine_cap = engine_cap(
-                snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio
-            )
+                snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio,
+                self._engine_counts,
+            )  # fmt: skip
+            counts = (snapshot.running, snapshot.waiting)
+            self._engine_counts = None if counts[0] is None or counts[1] is None else (counts[0], counts[1])
         else:
             self.engine_cap = None
+            self._engine_counts = None
         if decision.sizes != old:
             reason = f"{decision.reason}: {decision.detail}"
             changes.append(Change("batchSize", fmt(old), fmt(decision.sizes), reason, decision.reason))
@@ -453,6 +486,12 @@ class Scheduler:
     def held(self) -> list[Slot]:
         """Slots of engine calls not yet ended."""
         return self.ledger.held()
+
+
+def _expected(req: Request) -> float:
+    """The output tokens ``req`` is expected to generate: its prediction, within its max_tokens."""
+    predicted = req.predicted_tokens if req.predicted_tokens is not None else float(req.max_tokens or 1)
+    return min(predicted, float(req.max_tokens)) if req.max_tokens else predicted
 
 
 def fmt(values) -> str:

@@ -40,6 +40,7 @@ REASONS = (
     "warming-up",  # too few length samples: the static size (max_size while the KV cache has room) stands in for b_mem
     "no-kv-capacity",  # the engine did not report η: as "warming-up"
     "memory",  # b_mem is the binding bound
+    "kv-plan",  # memory is admitted per request (kv_plan.py), no batch-size bound; b_sla (if any) does not bind
     "sla",  # b_sla is the binding bound
 )
 # What Stats.sizer_reason reports before the sizer's first update.
@@ -244,6 +245,7 @@ class EngineSnapshot:
     """What one metrics scrape tells the sizer (None = the engine did not say)."""
 
     kv_capacity_tokens: float | None = None  # η = num_gpu_blocks × block_size
+    kv_block_tokens: int | None = None  # block_size: tokens per KV block
     kv_usage_ratio: float | None = None  # 0..1
     running: int | None = None  # requests in the engine's batch now
     waiting: int | None = None  # requests queued inside the engine
@@ -293,7 +295,9 @@ class BatchSizer:
        cap a burst the engine could take whole (issue 11 "free when there is
        nothing to win");
        b_sla (modes sla/combined, needs ``d_sla``) is one value for the engine;
-       size = ``combine(b_mem, b_sla)``.  If the KV usage is at or above
+       size = ``combine(b_mem, b_sla)``.  With ``kv_plan`` there is no b_mem
+       ("kv-plan"): the scheduler admits each request on its projected KV use
+       (``kv_plan.py``) instead.  If the KV usage is at or above
        ``kv_saturation`` no bin grows past its previous size ("kv-saturated": the
        length model underestimates; let the engine drain).
 
@@ -320,6 +324,7 @@ class BatchSizer:
         delta: int = 2,
         min_samples: int = 32,
         half_life: float = 256.0,
+        kv_plan: bool = False,
     ) -> None:
         _check("mode", mode, mode in MODES, f"one of {MODES}")
         _check("min_size", min_size, min_size >= 1, ">= 1")
@@ -336,6 +341,7 @@ class BatchSizer:
         self.static_size, self.min_size, self.max_size = static_size, min_size, max_size
         self.eps_m, self.kv_reserve_ratio, self.kv_saturation = eps_m, kv_reserve_ratio, kv_saturation
         self.min_samples, self.half_life = min_samples, half_life
+        self.kv_plan = kv_plan  # memory is the per-request KV plan's (scheduler), not b_mem's
         self.sla: SlaSizer | None = None
         if d_sla is not None:
             self.sla = SlaSizer(
@@ -405,12 +411,14 @@ class BatchSizer:
         labels: set[str] = set()
         for mem in mem_bounds:
             sizes.append(combine(mem, b_sla, self.min_size, self.max_size))
-            if mem is not None and (b_sla is None or mem <= b_sla):
+            if (mem is not None and (b_sla is None or mem <= b_sla)) or (mem is None and b_sla is None):
                 labels.add(mem_label)
             else:
                 labels.add("sla")
         reason = "+".join(r for r in REASONS if r in labels)
         detail = f"{mem_label}: b_mem={mems}" if self.mode in ("memory", "combined") else "memory term off"
+        if mem_label == "kv-plan":
+            detail = "kv-plan: each request is admitted only if the KV cache holds it to the end"
         if mem_label in ("warming-up", "no-kv-capacity"):
             standin = self._standin(snap)
             room = " (the engine has room: KV usage under saturation, no preemptions)"
@@ -464,6 +472,8 @@ class BatchSizer:
         none: list[int | None] = [None] * k
         if self.mode not in ("memory", "combined"):
             return "memory", none, none
+        if self.kv_plan:
+            return "kv-plan", none, none
         eta = snap.kv_capacity_tokens
         if eta is None or eta <= 0:
             return "no-kv-capacity", none, [self._standin(snap)] * k

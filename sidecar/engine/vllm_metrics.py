@@ -206,6 +206,7 @@ def snapshot(current: EngineMetrics, previous: EngineMetrics | None, fresh: bool
     return EngineSnapshot(
         preemptions_delta=preempted,
         kv_capacity_tokens=current.kv_capacity_tokens,
+        kv_block_tokens=current.block_size,
         kv_usage_ratio=current.kv_usage,
         running=None if current.running is None else int(current.running),
         waiting=None if current.waiting is None else int(current.waiting),

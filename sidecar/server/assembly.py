@@ -13,6 +13,7 @@ from ..core.autok import BinCountController
 from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock
 from ..core.former import BatchFormer
+from ..core.kv_plan import KvPlan
 from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
 from ..core.sizer import BatchSizer
 from ..core.smdp_policy import SmdpCache, SmdpDispatch, SmdpParams
@@ -61,6 +62,7 @@ def build_core(
         kv_saturation=cfg.kv_saturation,
         d_sla=cfg.tpot_seconds,
         eps_d=None if cfg.tpot_seconds is None else cfg.tpot_seconds * cfg.eps_d,
+        kv_plan=projected_kv(cfg),
     )
     binner = build_binner(cfg, k)
     former = BatchFormer(
@@ -72,7 +74,15 @@ def build_core(
     if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
         learned.fallback = predictor.fallback
         predictor = learned
-    return Core(predictor=predictor, binner=binner, former=former, sizer=sizer, admission=build_admission(cfg))
+    plan = KvPlan(reserve=cfg.kv_reserve_ratio) if projected_kv(cfg) else None
+    return Core(predictor=predictor, binner=binner, former=former, sizer=sizer, admission=build_admission(cfg),
+                kv_plan=plan)  # fmt: skip
+
+
+def projected_kv(cfg: SidecarConfig) -> bool:
+    """``memory.admission: Projected`` applies: continuous mode with a memory-aware sizing."""
+    b = cfg.batch
+    return cfg.memory.admission == "Projected" and b.mode == "Continuous" and b.sizing in ("Memory", "Combined")
 
 
 def build_admission(cfg: SidecarConfig) -> AdmissionOrder:

@@ -283,8 +283,9 @@ def engine_snapshot(engine: ContinuousEngine) -> EngineSnapshot:
     """What the engine model's ``/metrics`` would tell the sizer now."""
     tpot, preempted = engine.snapshot_deltas()
     return EngineSnapshot(
-        kv_capacity_tokens=float(engine.kv_tokens), kv_usage_ratio=engine.kv_usage(), running=len(engine.running),
-        waiting=len(engine.waiting), tpot_seconds=tpot, preemptions_delta=float(preempted), fresh=True,
+        kv_capacity_tokens=float(engine.kv_tokens), kv_block_tokens=1, kv_usage_ratio=engine.kv_usage(),
+        running=len(engine.running), waiting=len(engine.waiting), tpot_seconds=tpot,
+        preemptions_delta=float(preempted), fresh=True,
     )  # fmt: skip
 
 

@@ -217,3 +217,17 @@ def test_without_follow_engine_the_engine_counts_do_not_cap_admission():
     for i in range(5):
         s.submit(req(f"r{i}", clock, 10))
     assert s.engine_cap is None and len(s.step(clock.now()).dispatches) == 5
+
+
+def test_an_engine_held_by_its_sequence_limit_with_kv_to_spare_is_capped_at_what_it_runs():
+    """vLLM's --max-num-seqs, not the KV cache, holds it: it queues at two scrapes in
+    a row, runs no more, KV mostly free.  Requests sent on would wait in its FCFS
+    queue, so the cap holds them here, where shortest-first orders them."""
+    s, clock = make(AdmissionOrder("shortest_first", follow_engine=True), slots=100, k=1)
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=None, kv_usage_ratio=0.1, running=8, waiting=0, fresh=True), 0.0)
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=None, kv_usage_ratio=0.1, running=8, waiting=4, fresh=True), 0.2)
+    assert s.engine_cap is None  # one scrape with a queue and free KV: maybe a burst since its last step
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=None, kv_usage_ratio=0.1, running=8, waiting=4, fresh=True), 0.4)
+    assert s.engine_cap == 8  # still queued, no more running: it is full
+    # a burst the engine is taking in: it runs more than at the scrape before, so it is not full
+    assert engine_cap(running=20, waiting=5, inflight=25, previous=None, kv_usage=0.2, before=(8, 12)) is None

@@ -52,6 +52,7 @@ batch:
   maxQueueWaitMilliseconds: 30000
   followEngineQueue: false
 memory:
+  admission: Projected
   overflowPerMille: 5
   kvReservePercent: 10
   kvSaturationPercent: 90

@@ -17,6 +17,7 @@ import pytest
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
+from binbatch_sidecar.core.kv_plan import KvPlan
 from binbatch_sidecar.core.predictor import HintPredictor
 from binbatch_sidecar.core.request import Request
 from binbatch_sidecar.core.scheduler import Core, Scheduler
@@ -50,8 +51,10 @@ def requests(sp) -> list[Request]:
 def core(clock: ManualClock, sizing: str) -> Core:
     binner = FixedBinner.uniform(2, 1, 40)
     former = BatchFormer(binner, clock, target_size=3, max_wait=0.3, max_queue=1000)
-    sizer = BatchSizer(mode=sizing, static_size=3, max_size=64, min_samples=4)  # type: ignore[arg-type]
-    return Core(HintPredictor(), binner, former, sizer)
+    projected = sizing == "projected"  # memory.admission: Projected, the per-request KV plan
+    sizer = BatchSizer(mode="memory" if projected else sizing, static_size=3, max_size=64, min_samples=4,  # type: ignore[arg-type]
+                       kv_plan=projected)  # fmt: skip
+    return Core(HintPredictor(), binner, former, sizer, kv_plan=KvPlan() if projected else None)
 
 
 def engine(kind: str):
@@ -161,6 +164,7 @@ def through_the_simulator(sp, mode: str, kind: str, sizing: str, scrape: bool):
         ("gang", "continuous", "static", False),
         ("continuous", "continuous", "static", False),
         ("continuous", "continuous", "memory", True),
+        ("continuous", "continuous", "projected", True),
     ],
 )
 async def test_the_dispatcher_and_the_simulator_dispatch_the_same_sequence(mode, kind, sizing, scrape):

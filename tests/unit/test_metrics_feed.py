@@ -68,7 +68,7 @@ async def test_failures_hold_until_stale_after_then_go_stale_and_recover() -> No
     fresh = await feed.poll_once()
     clock.advance(3.0)
     held = await feed.poll_once()  # 3 s old: still within stale_after
-    assert held == EngineSnapshot(kv_capacity_tokens=1600, kv_usage_ratio=0.25, running=3, waiting=1,
+    assert held == EngineSnapshot(kv_capacity_tokens=1600, kv_block_tokens=16, kv_usage_ratio=0.25, running=3, waiting=1,
                                   tpot_seconds=None, fresh=True)  # fmt: skip
     assert fresh is not None and held is not None and held.kv_capacity_tokens == fresh.kv_capacity_tokens
     assert feed.state == "fresh" and feed.last_error == "GET x answered HTTP 503"

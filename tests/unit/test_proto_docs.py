@@ -138,8 +138,9 @@ def _emitted_sizer_reasons() -> set[str]:
         EngineSnapshot(**{**fresh, "kv_usage_ratio": 0.99}, tpot_seconds=0.010),
     ]
     reasons: set[str] = set()
-    for mode, samples, snapshot in itertools.product(("static", "memory", "sla", "combined"), (0, 64), snapshots):
-        sizer = BatchSizer(mode=mode, static_size=8, max_size=64, d_sla=0.05, min_samples=32)
+    grid = itertools.product(("static", "memory", "sla", "combined"), (0, 64), snapshots, (False, True))
+    for mode, samples, snapshot, kv_plan in grid:
+        sizer = BatchSizer(mode=mode, static_size=8, max_size=64, d_sla=0.05, min_samples=32, kv_plan=kv_plan)
         for i in range(samples):  # bin 0 short, bin 1 long: per-bin b_mem differ
             sizer.observe(i % 2, 100, 50 if i % 2 == 0 else 20_000)
         for _ in range(3):

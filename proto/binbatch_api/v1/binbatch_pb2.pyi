@@ -749,8 +749,8 @@ class Adjustment(_message.Message):
     "target-unreachable" (the k with the lowest latency bound).
     values: "rebalance" | "static" | "no-metrics" | "stale-last-good"
       | "stale-static" | "stale-pressure" | "kv-saturated" | "warming-up"
-      | "no-kv-capacity" | "memory" | "sla" | "meets-target" | "overloaded"
-      | "target-unreachable"
+      | "no-kv-capacity" | "memory" | "kv-plan" | "sla" | "meets-target"
+      | "overloaded" | "target-unreachable"
     """
     def __init__(
         self,
@@ -837,12 +837,15 @@ class Stats(_message.Message):
         under saturation, no preemptions);
       "no-kv-capacity": the engine reports no KV capacity: as "warming-up";
       "memory": b_mem is the binding bound;
+      "kv-plan": memory.admission Projected: no batch-size bound from memory,
+        each request is admitted only if the KV cache holds it to its end
+        (b_sla, if any, does not bind);
       "sla": b_sla is the binding bound.
     When bins are bound by different terms, their reasons are joined by "+"
     in the order above, e.g. "memory+sla" or "warming-up+sla".
     values: "initial" | "static" | "no-metrics" | "stale-last-good"
       | "stale-static" | "stale-pressure" | "kv-saturated" | "warming-up"
-      | "no-kv-capacity" | "memory" | "sla"
+      | "no-kv-capacity" | "memory" | "kv-plan" | "sla"
     """
     inflight_batches: _builtins.int
     """Batches in the engine now (at most maxInflightBatches)."""

@@ -1,0 +1,114 @@
+"""Projected KV admission: admit a request only if the engine's KV cache will
+hold every request in flight until each of them finishes (issue 11, win 3).
+
+vLLM admits a waiting request when the blocks of its prompt are free and
+preempts (drops and later recomputes) the newest running request when the
+running ones outgrow the cache.  From outside, the sidecar knows for each
+request it sent its prompt length, its predicted output length and when it went
+in; every running sequence gains one token per engine step.  So the cache's
+future use is a known function of the step count s:
+
+    U(s) = Σ_{i : r_i > s} (h_i + s)
+
+with h_i the tokens request i holds now and r_i the tokens it has left.  U grows
+between completions and drops at each, so its peak is just before a completion:
+max_k Σ_{i : r_i ≥ r_k} (h_i + r_k).  A request is admitted only if that peak,
+with it included, stays within the capacity (less a reserve).  This is the seed's
+memory constraint (memory-sla-dynamic-batching.md, Eq. 2) per request instead of
+in distribution: with known lengths (hints) it is exact but for the tokens
+generated so far, which it estimates from the time since the request went in
+and the engine's recent time per step (the bench's KV-pressure burst: 1 preemption
+where direct has 72, in simulation); with
+predicted lengths the engine's own preemption counter tightens the plan
+(``KvPlan.on_snapshot``).  Block rounding is covered by counting every sequence
+at half a block more, the mean of what rounding up to whole blocks adds (a whole
+block each, the worst case, held the bench's KV-pressure burst to about half of
+direct's throughput; the rare sum past the mean is what the preemption feedback
+is for).
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# The plan's headroom after the engine reported preemptions, and how fast it comes back.
+SHRINK = 0.9
+RECOVER = 0.02
+FLOOR = 0.5
+
+
+def peak_tokens(seqs: Iterable[tuple[float, float]]) -> float:
+    """The most tokens ``seqs`` ((held now, left to generate) each) hold at once
+    from now until all finish, every one gaining a token per step."""
+    items = sorted(((max(r, 1.0), h) for h, r in seqs), reverse=True)  # longest left first
+    peak = 0.0
+    held = 0.0
+    for n, (r, h) in enumerate(items, 1):
+        held += h
+        # just before the sequence with r left finishes, the n with r_i >= r hold h_i + r each
+        peak = max(peak, held + n * r)
+    return peak
+
+
+@dataclass
+class KvPlan:
+    """The admission test and its feedback.  ``capacity``: KV tokens (η); ``block``:
+    tokens per KV block (a sequence may hold up to a block more than its tokens);
+    ``reserve``: share of η kept free; ``headroom`` falls by ``SHRINK`` on every
+    scrape that saw preemptions and recovers by ``RECOVER`` per clean one."""
+
+    reserve: float = 0.0
+    capacity: float | None = None
+    block: int = 16
+    headroom: float = 1.0
+    step_seconds: float | None = None  # the engine's recent time per step (its TPOT)
+    preemptions_seen: float = field(default=0.0)
+
+    def on_snapshot(
+        self, capacity: float | None, block: int | None, step: float | None, preempted: float | None
+    ) -> None:
+        """A fresh metrics snapshot: η, block size, time per step, preemptions since the last."""
+        if capacity:
+            self.capacity = capacity
+        if block:
+            self.block = block
+        if step:
+            self.step_seconds = step
+        if preempted:
+            self.preemptions_seen += preempted
+            self.headroom = max(FLOOR, self.headroom * SHRINK)
+        elif preempted is not None:
+            self.headroom = min(1.0, self.headroom + RECOVER)
+
+    @property
+    def budget(self) -> float | None:
+        """Tokens the plan may fill (None: capacity unknown, admit freely)."""
+        if self.capacity is None:
+            return None
+        return self.capacity * (1.0 - self.reserve) * self.headroom
+
+    def held(self, prompt: float, predicted: float, elapsed: float) -> tuple[float, float]:
+        """(tokens held now, tokens left) of a request sent ``elapsed`` seconds ago."""
+        done = 0.0
+        if self.step_seconds and elapsed > 0:  # one step less: it may have started a step late
+            done = min(max(math.floor(elapsed / self.step_seconds) - 1, 0), max(predicted - 1.0, 0.0))
+        return prompt + done + self.margin, max(predicted - done, 1.0)
+
+    @property
+    def margin(self) -> float:
+        """Tokens a sequence holds beyond its own by block rounding, on average."""
+        return self.block / 2
+
+    def fits(self, inflight: Iterable[tuple[float, float]], new: tuple[float, float]) -> bool:
+        """Would the cache hold ``inflight`` and ``new`` ((held, left) each) to the end?"""
+        budget = self.budget
+        if budget is None:
+            return True
+        seqs = list(inflight)
+        if not seqs:
+            return True  # an empty engine takes anything that fits its context at all
+        return peak_tokens([*seqs, new]) <= budget
