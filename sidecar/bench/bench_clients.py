@@ -9,7 +9,10 @@ gang list call) have TTFT = E2E, as the caller sees it.
 
 A workload is replayed open-loop: each request is sent at its arrival time
 whether or not earlier ones have finished (Poisson load is not throttled by the
-system under test).
+system under test).  :func:`closed_loop` is the other way, for measuring
+capacity: a fixed number of requests outstanding, each answer immediately
+replaced by the next request, and :func:`steady_rate` reads the saturated
+throughput off the completion times.
 """
 
 from __future__ import annotations
@@ -58,6 +61,20 @@ class CallFailed(RuntimeError):
     """A request the system under test did not answer with its full length."""
 
 
+async def _answer(req: BenchRequest, call: Callable[[BenchRequest], Awaitable[Sample]], result: RunResult) -> bool:
+    """Send one request; its sample or its failure goes into ``result``."""
+    try:
+        sample = await call(req)
+    except (CallFailed, aiohttp.ClientError, grpc.aio.AioRpcError, TimeoutError) as exc:
+        result.failures.append(f"{type(exc).__name__}: {exc}"[:300])
+        return False
+    if sample.tokens != req.output_tokens:
+        result.failures.append(f"asked for {req.output_tokens} tokens, got {sample.tokens}")
+        return False
+    result.samples.append(sample)
+    return True
+
+
 async def replay(requests: Sequence[BenchRequest], call: Callable[[BenchRequest], Awaitable[Sample]]) -> RunResult:
     """Send every request at its arrival time (open loop); wait for all answers."""
     result = RunResult()
@@ -68,19 +85,54 @@ async def replay(requests: Sequence[BenchRequest], call: Callable[[BenchRequest]
         delay = t0 + req.arrival_s - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)  # the arrival process itself, not synchronisation
-        try:
-            sample = await call(req)
-        except (CallFailed, aiohttp.ClientError, grpc.aio.AioRpcError, TimeoutError) as exc:
-            result.failures.append(f"{type(exc).__name__}: {exc}"[:300])
-            return
-        if sample.tokens != req.output_tokens:
-            result.failures.append(f"asked for {req.output_tokens} tokens, got {sample.tokens}")
-            return
-        result.samples.append(sample)
+        await _answer(req, call, result)
 
     await asyncio.gather(*(one(r) for r in requests))
     result.elapsed_s = loop.time() - t0
     return result
+
+
+async def closed_loop(
+    requests: Sequence[BenchRequest], call: Callable[[BenchRequest], Awaitable[Sample]], concurrency: int
+) -> tuple[RunResult, list[float]]:
+    """Keep ``concurrency`` requests outstanding (arrival times ignored): each
+    answer, or failure, is immediately replaced by the next request in order,
+    until every request was sent.  Returns the run and the completion time of
+    every answered request (seconds from the start, ascending)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
+    result = RunResult()
+    done: list[float] = []
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    pending = iter(requests)
+
+    async def worker() -> None:
+        for req in pending:  # a shared iterator: each request goes out once
+            if await _answer(req, call, result):
+                done.append(loop.time() - t0)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    result.elapsed_s = loop.time() - t0
+    return result, done
+
+
+def steady_rate(completions_s: Sequence[float], concurrency: int) -> float:
+    """Saturated throughput (completions per second) of a :func:`closed_loop` run.
+
+    The first ``concurrency`` completions are the warm-up (every request started
+    at once, as a burst's head) and the last ``concurrency`` the drain (nothing
+    replaces them, as a burst's tail that runs its longest answers alone); in
+    between the engine always had ``concurrency`` requests, so the rate is the
+    completions strictly inside that window over its length."""
+    n = len(completions_s)
+    if concurrency < 1 or n < 3 * concurrency:
+        raise ValueError(f"completions: need >= 3 x concurrency ({3 * concurrency}) for a steady window, got {n}")
+    times = sorted(completions_s)
+    first, last = times[concurrency - 1], times[n - concurrency - 1]
+    if not last > first:
+        raise ValueError("completions: the steady window has zero length")
+    return (n - 2 * concurrency) / (last - first)
 
 
 def completion_body(model: str, prompt: str | list[str], tokens: int, stream: bool) -> dict[str, object]:

@@ -80,6 +80,17 @@ def build(shape: str, count: int, *, rate: float | None, seed: int, scale: float
     return out
 
 
+def repeated(requests: list[BenchRequest], count: int) -> list[BenchRequest]:
+    """``count`` requests cycling through ``requests`` (their lengths, in order),
+    all at time 0 (a closed loop sends them): measures the capacity for exactly
+    the lengths a workload replays.  Each pass prefixes its prompts, so no prefix
+    cache serves a repeat from an earlier pass."""
+    if count < 1 or not requests:
+        raise ValueError(f"count: must be >= 1 with requests to repeat, got {count} of {len(requests)}")
+    return [BenchRequest(prompt=f"pass{i // len(requests)} {r.prompt}", output_tokens=r.output_tokens, arrival_s=0.0)
+            for i, r in ((i, requests[i % len(requests)]) for i in range(count))]  # fmt: skip
+
+
 def equal_mass_bins(lengths: list[int], k: int) -> list[list[int]]:
     """Indices of ``lengths`` cut by length into ``k`` bins of equal count (the ideal
     gang client's bins: equal probability mass, true lengths known), each bin in

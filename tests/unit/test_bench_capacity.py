@@ -1,0 +1,115 @@
+"""``binbatch bench e2e``'s capacity and goodput load (no processes started).
+
+The defect: the capacity the Poisson loads are fractions of was requests /
+elapsed of one all-at-once burst, whose tail runs its longest answers alone --
+well below the engine's saturated throughput, so "0.95" was really ~0.75 of
+saturation.  Here the estimator (:func:`steady_rate` over a closed loop) runs on
+the simulator's vLLM-like engine shaped as the bench's KV-limited one, against
+that engine's long-run saturated rate; and the goodput load says when direct
+never missed the SLO instead of silently using the top load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from binbatch_sidecar.bench import e2e, workloads
+from binbatch_sidecar.bench.bench_clients import Sample, closed_loop, steady_rate
+from binbatch_sidecar.core.request import Request
+from binbatch_sidecar.sim.engine_model import ContinuousEngine
+
+SHAPE = e2e.KV_LIMITED
+
+
+def _engine() -> ContinuousEngine:
+    kv = SHAPE.num_gpu_blocks * SHAPE.block_size
+    return ContinuousEngine(a=SHAPE.step_a, c=SHAPE.step_c, kv_tokens=kv, max_num_seqs=SHAPE.max_num_seqs)
+
+
+def _requests(n: int, seed: int = 1) -> list[Request]:
+    """``n`` requests cycling through the bench's chat workload (as e2e measures capacity)."""
+    reqs = workloads.repeated(workloads.build("chat", e2e.E2EConfig().requests, rate=None, seed=seed), n)
+    return [Request(id=str(i), arrival=0.0, prompt_tokens=len(r.prompt.split()), actual_tokens=r.output_tokens)
+            for i, r in enumerate(reqs)]  # fmt: skip
+
+
+def _sim(requests: list[Request], concurrency: int) -> list[float]:
+    """Completion times on the simulated engine with ``concurrency`` outstanding,
+    each completion replaced by the next request (a burst: concurrency = all)."""
+    eng = _engine()
+    pending = iter(requests)
+    eng.submit(0.0, [r for _, r in zip(range(concurrency), pending, strict=False)])
+    eng.kick(0.0)
+    done: list[float] = []
+    while (t := eng.next_time()) is not None:
+        finished = eng.advance(t)
+        done.extend([t] * len(finished))
+        eng.submit(t, [r for _, r in zip(range(len(finished)), pending, strict=False)])
+        eng.kick(t)
+    return done
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_steady_rate_finds_the_saturated_rate_where_one_burst_reads_low(seed):
+    cfg = e2e.E2EConfig()
+    long_run = _sim(_requests(100 * cfg.requests, seed), cfg.capacity_concurrency)
+    saturated = len(long_run) / long_run[-1]  # 100 passes: warm-up and drain negligible
+    steady = steady_rate(_sim(_requests(cfg.capacity_requests, seed), cfg.capacity_concurrency),
+                         cfg.capacity_concurrency)  # fmt: skip
+    burst_done = _sim(_requests(cfg.requests, seed), cfg.requests)
+    burst = len(burst_done) / burst_done[-1]  # the old figure: requests / elapsed of one burst
+
+    assert steady == pytest.approx(saturated, rel=0.05)
+    assert burst < 0.95 * saturated
+
+
+def test_steady_rate_discards_warm_up_and_drain():
+    # 2 outstanding: the first 2 and last 2 completions are edges; 4 inside 1 s
+    assert steady_rate([0.1, 5.0, 5.25, 5.5, 5.75, 6.0, 30.0, 90.0], 2) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="completions"):
+        steady_rate([1.0] * 5, 2)
+
+
+def test_repeated_cycles_the_lengths_with_unique_prompts():
+    base = workloads.build("chat", 5, rate=None, seed=2)
+    reqs = workloads.repeated(base, 12)
+    assert [r.output_tokens for r in reqs] == [base[i % 5].output_tokens for i in range(12)]
+    assert len({r.prompt for r in reqs}) == 12 and {r.arrival_s for r in reqs} == {0.0}
+
+
+async def test_closed_loop_keeps_the_count_outstanding_and_sends_each_request_once():
+    reqs = workloads.build("chat", 20, rate=None, seed=3)
+    outstanding, most, seen = 0, 0, []
+
+    async def call(req: workloads.BenchRequest) -> Sample:
+        nonlocal outstanding, most
+        outstanding += 1
+        most = max(most, outstanding)
+        seen.append(req.prompt)
+        for _ in range(len(seen) % 3 + 1):
+            await asyncio.sleep(0)  # yield only: completions interleave out of order
+        outstanding -= 1
+        return Sample(ttft_s=0.0, e2e_s=0.0, tokens=req.output_tokens)
+
+    result, done = await closed_loop(reqs, call, 4)
+    assert most == 4 and sorted(seen) == sorted(r.prompt for r in reqs)
+    assert len(result.samples) == len(done) == 20 and done == sorted(done)
+
+
+def _direct(rps: float, good: float) -> dict[str, float]:
+    return {"requests_per_s": rps, "goodput_per_s": good}
+
+
+def test_goodput_load_is_the_lowest_load_where_direct_misses():
+    rows = {0.5: _direct(10, 10), 0.8: _direct(10, 8), 0.95: _direct(10, 5)}
+    assert e2e.goodput_load(rows) == (0.8, True)
+
+
+def test_goodput_load_says_when_direct_never_missed():
+    rows = {0.5: _direct(10, 10), 0.95: _direct(10, 9.5)}
+    assert e2e.goodput_load(rows) == (0.95, False)
+    note = e2e.goodput_note({"goodput_load": 0.95, "goodput_direct_missed_slo": False})
+    assert "met the SLO at every planned load" in note
+    assert "where direct misses" in e2e.goodput_note({"goodput_load": 0.8, "goodput_direct_missed_slo": True})
