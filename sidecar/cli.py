@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import replace
 
+from .emulator.cli import port_number
 from .server.ports import EXIT_CANNOT_LISTEN, ListenError
 
 EXIT_CANNOT_START = 2  # argparse's own usage errors exit 2 as well
@@ -238,12 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "an existing empty file is an error); reloaded on change, every key live except the ports")
     sc.add_argument("--host", default=os.environ.get("BINBATCH_HOST", "0.0.0.0"),
                     help="address to bind (default $BINBATCH_HOST or 0.0.0.0)")
-    sc.add_argument("--grpc-port", type=_port, default=_env_port("BINBATCH_GRPC_PORT"),
+    sc.add_argument("--grpc-port", type=port_number, default=_env_port("BINBATCH_GRPC_PORT"),
                     help="gRPC port (default $BINBATCH_GRPC_PORT, else server.grpcPort; fixed until restart)")
-    sc.add_argument("--http-port", type=_port, default=_env_port("BINBATCH_HTTP_PORT"),
+    sc.add_argument("--http-port", type=port_number, default=_env_port("BINBATCH_HTTP_PORT"),
                     help="OpenAI-compatible HTTP port (default $BINBATCH_HTTP_PORT, else server.httpPort; "
                     "fixed until restart)")
-    sc.add_argument("--metrics-port", type=_port, default=_env_port("BINBATCH_METRICS_PORT"),
+    sc.add_argument("--metrics-port", type=port_number, default=_env_port("BINBATCH_METRICS_PORT"),
                     help="Prometheus metrics port (default $BINBATCH_METRICS_PORT, else server.metricsPort; "
                     "fixed until restart)")
     sc.set_defaults(func=_sidecar)
@@ -254,22 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {v}")
-    return v
-
-
 def _env_port(name: str) -> int | None:
     text = os.environ.get(name)
     if not text:
         return None
     try:
-        return _port(text)
+        return port_number(text)
     except argparse.ArgumentTypeError as exc:
         print(f"binbatch: ${name}: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_CANNOT_START) from None

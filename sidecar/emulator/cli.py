@@ -26,7 +26,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
+    """argparse type of a listen port (0: any free port); the sidecar's CLI uses it too."""
     try:
         value = int(text)
     except ValueError:
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The emulator's flags: ``--host``, ``--port`` and one per :class:`EmulatorConfig` field."""
     d = EmulatorConfig()
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=_port, default=8000, help="port to bind, 0 for any (default 8000)")
+    parser.add_argument("--port", type=port_number, default=8000, help="port to bind, 0 for any (default 8000)")
     parser.add_argument("--model", "--served-model-name", dest="model", default=d.model,
                         help=f"served model name (default {d.model!r})")  # fmt: skip
     parser.add_argument("--step-a", type=_seconds, default=d.step_a,

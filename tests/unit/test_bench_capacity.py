@@ -89,7 +89,7 @@ async def test_closed_loop_keeps_the_count_outstanding_and_sends_each_request_on
         most = max(most, outstanding)
         seen.append(req.prompt)
         for _ in range(len(seen) % 3 + 1):
-            await asyncio.sleep(0)  # yield only: completions interleave out of order
+            await asyncio.sleep(0)  # ok-sleep: one turn only, so completions interleave out of order
         outstanding -= 1
         return Sample(ttft_s=0.0, e2e_s=0.0, tokens=req.output_tokens)
 
