@@ -86,6 +86,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     cfg = e2e.quick(cfg) if args.quick else cfg
     cfg = replace(cfg, repeats=args.repeats) if args.repeats else cfg
     cfg = replace(cfg, requests=args.requests) if args.requests else cfg
+    cfg = replace(cfg, load_requests=args.load_requests) if args.load_requests else cfg
     cfg = replace(cfg, loads=tuple(args.loads)) if args.loads else cfg
     cfg = replace(cfg, only=tuple(args.only)) if args.only else cfg
     say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench e2e] {m}", file=sys.stderr, flush=True))
@@ -120,7 +121,8 @@ def _bench_overhead(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .bench import demo, e2e
 
-    cfg = demo.config(quick=args.quick, seed=args.seed, requests=args.requests, repeats=args.repeats)
+    cfg = demo.config(quick=args.quick, seed=args.seed, requests=args.requests, repeats=args.repeats,
+                      load_requests=args.load_requests)
     say = (lambda m: None) if args.quiet else (lambda m: print(f"[demo] {m}", file=sys.stderr, flush=True))
     doc = demo.run(cfg, say)
     if args.plot:
@@ -201,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--plot", metavar="FILE.png", help="also draw latency and goodput vs load to this PNG")
     e2.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
     e2.add_argument("--repeats", type=_positive_int, help="interleaved repeats of every run (default 2)")
-    e2.add_argument("--requests", type=_positive_int, help="requests per chat/short run (default 64)")
+    e2.add_argument("--requests", type=_positive_int, help="requests per burst run (default 64)")
+    e2.add_argument("--load-requests", type=_positive_int, help="requests per Poisson load run (default 256)")
     e2.add_argument("--loads", type=_load_fraction, nargs="+", metavar="FRACTION",
                     help="Poisson loads as fractions of direct capacity (default 0.5 0.8 0.95 1.1)")  # fmt: skip
     e2.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0,
@@ -227,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--plot", metavar="FILE.png", default="demo.png",
                     help="draw latency and goodput vs load, direct and sidecar (default demo.png; '' for none)")
     dm.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
-    dm.add_argument("--requests", type=_positive_int, help="requests per chat/short run (default 64)")
+    dm.add_argument("--requests", type=_positive_int, help="requests per burst run (default 64)")
+    dm.add_argument("--load-requests", type=_positive_int, help="requests per Poisson load run (default 256)")
     dm.add_argument("--repeats", type=_positive_int, help="interleaved repeats of every run (default 2)")
     dm.add_argument("--seed", type=int, default=1, help="random seed of the workloads (default 1)")
     dm.add_argument("--json", action="store_true", help="print one JSON document {setup, runs, ratios, wins}")

@@ -35,6 +35,9 @@ from . import e2e
 # the ideal client's k = 1 and 4 (gang k = 8 and the online predictor are the
 # full bench's).
 CLIENTS = ("direct", "hint", "free", "ideal1", "ideal4", "gang1", "gang4")
+# The loads of the latency and goodput wins, around saturation where a queue forms
+# (the full bench adds 0.5).
+LOADS = (0.8, e2e.RATIO_LOAD, 1.1)
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,14 @@ WINS = (
 )  # fmt: skip
 
 
-def config(*, quick: bool = False, seed: int = 1, requests: int | None = None, repeats: int | None = None) -> e2e.E2EConfig:
-    """The demo's bench plan: e2e's scenarios, only the clients of :data:`CLIENTS`."""
-    cfg = e2e.E2EConfig(seed=seed, clients=CLIENTS)
+def config(*, quick: bool = False, seed: int = 1, requests: int | None = None, repeats: int | None = None,
+           load_requests: int | None = None) -> e2e.E2EConfig:
+    """The demo's bench plan: e2e's scenarios, only the clients of :data:`CLIENTS`,
+    and the loads around saturation (:data:`LOADS`)."""
+    cfg = e2e.E2EConfig(seed=seed, clients=CLIENTS, loads=LOADS)
     cfg = e2e.quick(cfg) if quick else cfg
     cfg = replace(cfg, requests=requests) if requests else cfg
+    cfg = replace(cfg, load_requests=load_requests) if load_requests else cfg
     return replace(cfg, repeats=repeats) if repeats else cfg
 
 

@@ -32,3 +32,18 @@ def test_gang_scenario_compares_k_4_and_8_with_the_ideal_client():
     (gang,) = [sc for sc in e2e.scenarios(e2e.E2EConfig()) if sc.key == "mixed@gang"]
     assert {(c.mode, c.k) for c in gang.clients} >= {("gang", 4), ("gang", 8), ("ideal-gang", 4), ("ideal-gang", 8)}
     assert {"gang_k4_gain_vs_ideal", "gang_k8_gain_vs_ideal"} <= set(e2e.RATIO_KEYS)
+
+
+def test_poisson_loads_send_load_requests_and_bursts_send_requests():
+    cfg = replace(e2e.E2EConfig(), requests=10, load_requests=300)
+    counts = {sc.key: sc.count for sc in e2e.scenarios(cfg)}
+    assert {counts[f"chat@{x:g}"] for x in cfg.loads} == {300}
+    assert counts["chat@burst"] == counts["short@ample"] == 10
+
+
+def test_cli_load_requests_reaches_the_plan(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(e2e, "run", lambda cfg, say: seen.setdefault("cfg", cfg) and {"runs": [], "ratios": {}})
+    monkeypatch.setattr(e2e, "print_tables", lambda doc: None)
+    assert cli.main(["bench", "e2e", "--load-requests", "77", "--quiet"]) == 0
+    assert seen["cfg"].load_requests == 77 and seen["cfg"].requests == e2e.E2EConfig().requests
