@@ -113,3 +113,12 @@ def test_goodput_load_says_when_direct_never_missed():
     note = e2e.goodput_note({"goodput_load": 0.95, "goodput_direct_missed_slo": False})
     assert "met the SLO at every planned load" in note
     assert "where direct misses" in e2e.goodput_note({"goodput_load": 0.8, "goodput_direct_missed_slo": True})
+
+
+def test_ordering_bound_is_the_share_of_direct_e2e_that_is_not_waiting():
+    from binbatch_sidecar.bench.bench_clients import RunResult
+
+    run = RunResult(samples=[Sample(ttft_s=0.1, e2e_s=0.5, tokens=10), Sample(ttft_s=0.3, e2e_s=1.5, tokens=30)])
+    acc = e2e._Acc(e2e.scenarios(e2e.E2EConfig())[0], e2e.DIRECT, [run])
+    assert e2e.ordering_bound(acc) == pytest.approx(1 - 0.2 / 1.0)
+    assert e2e.ordering_bound(e2e._Acc(acc.scenario, e2e.DIRECT, [])) is None
