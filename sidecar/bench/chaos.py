@@ -51,7 +51,7 @@ from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
 from .bad_metrics import BadMetricsServer
 from .chaos_load import LoadGenerator, Outcome, percentile
-from .chaos_processes import EmulatorProcess, SidecarProcess, free_port, read_receipts, rss_and_fds
+from .chaos_processes import EmulatorProcess, SidecarProcess, free_port, read_receipts, rss_and_fds, run_to_end
 
 SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
 # A small engine: ~100 req/s of 32-token outputs here, so 10x its capacity is a rate
@@ -659,7 +659,7 @@ async def run_async(cfg: ChaosConfig, progress: Callable[[str], None]) -> dict[s
 
 
 def run(cfg: ChaosConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    return asyncio.run(run_async(cfg, progress))
+    return run_to_end(run_async(cfg, progress))
 
 
 def configure(quick: bool, **overrides: Any) -> ChaosConfig:

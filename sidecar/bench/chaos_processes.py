@@ -20,14 +20,45 @@ import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 STARTUP_SECONDS = 60.0
 _EMULATOR_READY = re.compile(r"binbatch emulate-engine: .* on http://127\.0\.0\.1:(\d+)")
 SIDECAR_READY = re.compile(r"serving gRPC on 127\.0\.0\.1:(\d+)")
+
+
+T = TypeVar("T")
+
+
+def run_to_end(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)``, except that SIGTERM (``kill``, a CI job's timeout)
+    cancels ``main`` the way Ctrl-C does, so its exit stacks stop every child
+    process it started (the engine, the sidecars) instead of leaving them running
+    after the bench is gone; the bench then exits with 143 (128 + SIGTERM)."""
+    terminated = False
+
+    async def guarded() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+
+        def stop() -> None:
+            nonlocal terminated
+            terminated = True
+            task.cancel()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
+        return await main
+
+    try:
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:
+        if terminated:
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
 
 
 def free_port() -> int:

@@ -63,7 +63,6 @@ preemptions the mean per repeat.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import signal
@@ -82,6 +81,7 @@ from .bench_clients import (RunResult, closed_loop, direct_caller, ideal_gang, r
                             steady_rate)  # fmt: skip
 from .chaos_load import percentile
 from .bench_processes import EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar
+from .chaos_processes import run_to_end
 
 # GPU-like: the fixed step cost dominates (a large model's weights are read once
 # per step), so batching pays; the KV cache holds ~12 chat sequences at a time.
@@ -418,7 +418,7 @@ async def _steady_capacity(cfg: E2EConfig, session: aiohttp.ClientSession, url: 
 def run(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any]:
     """The bench's document: ``runs`` and ``ratios`` (and ``_setup``, which the
     CLI prints with the tables and leaves out of ``--json``)."""
-    return asyncio.run(run_async(cfg, say))
+    return run_to_end(run_async(cfg, say))
 
 
 def _fmt(v: float | None, scale: float = 1.0, digits: int = 0) -> str:

@@ -49,7 +49,7 @@ from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 from .bench_clients import CallFailed, completion_body
 from .chaos_load import percentile
 from .bench_processes import EngineProcess, EngineShape, served_model, sidecar_doc
-from .chaos_processes import SIDECAR_READY, SidecarProcess
+from .chaos_processes import SIDECAR_READY, SidecarProcess, run_to_end
 
 JSON_KEYS = ("added_p50_ms", "added_p99_ms", "max_requests_per_s", "http_added_p50_ms", "http_added_p99_ms")
 _HTTP_PORT = re.compile(r"HTTP on :(\d+)")  # in the sidecar's "serving gRPC on ..." line
@@ -229,7 +229,7 @@ def hot_spots(path: str, limit: int = 20) -> str:
 
 
 def run(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str, Any]:
-    return asyncio.run(run_async(cfg, say))
+    return run_to_end(run_async(cfg, say))
 
 
 def print_table(doc: dict[str, Any]) -> None:

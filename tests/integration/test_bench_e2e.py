@@ -8,12 +8,11 @@ claim about the figures themselves (timing belongs in benchmarks, not tests).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import sys
 
 import pytest
+from bench_support import run_binbatch
 
 from binbatch_sidecar.bench import workloads
 from binbatch_sidecar.bench.e2e import RATIO_KEYS, ROW_KEYS
@@ -23,18 +22,8 @@ NUMBER_OR_NONE = (int, float, type(None))
 
 
 async def _bench(tmp_path, *args: str) -> dict:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "binbatch_sidecar.cli", "bench", *args, "--quick", "--json",
-        cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        async with asyncio.timeout(BENCH_TIMEOUT):
-            out, err = await proc.communicate()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, err.decode()[-3000:]
+    code, out, err = await run_binbatch(tmp_path, "bench", *args, "--quick", "--json", timeout=BENCH_TIMEOUT)
+    assert code == 0, err.decode()[-3000:]
     assert b"[bench " in err, "progress goes to stderr"
     return json.loads(out)  # exactly one JSON document on stdout
 
@@ -116,3 +105,37 @@ def test_lengths_stay_within_the_shape_bounds(shape):
 
     assert 2 <= min(lengths) and max(lengths) <= workloads.longest(shape, 1.0)
     assert len(set(lengths)) > 5
+
+
+async def test_a_terminated_bench_stops_its_engine_and_sidecars_and_exits_143(tmp_path):
+    """SIGTERM (``kill``, a CI job's timeout) stops the bench's children with it,
+    not just Ctrl-C: a timed-out bench once left six sidecars running."""
+    import asyncio
+    import re
+    import signal
+    import sys
+
+    from bench_support import stop_group
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "binbatch_sidecar.cli", "bench", "e2e", "--quick", "--only", "chat@burst",
+        cwd=tmp_path, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    ports: list[int] = []
+    try:
+        async with asyncio.timeout(BENCH_TIMEOUT):
+            assert proc.stderr is not None
+            while len(ports) < 2:  # the engine, then the first sidecar
+                line = (await proc.stderr.readline()).decode()
+                assert line, "the bench ended before it started its children"
+                if m := re.search(r"(?:embedded engine \(kv\)|sidecar kv-hint): .*?127\.0\.0\.1:(\d+)$|"
+                                  r"sidecar kv-hint on 127\.0\.0\.1:(\d+)$", line.strip()):  # fmt: skip
+                    ports.append(int(m.group(1) or m.group(2)))
+            proc.send_signal(signal.SIGTERM)  # the bench alone, not its group
+            await proc.stderr.read()
+            assert await proc.wait() == 143
+        for port in ports:
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_connection("127.0.0.1", port)
+    finally:
+        await stop_group(proc)

@@ -9,11 +9,10 @@ be, and every scenario really exercised its fault.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
 
 import aiohttp
+from bench_support import run_binbatch
 from prometheus_client.parser import text_string_to_metric_families
 
 from binbatch_sidecar import cli
@@ -29,18 +28,9 @@ COMMON_KEYS = {"lost", "duplicated", "hung", "exercised", "calls", "codes", "eng
 
 
 async def test_quick_chaos_bench_loses_duplicates_and_hangs_nothing(tmp_path):
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "binbatch_sidecar.cli", "bench", "chaos", "--quick", "--json", "--quiet",
-        cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        async with asyncio.timeout(BENCH_TIMEOUT):
-            out, err = await proc.communicate()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode in (0, 1), err.decode()[-3000:]
+    code, out, err = await run_binbatch(tmp_path, "bench", "chaos", "--quick", "--json", "--quiet",
+                                        timeout=BENCH_TIMEOUT)  # fmt: skip
+    assert code in (0, 1), err.decode()[-3000:]
     doc = json.loads(out)
 
     for key in ("lost", "duplicated", "hung"):
@@ -88,7 +78,7 @@ async def test_quick_chaos_bench_loses_duplicates_and_hangs_nothing(tmp_path):
         misses.append(f"sigterm: exit {term['exit_code']} after {term['drain_seconds']} s "
                       f"(grace {term['grace_seconds']} s, {term['inflight_at_term']} in flight)")  # fmt: skip
     assert misses == [], "\n".join(misses)
-    assert proc.returncode == 0
+    assert code == 0
 
 
 def test_cli_offers_every_chaos_scenario():
