@@ -11,6 +11,8 @@ import random
 
 import pytest
 
+from binbatch_sidecar.bench import e2e
+from binbatch_sidecar.bench.bench_processes import EngineShape, emulator_args
 from binbatch_sidecar.emulator import EmulatorConfig, add_cli, config_from_args
 from binbatch_sidecar.emulator.engine import step_seconds
 from binbatch_sidecar.emulator.kv_blocks import BlockScheduler
@@ -106,3 +108,20 @@ def test_prefill_per_token_flag_sets_the_config():
     )
     with pytest.raises(SystemExit):
         parser.parse_args(["emulate-engine", "--prefill-per-token", "-1"])
+
+
+def test_bench_engine_args_pass_the_prefill_cost_to_the_emulator():
+    shape = EngineShape(step_a=0.006, step_c=0.0002, num_gpu_blocks=48, prefill_per_token=0.00008)
+    args = emulator_args(shape)
+    emulate = args[args.index("emulate-engine"):]
+    parser = argparse.ArgumentParser(prog="binbatch")
+    add_cli(parser.add_subparsers(dest="command"))
+
+    config = config_from_args(parser.parse_args(emulate))
+    assert config.prefill_per_token == 0.00008
+    assert (config.step_a, config.step_c, config.num_gpu_blocks) == (0.006, 0.0002, 48)
+    assert "0.08 ms per prefilled token" in shape.describe()
+
+
+def test_both_embedded_engine_shapes_charge_the_same_prefill_cost():
+    assert e2e.KV_LIMITED.prefill_per_token == e2e.AMPLE_KV.prefill_per_token > 0
