@@ -33,7 +33,9 @@ _PREEMPTIONS = ("vllm:num_preemptions", "vllm:num_preemptions_total")
 
 @dataclass(frozen=True, slots=True)
 class EngineShape:
-    """The embedded engine: τ(b) = a + c·b seconds per step and a KV budget."""
+    """The embedded engine: τ(b) = a + c·b seconds per step, plus ``prefill_per_token``
+    per token the step prefills (prompts admitted, or recomputed after a
+    preemption), and a KV budget."""
 
     step_a: float
     step_c: float
@@ -41,9 +43,11 @@ class EngineShape:
     block_size: int = 16
     max_num_seqs: int = 256
     max_model_len: int = 512
+    prefill_per_token: float = 0.0
 
     def describe(self) -> str:
-        return (f"tau(b) = {self.step_a * 1e3:g} ms + {self.step_c * 1e3:g} ms*b, "
+        return (f"tau(b) = {self.step_a * 1e3:g} ms + {self.step_c * 1e3:g} ms*b "
+                f"+ {self.prefill_per_token * 1e3:g} ms per prefilled token, "
                 f"KV {self.num_gpu_blocks}x{self.block_size} tokens, max {self.max_num_seqs} seqs")  # fmt: skip
 
 
@@ -51,6 +55,7 @@ def emulator_args(shape: EngineShape) -> list[str]:
     """``binbatch emulate-engine`` flags for ``shape`` on a free loopback port."""
     return ["-m", "binbatch_sidecar.cli", "emulate-engine", "--host", "127.0.0.1", "--port", "0",
             "--step-a", repr(shape.step_a), "--step-c", repr(shape.step_c),
+            "--prefill-per-token", repr(shape.prefill_per_token),
             "--num-gpu-blocks", str(shape.num_gpu_blocks), "--block-size", str(shape.block_size),
             "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len)]  # fmt: skip
 

@@ -7,8 +7,10 @@ times), in one run, interleaved and repeated (``--repeats``) so a noisy machine
 moves both sides alike.  Ratios are always sidecar over direct from the same run.
 
 The engine is the embedded one by default -- the emulator as a child process
-with a GPU-like step time τ(b) = a + c·b (a fixed cost a per step dominates) and
-a KV budget small enough that concurrency is KV-limited, as on a GPU serving a
+with a GPU-like step time τ(b) = a + c·b (a fixed cost a per step dominates), a
+prefill cost per prompt token admitted or recomputed after a preemption (every
+real engine pays for prefill, so recompute costs time; see ``KV_LIMITED``) and a
+KV budget small enough that concurrency is KV-limited, as on a GPU serving a
 large model -- or, with ``--engine URL``, any OpenAI-compatible server (a real
 vLLM included).  Each sidecar is a ``binbatch sidecar --config FILE`` child
 process in front of the same engine.
@@ -85,8 +87,18 @@ from .chaos_processes import run_to_end
 
 # GPU-like: the fixed step cost dominates (a large model's weights are read once
 # per step), so batching pays; the KV cache holds ~12 chat sequences at a time.
-KV_LIMITED = EngineShape(step_a=0.006, step_c=0.0002, num_gpu_blocks=48, block_size=16, max_model_len=512)
-AMPLE_KV = EngineShape(step_a=0.006, step_c=0.0002, num_gpu_blocks=8192, block_size=16, max_model_len=512)
+# Prefill is compute-bound (~2 x params FLOPs per token) while the fixed step cost
+# is the weights read from memory (2 bytes x params), so a prefilled token costs
+# memory bandwidth / (peak FLOPs x MFU) of a step, whatever the model size: on an
+# A100 2.0e12 B/s / (312e12 x 0.5) = 0.0128 (8B on one: step 16 GB / 2 TB/s = 8 ms,
+# prefill 1.6e10 / 1.56e14 = 0.10 ms/token; 70B on two: 35 ms and 0.45 ms/token).
+# At a 6 ms step that is 0.077 ms, ~0.08 ms per prefilled token -- so recomputing a
+# preempted sequence costs time here, as on every real engine.
+STEP_A, STEP_C, PREFILL_PER_TOKEN = 0.006, 0.0002, 0.00008
+KV_LIMITED = EngineShape(step_a=STEP_A, step_c=STEP_C, num_gpu_blocks=48, block_size=16, max_model_len=512,
+                         prefill_per_token=PREFILL_PER_TOKEN)  # fmt: skip
+AMPLE_KV = EngineShape(step_a=STEP_A, step_c=STEP_C, num_gpu_blocks=8192, block_size=16, max_model_len=512,
+                       prefill_per_token=PREFILL_PER_TOKEN)  # fmt: skip
 
 RATIO_KEYS = (
     "e2e_mean_at_95pct_load", "e2e_p99_at_95pct_load", "goodput_at_slo", "preemptions_under_kv_pressure",

@@ -6,8 +6,11 @@ It speaks the part of vLLM's OpenAI server that binbatch uses -- ``POST
 and behind it runs a token-step engine that batches the way vLLM does:
 
 * **Continuous batching.** Each engine step takes τ(b) = a + c·b seconds for b
-  running sequences (DESIGN §4), and every running sequence emits one token per step.
-  A newly admitted sequence's first step is its prefill and yields its first token.
+  running sequences (DESIGN §4), plus ``prefill_per_token`` seconds for every token
+  it prefills, and every running sequence emits one token per step. A newly
+  admitted sequence's first step is its prefill (its prompt tokens) and yields its
+  first token; a preempted sequence's readmission prefills its prompt and the
+  tokens it had generated again, so recompute costs time, as on every real engine.
 * **Paged KV cache.** ``num_gpu_blocks`` blocks of ``block_size`` tokens. Before a
   step a sequence must hold ceil((prompt + generated) / block_size) blocks -- the
   tokens whose KV the step computes. Running sequences grow first, in admission

@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"step-a + step-c * n (default {d.step_a})")  # fmt: skip
     parser.add_argument("--step-c", type=_seconds, default=d.step_c,
                         help=f"step time added per running sequence, seconds (default {d.step_c})")  # fmt: skip
+    parser.add_argument("--prefill-per-token", type=_seconds, default=d.prefill_per_token,
+                        help=f"step time added per token prefilled in the step, seconds: a newly admitted "
+                             f"sequence's prompt, or a preempted sequence's prompt and generated tokens when it "
+                             f"is admitted again (real engines recompute them); 0 makes prefill free "
+                             f"(default {d.prefill_per_token})")  # fmt: skip
     parser.add_argument("--num-gpu-blocks", type=_positive_int, default=d.num_gpu_blocks,
                         help=f"KV cache blocks (default {d.num_gpu_blocks})")  # fmt: skip
     parser.add_argument("--block-size", type=_positive_int, default=d.block_size,

@@ -16,6 +16,11 @@ class EmulatorConfig:
     """Fixed part a of the step time τ(b) = a + c·b, seconds."""
     step_c: float = 0.0002
     """Per-sequence part c of the step time τ(b) = a + c·b, seconds."""
+    prefill_per_token: float = 0.0
+    """Seconds added to a step per token it prefills: the prompt of each sequence
+    admitted in it, or the prompt and generated tokens of a preempted one admitted
+    again (recompute).  Real engines pay for prefill, so recompute costs time; 0
+    makes prefill free."""
     num_gpu_blocks: int = 512
     """KV cache blocks."""
     block_size: int = 16
@@ -40,7 +45,7 @@ class EmulatorConfig:
     def __post_init__(self) -> None:
         if not self.model or not self.model.strip():
             raise ValueError("model: must be a non-empty name")
-        for name in ("step_a", "step_c"):
+        for name in ("step_a", "step_c", "prefill_per_token"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
@@ -58,6 +63,7 @@ class EmulatorConfig:
         """η = num_gpu_blocks × block_size (DESIGN §3.2)."""
         return self.num_gpu_blocks * self.block_size
 
-    def step_seconds(self, running: int) -> float:
-        """τ(b) = a + c·b (DESIGN §4)."""
-        return self.step_a + self.step_c * running
+    def step_seconds(self, running: int, prefill_tokens: int = 0) -> float:
+        """τ(b) = a + c·b (DESIGN §4) plus ``prefill_per_token`` for each token the
+        step prefills (prompts admitted, or recomputed after a preemption)."""
+        return self.step_a + self.step_c * running + self.prefill_per_token * prefill_tokens

@@ -12,6 +12,12 @@ from .metrics import EmulatorMetrics
 from .model import SeqEvent, SeqStatus, Sequence, append_token
 
 
+def step_seconds(config: EmulatorConfig, plan: StepPlan) -> float:
+    """How long the step ``plan`` takes: every sequence in its batch decodes, and the
+    ones it admits are prefilled (a preempted one's prompt and generated tokens again)."""
+    return config.step_seconds(len(plan.batch), plan.prefill_tokens)
+
+
 class EngineStopped(Exception):
     """The engine is shutting down and takes no more work."""
 
@@ -29,7 +35,7 @@ class EngineStats:
 
 
 class EmulatedEngine:
-    """The token-step loop: schedule, sleep τ(b), emit one token per running sequence."""
+    """The token-step loop: schedule, sleep the step time, emit one token per running sequence."""
 
     def __init__(self, config: EmulatorConfig, metrics: EmulatorMetrics) -> None:
         self.config = config
@@ -140,7 +146,7 @@ class EmulatedEngine:
             self._wake.clear()
             await self._wake.wait()
             return
-        tau = self.config.step_seconds(len(plan.batch))
+        tau = step_seconds(self.config, plan)
         # Steps follow a drift-free timetable; a late loop may catch up one step, no more.
         self._deadline = max(self._deadline, now - tau) + tau
         await asyncio.sleep(max(0.0, self._deadline - now))

@@ -15,6 +15,9 @@ class StepPlan:
     batch: list[Sequence]
     admitted: list[Sequence]
     preempted: list[Sequence]
+    prefill_tokens: int = 0
+    """Tokens this step prefills: every admitted sequence's prompt and, for one
+    preempted before, the tokens it had generated (recompute)."""
 
 
 class BlockScheduler:
@@ -50,7 +53,8 @@ class BlockScheduler:
         """Grow the running sequences (preempting if needed), then admit waiting ones."""
         preempted = self._grow_running()
         admitted = [] if preempted else self._admit_waiting()
-        return StepPlan(batch=list(self.running), admitted=admitted, preempted=preempted)
+        prefill = sum(seq.context_tokens for seq in admitted)
+        return StepPlan(batch=list(self.running), admitted=admitted, preempted=preempted, prefill_tokens=prefill)
 
     def _grow_running(self) -> list[Sequence]:
         """Give every running sequence the blocks of its next step, in admission

@@ -352,7 +352,8 @@ async def serve(host: str, port: int, config: EmulatorConfig) -> None:
     stop = asyncio.Event()
     async with Emulator(config, host, port) as emulator:
         print(f"binbatch emulate-engine: model {config.model!r} on {emulator.base_url} "
-              f"(step {config.step_a * 1e3:g} ms + {config.step_c * 1e3:g} ms/seq, "
+              f"(step {config.step_a * 1e3:g} ms + {config.step_c * 1e3:g} ms/seq "
+              f"+ {config.prefill_per_token * 1e3:g} ms/prefilled token, "
               f"{config.num_gpu_blocks}x{config.block_size} KV tokens)", file=sys.stderr, flush=True)  # fmt: skip
         handled = []
         for sig in (signal.SIGINT, signal.SIGTERM):
