@@ -112,13 +112,14 @@ def min_service_boundaries(samples: Iterable[float], k: int, batch: int) -> tupl
         cost = np.where(held > 0, held / len(s) * top / power, np.inf)  # Eq. 2: Pr(bin)·E[max | bin]
     # least[a]: least cost of the samples from values[a] up in at most r bins (least[d] = 0: none left)
     least = np.append(np.full(d, np.inf), 0.0)
-    ends = []
+    ends: list[np.ndarray] = []
     for _ in range(k):
         total = cost + least[None, :]
         end = np.argmin(total, axis=1)  # where the bin starting at values[a] ends
         least = np.append(total[np.arange(d), end], 0.0)
         ends.append(end)
-    out, a = [], 0
+    out: list[float] = []
+    a = 0
     for end in reversed(ends):  # the first bin uses the k-bin choice, the next k-1, ...
         b = int(end[a])
         if b == d:

@@ -316,7 +316,7 @@ def test_min_service_boundaries_are_the_best_cuts_between_distinct_samples(sampl
     values = sorted(set(lengths))
     gaps = [(a + b) / 2 for a, b in zip(values, values[1:])]
     best = min(batch_time(lengths, c, batch) for r in range(k) for c in itertools.combinations(gaps, r))
-    assert batch_time(lengths, cuts, batch) == best
+    assert batch_time(lengths, cuts, batch) <= best * (1 + Fraction(1, 10**9))  # best up to float rounding
 
 
 def test_min_service_boundaries_of_one_length_is_one_bin():
