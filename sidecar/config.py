@@ -127,14 +127,14 @@ class EngineConfig(_Section):
 
 
 class BinsConfig(_Section):
-    mode: BinMode = Field("Fixed", description="Fixed boundaries, Auto (equal-mass quantiles of observed lengths), or Adaptive (split/merge by load).")  # fmt: skip
+    mode: BinMode = Field("Fixed", description="Fixed boundaries; Auto, boundaries learned from the predicted lengths of arriving requests (in Gang mode those that make batches finish soonest, since a batch holds the engine until its longest request ends: between the peaks of a two-peaked distribution, equal shares for an even spread; in Continuous mode equal shares); or Adaptive (split/merge by load).")  # fmt: skip
     count: int = Field(4, ge=1, le=64, description="Number of bins (with mode Adaptive: the most bins it may split into; with countMode Auto: the most bins it may choose).")  # fmt: skip
     count_mode: CountMode = Field("Fixed", description="Fixed: use count bins. Auto: the sidecar measures the arrival rate and re-chooses the number of bins, from 1 to count, to meet latencyTargetMilliseconds (more bins raise throughput, but each bin takes longer to fill); not with mode Adaptive or boundaries.")  # fmt: skip
     latency_target_milliseconds: int = Field(0, ge=0, le=600_000, description="countMode Auto: the latency the number of bins is chosen to meet (the time to serve a batch plus the wait for its bin to fill); required (> 0) with countMode Auto.")  # fmt: skip
     boundaries: list[int] = Field(default_factory=list, max_length=63, description="Fixed only: count-1 strictly increasing token boundaries below maxOutputTokens; empty means uniform over [1, maxOutputTokens].")  # fmt: skip
     max_output_tokens: int = Field(2048, ge=1, le=1_000_000, description="Upper end of the uniform bins and the default max_tokens cap.")  # fmt: skip
-    auto_window: int = Field(4096, ge=16, le=1_000_000, description="Auto: observed output lengths kept for the quantile estimate.")  # fmt: skip
-    auto_refresh_every: int = Field(256, ge=1, le=1_000_000, description="Auto: recompute the boundaries every N observations.")  # fmt: skip
+    auto_window: int = Field(4096, ge=16, le=1_000_000, description="Auto: predicted output lengths of the latest requests the boundaries are learned from.")  # fmt: skip
+    auto_refresh_every: int = Field(256, ge=1, le=1_000_000, description="Auto: recompute the boundaries every N requests (the first time after 16, then after 32, 64, ... until N).")  # fmt: skip
     split_threshold_percent: int = Field(60, ge=1, le=99, description="Adaptive: a bin holding more than maxRequestsPerBin requests splits at its midpoint when more than this percentage of them lie below it.")  # fmt: skip
     max_requests_per_bin: int = Field(0, ge=0, le=1_000_000, description="Adaptive: a bin holding more requests than this may split, and the bins merge back into one while fewer than this are queued in all; 0 derives it from the KV-cache size.")  # fmt: skip
 

@@ -212,7 +212,9 @@ def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
     memory = {"admission": "Projected"}
     gang = {"mode": "Gang", "sizing": "Static", "staticSize": cfg.gang_batch, "maxWaitMilliseconds": 200,
             "maxInflightBatches": 1}  # fmt: skip
-    gang_bins = {"mode": "Fixed", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}
+    # bins learned from the arriving hints (what a user who does not know the length distribution sets): a
+    # batch-locked engine's bins are those with the least expected batch time, here cut between the two peaks
+    gang_bins = {"mode": "Auto", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}
     return {
         "kv-hint": ("kv", {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max},
                            "batch": cont, "memory": memory, "latency": slo}),  # fmt: skip

@@ -5,8 +5,9 @@ strictly increasing interior cut points (``bisect_right``).  Three binners:
 
 * ``FixedBinner``: boundaries from the policy (or Lemma 4.1's equal-width ones
   for a uniform distribution, multi-bin-batching-v1.md Eq. 3).
-* ``AutoBinner``: equal-probability boundaries of the recently observed lengths
-  (Lemma 4.1: equal mass maximises throughput), refreshed as completions arrive.
+* ``AutoBinner``: boundaries learned from the predicted lengths of arriving
+  requests: equal-probability ones (Lemma 4.1), or, for gang batches, those with
+  the least expected batch service time (Eq. 2 on the observed distribution).
 * ``AdaptiveBinner``: BucketServe's Algorithm 1 - split a bucket at its midpoint
   under skewed load, merge back to one bucket at low load.
 
@@ -21,6 +22,8 @@ import bisect
 import math
 from collections import deque
 from typing import Iterable, Sequence
+
+import numpy as np
 
 from .stages import Binner  # noqa: F401 - the contract, declared with the other stages
 
@@ -64,6 +67,68 @@ def equal_mass_boundaries(samples: Iterable[float], k: int) -> tuple[float, ...]
     return tuple(out)
 
 
+SKETCH = 256  # the window's order statistics min_service_boundaries works on
+MAX_DRAWS = 64  # the max of more draws than this is the bin's top all the same
+
+
+def min_service_boundaries(samples: Iterable[float], k: int, batch: int) -> tuple[float, ...]:
+    """Eq. 2 minimised on an empirical distribution: the at most k-1 cut points with
+    the least expected batch service time sum_i Pr(bin = i)·E[max of B lengths | bin i].
+
+    A gang batch holds the engine until its longest member ends, so these are the
+    throughput-optimal bins: the objective Lemma 4.1 solves for uniform lengths,
+    where the answer is its equal-mass cuts.  For a skewed or bimodal distribution
+    the answer differs: a cut goes in the gap between the modes, not inside the
+    long mode, and the other cuts go where most requests are.
+
+    Exact on the samples (``SKETCH`` evenly spaced order statistics of them when
+    there are more): the i-th smallest of a bin's m samples is the max of B draws
+    with probability (i/m)^B - ((i-1)/m)^B, B = min(``batch``, ``MAX_DRAWS``); every
+    gap between two distinct samples is a candidate cut, and a dynamic programme
+    picks the best.  A cut sits mid-gap: the same split of the samples, with the
+    widest margin for lengths not seen yet (a long request a little shorter than
+    the longs seen so far stays out of the short bin).  Strictly increasing, above
+    the smallest sample, every bin holding a sample.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    s = np.sort(np.fromiter(samples, dtype=float))
+    n = len(s)
+    if not n:
+        raise ValueError("samples must not be empty")
+    if n > SKETCH:
+        s = s[((np.arange(SKETCH) + 0.5) * n / SKETCH).astype(int)]
+    values, counts = np.unique(s, return_counts=True)
+    d = len(values)
+    below = np.concatenate(([0], np.cumsum(counts)))  # below[j]: samples under values[j]
+    # held[a, j]: samples in [values[a], values[j]); a bin [values[a], values[b]) holds held[a, b]
+    held = np.clip(below[None, :] - below[:-1, None], 0, None).astype(float)
+    power = held ** min(batch, MAX_DRAWS)
+    # sum over the bin's values of value·Pr(it is the max), before dividing by held^B
+    top = np.concatenate((np.zeros((d, 1)), np.cumsum(values[None, :] * np.diff(power, axis=1), axis=1)), axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cost = np.where(held > 0, held / len(s) * top / power, np.inf)  # Eq. 2: Pr(bin)·E[max | bin]
+    # least[a]: least cost of the samples from values[a] up in at most r bins (least[d] = 0: none left)
+    least = np.append(np.full(d, np.inf), 0.0)
+    ends: list[np.ndarray] = []
+    for _ in range(k):
+        total = cost + least[None, :]
+        end = np.argmin(total, axis=1)  # where the bin starting at values[a] ends
+        least = np.append(total[np.arange(d), end], 0.0)
+        ends.append(end)
+    out: list[float] = []
+    a = 0
+    for end in reversed(ends):  # the first bin uses the k-bin choice, the next k-1, ...
+        b = int(end[a])
+        if b == d:
+            break
+        out.append(float(values[b - 1] + values[b]) / 2)  # mid-gap: the same split, the widest margin
+        a = b
+    return tuple(out)
+
+
 class FixedBinner:
     """Boundaries fixed at construction; ``observe`` and ``rebalance`` do nothing."""
 
@@ -94,7 +159,7 @@ class FixedBinner:
     def assign(self, predicted: float) -> int:
         return bin_index(self._boundaries, predicted)
 
-    def observe(self, actual: float) -> None:
+    def observe(self, predicted: float) -> None:
         pass
 
     def rebalance(self, queued: Sequence[Sequence[float]]) -> bool:
@@ -102,17 +167,28 @@ class FixedBinner:
 
 
 class AutoBinner:
-    """Equal-probability boundaries of the recently observed output lengths.
+    """Boundaries learned from the predicted output lengths of arriving requests.
+
+    It learns from the lengths requests are binned by, the predictions, as each
+    request arrives: the bins then hold the shares they were cut for even when the
+    predictor is biased or shrinks towards the mean, and a burst is binned by its
+    own lengths before any of it has completed.
+
+    Two rules (``batch``): None, equal-probability cuts (``equal_mass_boundaries``,
+    Lemma 4.1); an int B, the cuts with the least expected service time of a batch
+    of B that holds the engine until its longest member ends
+    (``min_service_boundaries``, Eq. 2: gang mode), which are the equal-mass cuts
+    for uniform lengths and cut between the modes of a bimodal distribution.
 
     Memory: a sliding window of the last ``window`` observations (a deque), so the
     estimate is bounded whatever the stream length and follows drift in the
-    workload.  Every ``refresh_every`` observations, once the window holds
-    ``min_samples``, the boundaries become ``equal_mass_boundaries(window, target_k)``
-    - amortised O(window·log(window) / refresh_every) per observation.
+    workload.  The first estimate comes once ``min_samples`` are seen, the next
+    ones each time the count seen doubles, then every ``refresh_every``: fast at
+    start, when the initial boundaries are a guess, and amortised after.
 
-    Ties (discrete lengths, a common ``max_tokens`` cap) can merge quantiles; they
-    are deduplicated rather than nudged apart, so ``k`` (= ``len(boundaries) + 1``,
-    the bins that actually exist) may be below ``target_k`` until the distribution
+    Ties (discrete lengths, a common ``max_tokens`` cap) can merge cuts; they are
+    deduplicated rather than nudged apart, so ``k`` (= ``len(boundaries) + 1``, the
+    bins that actually exist) may be below ``target_k`` until the distribution
     spreads out again.  To avoid re-binning the former's queue for noise, a refresh
     whose boundaries each moved by at most ``min_shift`` (relative) keeps the old
     ones.  ``version`` increments only when the boundaries actually change.
@@ -130,6 +206,7 @@ class AutoBinner:
         min_samples: int = 256,
         refresh_every: int = 128,
         min_shift: float = 0.02,
+        batch: int | None = None,
     ) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -141,17 +218,20 @@ class AutoBinner:
             raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
         if not 0 <= min_shift < 1:
             raise ValueError(f"min_shift must be in [0, 1), got {min_shift}")
+        if batch is not None and batch < 1:
+            raise ValueError(f"batch must be >= 1 or None, got {batch}")
         b = _validated(initial_boundaries)
         if len(b) > k - 1:
             raise ValueError(f"boundaries: at most k-1={k - 1} interior cut points, got {len(b)}")
         self.target_k = k
+        self.batch = batch
         self._boundaries = b
         self._version = 0
         self._window: deque[float] = deque(maxlen=window)
-        self._min_samples = min_samples
         self._refresh_every = refresh_every
         self._min_shift = min_shift
-        self._since_refresh = 0
+        self._seen = 0
+        self._next_refresh = min_samples
 
     @property
     def k(self) -> int:
@@ -173,22 +253,25 @@ class AutoBinner:
     def assign(self, predicted: float) -> int:
         return bin_index(self._boundaries, predicted)
 
-    def observe(self, actual: float) -> None:
-        """Add a completed length; refresh the boundaries when one is due."""
-        if not math.isfinite(actual) or actual < 0:
-            raise ValueError(f"actual must be finite and >= 0, got {actual}")
-        self._window.append(float(actual))
-        self._since_refresh += 1
-        if self._since_refresh >= self._refresh_every and len(self._window) >= self._min_samples:
-            self._since_refresh = 0
+    def observe(self, predicted: float) -> None:
+        """Add an arriving request's predicted length; refresh the boundaries when one is due."""
+        if not math.isfinite(predicted) or predicted < 0:
+            raise ValueError(f"predicted length must be finite and >= 0, got {predicted}")
+        self._window.append(float(predicted))
+        self._seen += 1
+        if self._seen >= self._next_refresh:
+            self._next_refresh = self._seen + min(self._seen, self._refresh_every)  # doubling, then every N
             self._refresh()
 
     def rebalance(self, queued: Sequence[Sequence[float]]) -> bool:
-        """Boundaries follow observed completions (``observe``), not the queue."""
+        """Boundaries follow the lengths observed (``observe``), not the queue."""
         return False
 
     def _refresh(self) -> None:
-        new = equal_mass_boundaries(self._window, self.target_k)
+        if self.batch is None:
+            new = equal_mass_boundaries(self._window, self.target_k)
+        else:
+            new = min_service_boundaries(self._window, self.target_k, self.batch)
         if new == self._boundaries or self._close(new):
             return
         self._boundaries = new
@@ -282,7 +365,7 @@ class AdaptiveBinner:
     def assign(self, predicted: float) -> int:
         return bin_index(self._boundaries, predicted)
 
-    def observe(self, actual: float) -> None:
+    def observe(self, predicted: float) -> None:
         pass
 
     def rebalance(self, queued: Sequence[Sequence[float]]) -> bool:

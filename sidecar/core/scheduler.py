@@ -201,6 +201,7 @@ class Scheduler:
             self.totals["rejected"] += 1
             raise refused
         req.predicted_tokens = self.core.predictor.predict(req)
+        self.core.binner.observe(req.predicted_tokens)  # before it is binned: a burst is binned by its own lengths
         try:
             bin_ = self.core.former.submit(req)
         except QueueFull as exc:
@@ -335,7 +336,6 @@ class Scheduler:
         req.actual_tokens = actual
         predicted = req.predicted_tokens if req.predicted_tokens is not None else actual
         core.predictor.observe(req, actual)
-        core.binner.observe(actual)
         if req.bin is not None:
             core.sizer.observe(req.bin, outcome.prompt_tokens, actual)
         core.accuracy.record(predicted, actual, req.prediction_source)

@@ -71,8 +71,8 @@ class Binner(Protocol):
         """The bin for a request of this predicted length."""
         ...
 
-    def observe(self, actual: float) -> None:
-        """An observed completed output length."""
+    def observe(self, predicted: float) -> None:
+        """The predicted output length of an arriving request (what it is binned by)."""
         ...
 
     def rebalance(self, queued: Sequence[Sequence[float]]) -> bool:

@@ -22,6 +22,9 @@ from ..engine.dispatcher import Core, Mode
 from ..engine.metrics_feed import MetricsSource, PromQLSource, ScrapeSource
 
 
+AUTO_FIRST_ESTIMATE = 16  # bins.mode Auto: arrivals before the first estimate (then at 32, 64, ...)
+
+
 def build_binner(cfg: SidecarConfig, k: int | None = None) -> Binner:
     """The binner for ``cfg``, with ``k`` bins instead of ``bins.count`` (countMode Auto)."""
     b = cfg.bins
@@ -33,7 +36,8 @@ def build_binner(cfg: SidecarConfig, k: int | None = None) -> Binner:
     if b.mode == "Auto":
         return AutoBinner(
             k, FixedBinner.uniform(k, 1, b.max_output_tokens).boundaries,
-            window=b.auto_window, min_samples=min(256, b.auto_window), refresh_every=b.auto_refresh_every,
+            window=b.auto_window, min_samples=min(AUTO_FIRST_ESTIMATE, b.auto_window),
+            refresh_every=b.auto_refresh_every, batch=cfg.batch.static_size if cfg.batch.mode == "Gang" else None,
         )  # fmt: skip
     n_max = b.max_requests_per_bin or cfg.batch.static_size  # 0: from KV memory once metrics arrive
     return AdaptiveBinner(1, b.max_output_tokens, n_max, theta=b.split_threshold_percent / 100, max_buckets=b.count)

@@ -1,8 +1,10 @@
-"""Binners: fixed, auto (Lemma 4.1 equal mass) and adaptive (BucketServe Algorithm 1)."""
+"""Binners: fixed, auto (Lemma 4.1 equal mass; Eq. 2 least batch time) and adaptive (BucketServe Algorithm 1)."""
 
 from __future__ import annotations
 
+import itertools
 import random
+from fractions import Fraction
 
 import pytest
 from hypothesis import given
@@ -15,6 +17,7 @@ from binbatch_sidecar.core.binner import (
     FixedBinner,
     bin_index,
     equal_mass_boundaries,
+    min_service_boundaries,
     n_max_from_memory,
 )
 from binbatch_sidecar.core.clock import ManualClock
@@ -233,8 +236,97 @@ def test_auto_binner_rejects_bad_settings_naming_the_field(args, kw, field):
 
 
 def test_auto_binner_rejects_a_bad_observation_naming_it():
-    with pytest.raises(ValueError, match="actual"):
+    with pytest.raises(ValueError, match="predicted"):
         AutoBinner(2).observe(float("nan"))
+
+
+def test_auto_binner_estimates_at_min_samples_then_at_each_doubling_then_every_refresh_every():
+    b = AutoBinner(2, (), window=1000, min_samples=4, refresh_every=16, min_shift=0.0)
+    moved_at, version = [], b.version
+    for n in range(1, 81):
+        b.observe(float(n))  # a rising stream: every refresh moves the median
+        if b.version != version:
+            moved_at.append(n)
+            version = b.version
+    assert moved_at == [4, 8, 16, 32, 48, 64, 80]
+
+
+def test_auto_binner_for_gang_batches_cuts_between_the_peaks_where_equal_mass_cuts_the_short_peak():
+    lengths = two_peaks(400, seed=5)
+    gang, shares = AutoBinner(2, (), min_samples=16, batch=8), AutoBinner(2, (), min_samples=16)
+    for x in lengths:
+        gang.observe(x)
+        shares.observe(x)
+    assert 12 < gang.boundaries[0] < 60  # short answers in one bin, long ones in the other
+    assert shares.boundaries[0] <= 12  # the median lies inside the short peak
+
+
+def test_auto_binner_rejects_a_batch_size_below_one():
+    with pytest.raises(ValueError, match="batch"):
+        AutoBinner(2, batch=0)
+
+
+# -- min_service_boundaries (Eq. 2 on an empirical distribution) -----------------------
+
+
+def two_peaks(n: int, seed: int = 0) -> list[float]:
+    """75% short answers in 4..12 tokens, 25% long ones in 60..100 (bench e2e's mixed shape)."""
+    rng = random.Random(seed)
+    return [float(rng.randint(4, 12) if rng.random() < 0.75 else rng.randint(60, 100)) for _ in range(n)]
+
+
+def batch_time(samples: list[float], cuts: tuple[float, ...], batch: int) -> Fraction:
+    """Eq. 2 by brute force: sum over bins of Pr(bin)·E[max of ``batch`` draws from the bin]."""
+    total = Fraction(0)
+    for i in range(len(cuts) + 1):
+        members = sorted(x for x in samples if bin_index(cuts, x) == i)
+        m = len(members)
+        e_max = sum(Fraction(x) * (Fraction(j + 1, m) ** batch - Fraction(j, m) ** batch) for j, x in enumerate(members))
+        total += Fraction(m, len(samples)) * e_max
+    return total
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_min_service_boundaries_for_evenly_spread_lengths_are_lemma_4_1_equal_mass(k):
+    samples = [1 + 19 * i / 4095 for i in range(4096)]  # lengths spread evenly over [1, 20]
+    assert min_service_boundaries(samples, k, 8) == pytest.approx(lemma_4_1(k), abs=0.1)
+
+
+def test_min_service_boundaries_cut_a_two_peaked_distribution_between_the_peaks():
+    lengths = two_peaks(64, seed=1)
+    cuts = min_service_boundaries(lengths, 4, 8)
+    shares = equal_mass_boundaries(lengths, 4)
+    assert len(cuts) == 3 and sum(12 < c < 60 for c in cuts) == 1  # exactly one cut in the gap
+    assert any(c <= 12 for c in cuts)  # and the short peak, most of the requests, split too
+    assert not any(12 < c < 60 for c in shares)  # equal shares put no cut in the gap
+    assert batch_time(lengths, cuts, 8) < batch_time(lengths, shares, 8)
+
+
+@given(
+    samples=st.lists(st.integers(1, 12), min_size=1, max_size=9),
+    k=st.integers(1, 3),
+    batch=st.integers(1, 4),
+)
+def test_min_service_boundaries_are_the_best_cuts_between_distinct_samples(samples, k, batch):
+    lengths = [float(x) for x in samples]
+    cuts = min_service_boundaries(lengths, k, batch)
+    assert len(cuts) <= k - 1
+    assert all(x < y for x, y in zip(cuts, cuts[1:])) and all(c > min(lengths) for c in cuts)
+    assert all(any(bin_index(cuts, x) == i for x in lengths) for i in range(len(cuts) + 1))  # no empty bin
+    values = sorted(set(lengths))
+    gaps = [(a + b) / 2 for a, b in zip(values, values[1:])]
+    best = min(batch_time(lengths, c, batch) for r in range(k) for c in itertools.combinations(gaps, r))
+    assert batch_time(lengths, cuts, batch) <= best * (1 + Fraction(1, 10**9))  # best up to float rounding
+
+
+def test_min_service_boundaries_of_one_length_is_one_bin():
+    assert min_service_boundaries([256.0] * 50, 8, 16) == ()
+
+
+@pytest.mark.parametrize(("args", "field"), [(([], 2, 8), "samples"), (([1.0], 0, 8), "k"), (([1.0], 2, 0), "batch")])
+def test_min_service_boundaries_rejects_bad_arguments_naming_them(args, field):
+    with pytest.raises(ValueError, match=field):
+        min_service_boundaries(*args)
 
 
 # -- n_max_from_memory (BucketServe Eq. 5-6) -------------------------------------------
@@ -381,3 +473,16 @@ def test_adaptive_binner_drives_the_batch_formers_rebinning():
     assert b.rebalance(f.queued_predictions()) is True
     f.poll()  # the former sees the new version and re-bins what it holds
     assert f.bin_depths() == [30, 5]
+
+
+def test_auto_bins_use_the_batch_time_rule_in_gang_mode_and_equal_shares_in_continuous_mode():
+    from binbatch_sidecar.config import parse_config
+    from binbatch_sidecar.server.assembly import build_binner
+
+    def built(mode: str) -> AutoBinner:
+        cfg = parse_config({"bins": {"mode": "Auto", "count": 4}, "batch": {"mode": mode, "staticSize": 8}})
+        b = build_binner(cfg)
+        assert isinstance(b, AutoBinner)
+        return b
+
+    assert (built("Gang").batch, built("Continuous").batch) == (8, None)
