@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.set_defaults(func=_bench_sim)
 
     e2 = bench_sub.add_parser(
-        "e2e", help="the sidecar against calling the engine directly, same workload, same run (~3.5 min; --quick < 1 min)"
+        "e2e", help="the sidecar against calling the engine directly, same workload, same run (~9 min; --quick < 1 min)"
     )  # fmt: skip
     e2.add_argument("--engine", metavar="URL", help="an OpenAI-compatible server (e.g. vLLM); default: the embedded engine")
     e2.add_argument("--json", action="store_true", help="print one JSON document {runs, ratios} instead of tables")
@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     oh.set_defaults(func=_bench_overhead)
 
     dm = sub.add_parser("demo", help="your engine called directly vs through the sidecar, one win at a time, "
-                                      "on the embedded engine (~3 min; --quick < 1 min)")
+                                      "on the embedded engine (~4.5 min; --quick < 1 min)")
     dm.add_argument("--plot", metavar="FILE.png", default="demo.png",
                     help="draw latency and goodput vs load, direct and sidecar (default demo.png; '' for none)")
     dm.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
