@@ -89,6 +89,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     cfg = replace(cfg, load_requests=args.load_requests) if args.load_requests else cfg
     cfg = replace(cfg, loads=tuple(args.loads)) if args.loads else cfg
     cfg = replace(cfg, only=tuple(args.only)) if args.only else cfg
+    cfg = replace(cfg, clients=tuple(args.client)) if args.client else cfg
     say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench e2e] {m}", file=sys.stderr, flush=True))
     doc = e2e.run(cfg, say)
     if args.plot:
@@ -214,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--seed", type=int, default=1, help="random seed of the workloads (default 1)")
     e2.add_argument("--only", action="append", choices=_E2E_SCENARIOS, metavar="SCENARIO",
                     help=f"run only this scenario or shape (repeatable): {', '.join(_E2E_SCENARIOS)}")  # fmt: skip
+    e2.add_argument("--client", action="append", choices=_E2E_CLIENTS, metavar="CLIENT",
+                    help=f"send only with this client (repeatable; keep direct, every ratio divides by it): "
+                         f"{', '.join(_E2E_CLIENTS)}")  # fmt: skip
     e2.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     e2.set_defaults(func=_bench_e2e)
     oh = bench_sub.add_parser(
@@ -273,6 +277,7 @@ def _env_port(name: str) -> int | None:
 _CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
 # bench e2e's scenario keys and shapes (bench/e2e.py SCENARIO_NAMES; the CLI imports benches lazily)
 _E2E_SCENARIOS = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang")
+_E2E_CLIENTS = ("direct", "hint", "online", "free", "ideal1", "ideal4", "ideal8", "gang1", "gang4", "gang8")
 
 
 def _positive_float(text: str) -> float:

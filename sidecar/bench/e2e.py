@@ -180,6 +180,7 @@ GANG1 = Client("gang1", "sidecar gang k=1", "gang", 1, "ample-gang1")
 GANG4 = Client("gang4", "sidecar gang k=4", "gang", 4, "ample-gang4")
 IDEAL8 = Client("ideal8", "ideal gang k=8", "ideal-gang", 8)
 GANG8 = Client("gang8", "sidecar gang k=8", "gang", 8, "ample-gang8")
+CLIENT_NAMES = tuple(c.key for c in (DIRECT, HINT, ONLINE, FREE, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8))
 
 
 def scenarios(cfg: E2EConfig) -> list[Scenario]:

@@ -25,6 +25,7 @@ def test_no_only_plans_everything_and_the_cli_offers_every_name():
     every = keys(())
     assert len(every) == 7
     assert cli._E2E_SCENARIOS == e2e.SCENARIO_NAMES
+    assert cli._E2E_CLIENTS == e2e.CLIENT_NAMES
     assert all(keys((name,)) for name in e2e.SCENARIO_NAMES)
 
 
@@ -47,3 +48,14 @@ def test_cli_load_requests_reaches_the_plan(monkeypatch):
     monkeypatch.setattr(e2e, "print_tables", lambda doc: None)
     assert cli.main(["bench", "e2e", "--load-requests", "77", "--quiet"]) == 0
     assert seen["cfg"].load_requests == 77 and seen["cfg"].requests == e2e.E2EConfig().requests
+
+
+def test_cli_client_keeps_only_those_clients(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(e2e, "run", lambda cfg, say: seen.setdefault("cfg", cfg) and {"runs": [], "ratios": {}})
+    monkeypatch.setattr(e2e, "print_tables", lambda doc: None)
+    assert cli.main(["bench", "e2e", "--client", "direct", "--client", "hint", "--quiet"]) == 0
+    plan = e2e.scenarios(seen["cfg"])
+    assert {c.key for sc in plan for c in sc.clients} == {"direct", "hint"}
+    assert {sc.key for sc in plan} == {"chat@0.5", "chat@0.8", "chat@0.95", "chat@1.1", "chat@burst", "short@ample",
+                                       "mixed@gang"}  # fmt: skip
