@@ -90,6 +90,11 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     cfg = replace(cfg, loads=tuple(args.loads)) if args.loads else cfg
     cfg = replace(cfg, only=tuple(args.only)) if args.only else cfg
     cfg = replace(cfg, clients=tuple(args.client)) if args.client else cfg
+    cfg = replace(cfg, capacity_concurrency=args.capacity_concurrency) if args.capacity_concurrency else cfg
+    cfg = replace(cfg, capacity_requests=args.capacity_requests) if args.capacity_requests else cfg
+    if cfg.capacity_requests < 3 * cfg.capacity_concurrency:
+        raise SystemExit(f"binbatch bench e2e: --capacity-requests must be at least 3x --capacity-concurrency "
+                         f"(warm-up, window, drain), got {cfg.capacity_requests} for {cfg.capacity_concurrency}")
     say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench e2e] {m}", file=sys.stderr, flush=True))
     doc = e2e.run(cfg, say)
     if args.plot:
@@ -206,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--repeats", type=_positive_int, help="interleaved repeats of every run (default 2)")
     e2.add_argument("--requests", type=_positive_int, help="requests per burst run (default 64)")
     e2.add_argument("--load-requests", type=_positive_int, help="requests per Poisson load run (default 256)")
+    e2.add_argument("--capacity-concurrency", type=_positive_int,
+                    help="requests kept outstanding while measuring direct's capacity (default 32; must exceed what "
+                         "the engine runs at once, but an engine that thrashes with a deep queue reads low)")
+    e2.add_argument("--capacity-requests", type=_positive_int,
+                    help="requests of that capacity run (default 256; at least 3x the concurrency)")
     e2.add_argument("--loads", type=_load_fraction, nargs="+", metavar="FRACTION",
                     help="Poisson loads as fractions of direct capacity (default 0.5 0.8 0.95 1.1)")  # fmt: skip
     e2.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0,

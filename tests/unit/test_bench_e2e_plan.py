@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from binbatch_sidecar import cli
 from binbatch_sidecar.bench import e2e
 
@@ -59,3 +61,14 @@ def test_cli_client_keeps_only_those_clients(monkeypatch):
     assert {c.key for sc in plan for c in sc.clients} == {"direct", "hint"}
     assert {sc.key for sc in plan} == {"chat@0.5", "chat@0.8", "chat@0.95", "chat@1.1", "chat@burst", "short@ample",
                                        "mixed@gang"}  # fmt: skip
+
+
+def test_cli_capacity_flags_reach_the_plan_and_are_checked(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(e2e, "run", lambda cfg, say: seen.setdefault("cfg", cfg) and {"runs": [], "ratios": {}})
+    monkeypatch.setattr(e2e, "print_tables", lambda doc: None)
+    assert cli.main(["bench", "e2e", "--capacity-concurrency", "8", "--capacity-requests", "40", "--quiet"]) == 0
+    assert (seen["cfg"].capacity_concurrency, seen["cfg"].capacity_requests) == (8, 40)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "e2e", "--capacity-concurrency", "16", "--capacity-requests", "40", "--quiet"])
+    assert "--capacity-requests must be at least 3x --capacity-concurrency" in str(exc.value.code)
