@@ -21,8 +21,8 @@ BENCH_TIMEOUT = 300  # seconds; the quick e2e bench takes about a minute on 2 bu
 NUMBER_OR_NONE = (int, float, type(None))
 
 
-async def _bench(tmp_path, *args: str) -> dict:
-    code, out, err = await run_binbatch(tmp_path, "bench", *args, "--quick", "--json", timeout=BENCH_TIMEOUT)
+async def _bench(tmp_path, *args: str, timeout: float = BENCH_TIMEOUT) -> dict:
+    code, out, err = await run_binbatch(tmp_path, "bench", *args, "--quick", "--json", timeout=timeout)
     assert code == 0, err.decode()[-3000:]
     assert b"[bench " in err, "progress goes to stderr"
     return json.loads(out)  # exactly one JSON document on stdout

@@ -52,7 +52,7 @@ async def test_success_is_fresh_and_histogram_deltas_feed_tpot() -> None:
     feed, delivered = make_feed(source, clock)
     first = await feed.poll_once()
     assert first is not None and first.fresh and first.tpot_seconds is None  # no earlier fetch: no delta
-    assert first.kv_capacity_tokens == 1600 and first.running == 3 and first.waiting == 1
+    assert first.kv_capacity_tokens == 99 * 16 and first.running == 3 and first.waiting == 1
     clock.advance(1)
     second = await feed.poll_once()
     assert second is not None and second.tpot_seconds == pytest.approx(2.0 / 40)  # the interval, not lifetime
@@ -68,7 +68,7 @@ async def test_failures_hold_until_stale_after_then_go_stale_and_recover() -> No
     fresh = await feed.poll_once()
     clock.advance(3.0)
     held = await feed.poll_once()  # 3 s old: still within stale_after
-    assert held == EngineSnapshot(kv_capacity_tokens=1600, kv_block_tokens=16, kv_usage_ratio=0.25, running=3, waiting=1,
+    assert held == EngineSnapshot(kv_capacity_tokens=99 * 16, kv_block_tokens=16, kv_usage_ratio=0.25, running=3, waiting=1,
                                   tpot_seconds=None, fresh=True)  # fmt: skip
     assert fresh is not None and held is not None and held.kv_capacity_tokens == fresh.kv_capacity_tokens
     assert feed.state == "fresh" and feed.last_error == "GET x answered HTTP 503"

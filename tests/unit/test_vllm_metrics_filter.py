@@ -95,3 +95,13 @@ def test_the_filtered_scrape_keeps_the_engines_waiting_by_model() -> None:
     assert m.waiting_by_model == {"emulated": 2.0, "other-model": 6.0, "": 4.0}
     assert m.waiting == 12.0
     assert vllm_metrics.parse("vllm:num_requests_running 1\n").waiting_by_model is None
+
+
+def test_kv_capacity_leaves_out_vllms_null_block():
+    """vLLM's v1 block pool keeps one block back (its null block), so the cache
+    holds (num_gpu_blocks - 1) x block_size tokens of requests."""
+    text = ('# TYPE vllm:cache_config_info gauge\n'
+            'vllm:cache_config_info{block_size="32",num_gpu_blocks="24"} 1.0\n')  # fmt: skip
+    metrics = vllm_metrics.parse(text)
+    assert (metrics.num_gpu_blocks, metrics.block_size) == (24, 32)
+    assert metrics.kv_capacity_tokens == 23 * 32
