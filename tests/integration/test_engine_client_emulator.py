@@ -95,7 +95,7 @@ async def test_scrape_gives_kv_capacity_and_tpot(legacy: bool) -> None:
         feed = MetricsFeed(source, interval=1.0, stale_after=3.0, clock=ManualClock(), on_snapshot=lambda _: None)
         first = await feed.poll_once()
         assert first is not None and first.fresh
-        assert first.kv_capacity_tokens == config.num_gpu_blocks * config.block_size == 2400
+        assert first.kv_capacity_tokens == (config.num_gpu_blocks - 1) * config.block_size == 2392  # less the null block
         params = SamplingParams(model="emulated", max_tokens=10, ignore_eos=True)
         await client.complete_batch([prompt(i, params) for i in range(4)])
         second = await feed.poll_once()
