@@ -16,6 +16,18 @@ is ours to choose (issue 11, win 1):
   - a request that waited ``max_wait`` goes before every other, the oldest first:
     the hard bound on how long any request waits here while the engine admits;
   - a higher priority (request class) still goes first;
+  - critical path first, once arrivals have stopped (no arrival for
+    ``QUIET_GAPS`` mean gaps between arrivals: the end of a burst, of a batch
+    job): what is left is then a batch whose makespan is what counts, and the
+    longest request goes before the shortest when its predicted length, in
+    steps, is at least what the rest takes to drain (``Backlog``).  Sent last,
+    it would run alone after the rest, lengthening the makespan one for one, and
+    the long requests left to the end pack the KV cache badly (they all grow
+    at once).  Sent at its latest start it overlaps the short ones.  While
+    arrivals go on, a queue does not drain, so the order stays shortest first
+    (this rule triggering there cost a third more mean latency at load 0.95
+    in simulation).  The KV-pressure burst of the bench (64 chat requests): 612
+    -> 498 engine steps with exact lengths, mean latency +17%;
   - a request whose ``send_by`` has passed (it spent its TTFT SLO's queue share
     already and will likely miss its TTFT) goes after every request that can still
     meet its own: sending it first would turn one miss into two.  It is sent, not
@@ -99,6 +111,40 @@ def engine_cap(
     return base + max(2, base // 4)
 
 
+# Arrivals have stopped after this many mean gaps between them with none (a
+# Poisson stream has such a gap with probability e^-10 per arrival).
+QUIET_GAPS = 10.0
+GAP_EWMA = 0.1  # weight of the newest gap in the mean gap
+
+
+def kv_area(held: float, left: float) -> float:
+    """Token-steps of KV a sequence holding ``held`` tokens occupies over its
+    ``left`` remaining steps (it gains one per step)."""
+    return left * (held + left / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """What is in the engine, for the critical-path rule: the predicted tokens its
+    requests have left and their KV area (``kv_area``), how many it runs at once
+    and its KV capacity in tokens (None: unknown)."""
+
+    tokens_left: float
+    area_left: float
+    concurrency: int | None
+    kv_tokens: float | None
+
+    def drain_steps(self, waiting_tokens: float, waiting_area: float) -> float | None:
+        """Steps the engine takes for these and ``waiting_*`` (None: no bound known):
+        at most ``concurrency`` tokens a step, at most ``kv_tokens`` of KV at once."""
+        bounds = []
+        if self.concurrency:
+            bounds.append((waiting_tokens + self.tokens_left) / self.concurrency)
+        if self.kv_tokens:
+            bounds.append((waiting_area + self.area_left) / self.kv_tokens)
+        return max(bounds) if bounds else None
+
+
 class _Entry(Generic[T]):
     __slots__ = ("item", "req", "seq", "live")
 
@@ -122,6 +168,11 @@ class AdmissionQueue(Generic[T]):
         self._late: list[tuple[int, float, int, _Entry[T]]] = []  # past send_by: (-priority, arrival, seq)
         self._oldest: list[tuple[float, int, _Entry[T]]] = []  # (arrival, seq): the max-wait bound
         self._deadlines: list[tuple[float, int, _Entry[T]]] = []
+        self._longest: list[tuple[float, float, int, _Entry[T]]] = []  # (-priority, -predicted, seq)
+        self._tokens = 0.0  # predicted tokens of the live entries
+        self._area = 0.0  # and their KV area
+        self._last_arrival: float | None = None
+        self._gap = 0.0  # mean gap between arrivals (EWMA)
 
     def __len__(self) -> int:
         return self._len
@@ -144,16 +195,26 @@ class AdmissionQueue(Generic[T]):
             rank = (req.predicted_tokens or 0.0) + self.order.aging * req.arrival
             prio = -float(req.priority)
         heapq.heappush(self._ranked, (prio, rank, seq, e))
+        if self.order.order != "fifo":
+            tokens = req.predicted_tokens or 0.0
+            heapq.heappush(self._longest, (prio, -tokens, seq, e))
+            self._tokens += tokens
+            self._area += kv_area(req.prompt_tokens, tokens)
+            if self._last_arrival is not None:
+                self._gap += GAP_EWMA * (max(0.0, req.arrival - self._last_arrival) - self._gap)
+            self._last_arrival = req.arrival if self._last_arrival is None else max(self._last_arrival, req.arrival)
         heapq.heappush(self._oldest, (req.arrival, seq, e))
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, seq, e))
 
-    def peek(self, now: float) -> tuple[T, Request] | None:
-        e = self._next(now)
+    def peek(self, now: float, backlog: Backlog | None = None) -> tuple[T, Request] | None:
+        e = self._next(now, backlog)
         return None if e is None else (e.item, e.req)
 
-    def pop(self, now: float) -> tuple[T, Request] | None:
-        e = self._next(now)
+    def pop(self, now: float, backlog: Backlog | None = None) -> tuple[T, Request] | None:
+        """The next entry, removed; the same ``now`` and ``backlog`` as the ``peek``
+        before it give the same entry."""
+        e = self._next(now, backlog)
         if e is None:
             return None
         self._remove(e)
@@ -176,8 +237,27 @@ class AdmissionQueue(Generic[T]):
     def _remove(self, e: _Entry[T]) -> None:
         e.live = False
         self._len -= 1
+        if self.order.order != "fifo":
+            tokens = e.req.predicted_tokens or 0.0
+            self._tokens = max(0.0, self._tokens - tokens) if self._len else 0.0
+            self._area = max(0.0, self._area - kv_area(e.req.prompt_tokens, tokens)) if self._len else 0.0
 
-    def _next(self, now: float) -> _Entry[T] | None:
+    def arrivals_stopped(self, now: float) -> bool:
+        """No request arrived for ``QUIET_GAPS`` mean gaps (and none just now)."""
+        last = self._last_arrival
+        return last is not None and now - last > QUIET_GAPS * self._gap and now > last
+
+    def _critical(self, now: float, backlog: Backlog) -> _Entry[T] | None:
+        """The longest waiting request if it is on the critical path (module docstring)."""
+        _drop_dead(self._longest)
+        if not self._longest or not self.arrivals_stopped(now):
+            return None
+        longest = self._longest[0][3]
+        tokens = longest.req.predicted_tokens or 0.0
+        steps = backlog.drain_steps(self._tokens - tokens, self._area - kv_area(longest.req.prompt_tokens, tokens))
+        return longest if steps is not None and tokens >= steps else None
+
+    def _next(self, now: float, backlog: Backlog | None = None) -> _Entry[T] | None:
         _drop_dead(self._oldest)
         if not self._oldest:
             return None
@@ -187,6 +267,8 @@ class AdmissionQueue(Generic[T]):
             return self._ranked[0][3]
         if now - oldest.req.arrival >= self.order.max_wait:
             return oldest
+        if backlog is not None and (critical := self._critical(now, backlog)) is not None:
+            return critical  # the longest of the highest priority waiting
         ranked = self._ranked
         while True:
             _drop_dead(ranked)

@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
-from .admission import AdmissionOrder, AdmissionQueue, engine_cap
+from .admission import AdmissionOrder, AdmissionQueue, Backlog, engine_cap, kv_area
 from .binner import AdaptiveBinner, Binner, n_max_from_memory
 from .breaker import EngineBreaker
 from .clock import Clock
@@ -266,25 +266,51 @@ class Scheduler:
                 out.batches.append(batch)
                 for r in batch.requests:
                     pending.push(batch, r)
-            head = pending.peek(now)
+            sizes = former.target_sizes
+            backlog = self._backlog(now, max(sizes))
+            head = pending.peek(now, backlog)
             if head is None:
                 return
             batch, req = head
             if req not in self._open:  # cancelled while waiting: ended already
-                pending.pop(now)
+                pending.pop(now, backlog)
                 continue
-            sizes = former.target_sizes
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
             if self.engine_cap is not None:
                 limit = min(limit, self.engine_cap)
             if self.inflight_requests >= limit or not self._kv_fits(req, now):
                 return
-            pending.pop(now)
+            pending.pop(now, backlog)
             if req.expired(now):
                 if self.end(req, "expired"):
                     out.expired.append(req)
                 continue
             out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now), batch, (req,)))
+
+    def _inflight_left(self, now: float) -> list[tuple[float, float]]:
+        """(tokens held, tokens left) of every open request in flight: the KV plan's
+        estimate from the time since it went in, else its whole predicted length."""
+        plan = self.core.kv_plan
+        return [
+            plan.held(r.prompt_tokens, _expected(r), now - slot.acquired_at)
+            if plan is not None
+            else (float(r.prompt_tokens), _expected(r))
+            for slot in self.ledger.held()
+            for r in slot.requests
+            if r in self._open
+        ]
+
+    def _backlog(self, now: float, size: int) -> Backlog | None:
+        """The engine's remaining work, for the critical-path rule (admission.py):
+        it runs at most ``size`` (capped by ``engine_cap``) at once, in the KV plan's
+        budget."""
+        if self.core.admission.order == "fifo":
+            return None
+        left = self._inflight_left(now)
+        plan = self.core.kv_plan
+        concurrency = size if self.engine_cap is None else min(size, self.engine_cap)
+        return Backlog(sum(r for _, r in left), sum(kv_area(h, r) for h, r in left), concurrency,
+                       None if plan is None else plan.budget)  # fmt: skip
 
     def _kv_fits(self, req: Request, now: float) -> bool:
         """Does the engine's KV cache hold ``req`` and every request in flight until
@@ -293,13 +319,7 @@ class Scheduler:
         plan = self.core.kv_plan
         if plan is None or plan.budget is None:
             return True
-        inflight = [
-            plan.held(r.prompt_tokens, _expected(r), now - slot.acquired_at)
-            for slot in self.ledger.held()
-            for r in slot.requests
-            if r in self._open
-        ]
-        return plan.fits(inflight, (req.prompt_tokens + plan.margin, _expected(req)))
+        return plan.fits(self._inflight_left(now), (req.prompt_tokens + plan.margin, _expected(req)))
 
     def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than

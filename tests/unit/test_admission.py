@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from binbatch_sidecar.core.admission import AdmissionOrder, AdmissionQueue, engine_cap
+from binbatch_sidecar.core.admission import AdmissionOrder, AdmissionQueue, Backlog, engine_cap, kv_area
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
@@ -57,6 +57,61 @@ def test_shortest_predicted_first_across_bins_when_the_engine_is_full():
         assert s.step(clock.now()).dispatches == []  # the engine is full: they queue here
     order = [finish_one(s, clock, running) for _ in range(4)]
     assert order == [["tiny"], ["short"], ["mid"], ["long"]]
+
+
+def _engine_of_two_then(s: Scheduler, clock: ManualClock, waiting: list[tuple[str, float]]) -> list:
+    """Two 10-token requests fill a two-slot engine; then ``waiting`` arrive at once."""
+    for name in ("a", "b"):
+        s.submit(req(name, clock, 10))
+    running = s.step(clock.now()).dispatches
+    assert len(running) == 2
+    for name, tokens in waiting:
+        s.submit(req(name, clock, tokens))
+    assert s.step(clock.now()).dispatches == []
+    return running
+
+
+def test_once_arrivals_stop_the_longest_goes_first_if_the_rest_drains_before_it_could_end():
+    """The rest (30 waiting + 10 in flight, 2 at a time) drains in 20 steps; the
+    100-token request sent last would run 80 steps alone."""
+    s, clock = make(AdmissionOrder("shortest_first"), slots=2)
+    running = _engine_of_two_then(s, clock, [("s1", 10), ("long", 100), ("s2", 10), ("s3", 10)])
+    clock.advance(0.5)  # no arrival since: the burst is over
+    assert finish_one(s, clock, running) == ["long"]
+    assert finish_one(s, clock, running) == ["s1"]  # then shortest first again
+
+
+def test_while_requests_keep_arriving_the_longest_waits_its_turn():
+    s, clock = make(AdmissionOrder("shortest_first"), slots=2)
+    running = _engine_of_two_then(s, clock, [("s1", 10), ("long", 100), ("s2", 10), ("s3", 10)])
+    assert finish_one(s, clock, running) == ["s1"]  # at the instant of the last arrival: more may come
+
+
+def test_the_longest_waits_while_the_rest_takes_longer_than_it_does():
+    """30 tokens against a rest of 10 x 10 waiting + 10 in flight, 2 at a time: 55 steps."""
+    s, clock = make(AdmissionOrder("shortest_first"), slots=2)
+    running = _engine_of_two_then(s, clock, [("long", 30)] + [(f"s{i}", 10) for i in range(10)])
+    clock.advance(0.5)
+    assert finish_one(s, clock, running) == ["s0"]
+
+
+def test_the_critical_path_rule_keeps_priorities_and_leaves_fifo_alone():
+    s, clock = make(AdmissionOrder("shortest_first"), slots=2)
+    running = _engine_of_two_then(s, clock, [("long", 100)])
+    s.submit(req("urgent", clock, 10, priority=1))
+    clock.advance(0.5)
+    assert finish_one(s, clock, running) == ["urgent"]
+    s, clock = make(AdmissionOrder("fifo"), slots=2)
+    running = _engine_of_two_then(s, clock, [("s1", 10), ("long", 100)])
+    clock.advance(0.5)
+    assert finish_one(s, clock, running) == ["s1"]
+
+
+def test_the_drain_is_bounded_by_the_engines_concurrency_and_by_its_kv_cache():
+    assert kv_area(20, 10) == 10 * (20 + 5)  # 10 steps holding 20, 21, ... 29 tokens
+    assert Backlog(40.0, 0.0, 4, None).drain_steps(60.0, 0.0) == 25  # 100 tokens, 4 a step
+    assert Backlog(40.0, 1000.0, 4, 100.0).drain_steps(60.0, 4000.0) == 50  # 5000 token-steps in 100 at once
+    assert Backlog(40.0, 1000.0, None, None).drain_steps(60.0, 4000.0) is None  # nothing bounds it: no rule
 
 
 def test_fifo_keeps_the_formers_order():

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from binbatch_sidecar.core.admission import AdmissionOrder
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
@@ -71,12 +72,13 @@ def test_held_counts_the_tokens_generated_since_it_was_sent():
     assert plan.held(20, 50, 10.0) == (20 + 49 + 8, 1)  # past its prediction: one more token, never less
 
 
-def _scheduler(plan: KvPlan | None) -> tuple[Scheduler, ManualClock]:
+def _scheduler(plan: KvPlan | None, order: AdmissionOrder | None = None) -> tuple[Scheduler, ManualClock]:
     clock = ManualClock()
     binner = FixedBinner(())
     former = BatchFormer(binner, clock, target_size=64, max_wait=0.0, max_queue=1000)
     sizer = BatchSizer(mode="static", static_size=64, max_size=256)
-    return Scheduler(Core(HintPredictor(), binner, former, sizer, kv_plan=plan), clock, mode="continuous"), clock
+    core = Core(HintPredictor(), binner, former, sizer, kv_plan=plan, admission=order or AdmissionOrder())
+    return Scheduler(core, clock, mode="continuous"), clock
 
 
 def test_the_scheduler_holds_a_request_the_cache_would_not_hold_to_its_end():
@@ -124,6 +126,29 @@ def test_with_hinted_lengths_a_kv_limited_engine_preempts_at_least_90_percent_le
     res = drive(s, engine, iter(burst()), clock, full_latency_only=False,
                 snapshot=lambda: engine_snapshot(engine), scrape_interval=0.2)  # fmt: skip
     assert res.completed == 60 and engine.stats.preemptions <= 0.1 * direct.stats.preemptions
+
+
+def test_shortest_first_starts_a_bursts_long_answer_while_the_short_ones_drain():
+    """A burst of 40 short answers and one of 300 into a cache that holds part of
+    it, shortest first under the plan: the long one goes in once the burst is over
+    and it is on the critical path (admission.py), not after every short one,
+    where it would run alone for 300 steps."""
+
+    def burst() -> list[Request]:
+        lengths = [20] * 20 + [300] + [20] * 20
+        return [Request(id=str(i), arrival=0.0, prompt_tokens=20, max_tokens=n, hint_tokens=float(n),
+                        actual_tokens=float(n)) for i, n in enumerate(lengths)]  # fmt: skip
+
+    s, clock = _scheduler(KvPlan(), AdmissionOrder("shortest_first"))
+    engine = ContinuousEngine(a=0.006, c=0.0002, kv_tokens=768, prefill_per_token=0.0)
+    s.on_snapshot(engine_snapshot(engine), 0.0)
+    res = drive(s, engine, iter(burst()), clock, full_latency_only=False,
+                snapshot=lambda: engine_snapshot(engine), scrape_interval=0.2)  # fmt: skip
+    first_token = {r.id: t for r, t in engine.stats.first_token.items()}
+    later = [t for i in range(41) if i != 20 and (t := first_token[str(i)]) > first_token["0"]]
+    assert res.completed == 41 and engine.stats.preemptions == 0
+    assert later and first_token["20"] <= min(later)  # with the first short ones the cache took after the burst
+    assert res.makespan < 300 * (0.006 + 0.0002 * 8) * 1.2  # its own run, overlapped with the rest
 
 
 def test_memory_admission_projected_builds_a_plan_and_turns_off_b_mem():
