@@ -319,7 +319,7 @@ class Scheduler:
         plan = self.core.kv_plan
         if plan is None or plan.budget is None:
             return True
-        return plan.fits(self._inflight_left(now), (req.prompt_tokens + plan.margin, _expected(req)))
+        return plan.fits(self._inflight_left(now), plan.held(req.prompt_tokens, _expected(req), 0.0))
 
     def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than
@@ -356,6 +356,8 @@ class Scheduler:
         req.actual_tokens = actual
         predicted = req.predicted_tokens if req.predicted_tokens is not None else actual
         core.predictor.observe(req, actual)
+        if core.kv_plan is not None:
+            core.kv_plan.observe_prompt(req.prompt_tokens, outcome.prompt_tokens)
         if req.bin is not None:
             core.sizer.observe(req.bin, outcome.prompt_tokens, actual)
         core.accuracy.record(predicted, actual, req.prediction_source)

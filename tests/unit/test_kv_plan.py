@@ -72,6 +72,18 @@ def test_held_counts_the_tokens_generated_since_it_was_sent():
     assert plan.held(20, 50, 10.0) == (20 + 49 + 8, 1)  # past its prediction: one more token, never less
 
 
+def test_prompts_count_as_many_tokens_as_the_engine_counted_for_answered_ones():
+    plan = KvPlan(capacity=1000, block=2, step_seconds=0.01)
+    assert plan.held(30, 50, 0.0) == (30 + 1, 50)  # nothing answered yet: the estimate as it is
+    for estimated, counted in [(30, 24), (40, 32), (10, None), (0, 5), (20, 0)]:  # unknown counts teach nothing
+        plan.observe_prompt(estimated, counted)
+    assert plan.prompt_scale == pytest.approx(0.8) and plan.prompts_seen == 2
+    assert plan.held(30, 50, 0.0) == (pytest.approx(24 + 1), 50)
+    for _ in range(200):  # later answers move it as a moving average
+        plan.observe_prompt(10, 12)
+    assert plan.prompt_scale == pytest.approx(1.2)
+
+
 def _scheduler(plan: KvPlan | None, order: AdmissionOrder | None = None) -> tuple[Scheduler, ManualClock]:
     clock = ManualClock()
     binner = FixedBinner(())
@@ -92,6 +104,21 @@ def test_the_scheduler_holds_a_request_the_cache_would_not_hold_to_its_end():
         s.complete(r, Outcome(completion_tokens=80, prompt_tokens=10), 0.8)
     s.release(first[0].slot, 0.8)
     assert [r.id for d in s.step(0.8).dispatches for r in d.requests] == ["r2"]
+
+
+def test_the_engines_prompt_counts_of_answered_requests_let_more_in():
+    """Prompts estimated at 40 tokens that the engine counts as 10, 80 tokens out
+    each, half a token of rounding: at first two fit in 280 tokens (2 x 120.5 at
+    their end); once an answer shows the engine's count, three do (3 x 90.5)."""
+    s, clock = _scheduler(KvPlan())
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=280, kv_block_tokens=1, tpot_seconds=0.01, fresh=True), 0.0)
+    for i in range(4):
+        s.submit(Request(id=f"r{i}", arrival=0.0, prompt_tokens=40, max_tokens=80, hint_tokens=80))
+    first = s.step(0.0).dispatches
+    assert [r.id for d in first for r in d.requests] == ["r0", "r1"]
+    s.complete(first[0].requests[0], Outcome(completion_tokens=80, prompt_tokens=10), 0.8)
+    s.release(first[0].slot, 0.8)
+    assert [r.id for d in s.step(0.8).dispatches for r in d.requests] == ["r2", "r3"]
 
 
 def test_without_a_plan_the_same_requests_all_go_in():
