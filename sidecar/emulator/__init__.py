@@ -11,7 +11,9 @@ and behind it runs a token-step engine that batches the way vLLM does:
   admitted sequence's first step is its prefill (its prompt tokens) and yields its
   first token; a preempted sequence's readmission prefills its prompt and the
   tokens it had generated again, so recompute costs time, as on every real engine.
-* **Paged KV cache.** ``num_gpu_blocks`` blocks of ``block_size`` tokens. Before a
+* **Paged KV cache.** ``num_gpu_blocks`` blocks of ``block_size`` tokens, one of
+  them held back as vLLM v1's null block (never given to a sequence; the usage
+  gauge counts the others, as vLLM's does). Before a
   step a sequence must hold ceil((prompt + generated) / block_size) blocks -- the
   tokens whose KV the step computes. Running sequences grow first, in admission
   order; when a block is missing the most recently admitted sequence is preempted

@@ -52,16 +52,20 @@ class EmulatorConfig:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
+        if self.num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks: must be >= 2 (one is vLLM's null block), got {self.num_gpu_blocks}")
         if self.max_model_len > self.kv_capacity_tokens:
             raise ValueError(
                 f"max_model_len: {self.max_model_len} tokens do not fit in the KV cache "
-                f"({self.num_gpu_blocks} blocks x {self.block_size} = {self.kv_capacity_tokens} tokens)"
+                f"({self.num_gpu_blocks} blocks, less the null block, x {self.block_size} = "
+                f"{self.kv_capacity_tokens} tokens)"
             )
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """η = num_gpu_blocks × block_size (DESIGN §3.2)."""
-        return self.num_gpu_blocks * self.block_size
+        """η = (num_gpu_blocks − 1) × block_size (DESIGN §3.2): vLLM v1 keeps one
+        block back as its null block."""
+        return (self.num_gpu_blocks - 1) * self.block_size
 
     def step_seconds(self, running: int, prefill_tokens: int = 0) -> float:
         """τ(b) = a + c·b (DESIGN §4) plus ``prefill_per_token`` for each token the

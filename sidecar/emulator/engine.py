@@ -173,7 +173,7 @@ class EmulatedEngine:
 
     def _check_invariants(self) -> None:
         s = self.scheduler
-        if len(s.running) > s.max_num_seqs or not 0 <= s.free_blocks <= s.num_blocks:
+        if len(s.running) > s.max_num_seqs or not 0 <= s.free_blocks <= s.usable_blocks:
             raise AssertionError(f"scheduler invariant broken: {len(s.running)} running, {s.free_blocks} free")
 
     def _emit(self, seq: Sequence, now: float) -> None:

@@ -24,21 +24,26 @@ class BlockScheduler:
     """vLLM-style continuous batching over a paged KV budget (no I/O, no clock)."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks: must be >= 2 (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        self.free_blocks = num_blocks
+        # vLLM v1's BlockPool holds one block back as its null block (never given to
+        # a sequence), and its usage gauge counts the others
+        self.usable_blocks = num_blocks - 1
+        self.free_blocks = self.usable_blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - self.free_blocks
+        return self.usable_blocks - self.free_blocks
 
     @property
     def usage(self) -> float:
-        """Fraction of KV blocks in use, 0..1 (vLLM's ``kv_cache_usage_perc``)."""
-        return self.used_blocks / self.num_blocks
+        """Fraction of the usable KV blocks in use, 0..1 (vLLM's ``kv_cache_usage_perc``)."""
+        return self.used_blocks / self.usable_blocks
 
     def blocks_needed(self, seq: Sequence) -> int:
         """ceil((prompt + generated) / block_size)."""

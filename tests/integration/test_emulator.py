@@ -346,7 +346,7 @@ async def test_sidecar_metrics_reader_understands_both_generations(http):
 
 # --------------------------------------------------------- batching and the KV budget
 
-TINY = replace(FAST, num_gpu_blocks=12, block_size=4, max_num_seqs=6, max_model_len=48)
+TINY = replace(FAST, num_gpu_blocks=13, block_size=4, max_num_seqs=6, max_model_len=48)  # 12 usable blocks
 
 
 async def test_tiny_kv_budget_preempts_yet_every_request_completes_with_its_tokens(http):
@@ -462,8 +462,11 @@ async def test_client_that_disconnects_frees_its_kv_blocks(http):
 
 
 def test_config_refuses_a_context_longer_than_the_kv_cache():
+    assert EmulatorConfig(num_gpu_blocks=4, block_size=16, max_model_len=48).kv_capacity_tokens == 48  # 3 usable
     with pytest.raises(ValueError, match="max_model_len"):
-        EmulatorConfig(num_gpu_blocks=4, block_size=16, max_model_len=65)
+        EmulatorConfig(num_gpu_blocks=4, block_size=16, max_model_len=49)
+    with pytest.raises(ValueError, match="num_gpu_blocks: must be >= 2"):
+        EmulatorConfig(num_gpu_blocks=1, block_size=16, max_model_len=8)
 
 
 def test_cli_flags_map_onto_the_config():

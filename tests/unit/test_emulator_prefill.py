@@ -53,7 +53,7 @@ def test_a_step_that_admits_sequences_pays_for_their_prompt_tokens():
 
 def test_a_preempted_sequence_recomputes_its_prompt_and_generated_tokens_on_readmission():
     config = EmulatorConfig(step_a=A, step_c=C, prefill_per_token=P)
-    # 4 blocks of 4 tokens: two 3-token prompts fit until both grow past 8 tokens;
+    # 4 blocks of 4 tokens, one the null block: two 3-token prompts fit until both need 2 blocks;
     # the old one ends at 11 tokens (3 blocks), so the preempted one can come back.
     scheduler = BlockScheduler(num_blocks=4, block_size=4, max_num_seqs=8)
     old, new = seq(3, max_tokens=8), seq(3)
