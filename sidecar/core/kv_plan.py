@@ -24,7 +24,12 @@ predicted lengths the engine's own preemption counter tightens the plan
 estimate (bytes / 4) scaled by what the engine counted for the prompts of the
 requests it answered (``observe_prompt``): on the embedded engine, one token a
 word, the raw estimate held a chat prompt at 30 tokens for 24, and the plan's
-in-flight total ran ~15% above the engine's own KV usage.  Block rounding is covered by counting every sequence
+in-flight total ran ~15% above the engine's own KV usage; the 4096-token
+vocabulary of the real-vLLM test model counts the same prompts at 2.35x the
+estimate.  Until the engine has counted one prompt the scale is
+``PROMPT_SCALE_PRIOR``, 2 bytes a token, the dense end of tokenizers (code,
+numbers, non-Latin scripts): too high costs a cold sidecar's first requests a
+little concurrency, too low costs preemptions.  Block rounding is covered by counting every sequence
 at half a block more, the mean of what rounding up to whole blocks adds (a whole
 block each, the worst case, held the bench's KV-pressure burst to about half of
 direct's throughput; the rare sum past the mean is what the preemption feedback
@@ -39,8 +44,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-# Weight of each answered request in the prompt-token scale (engine count / estimate).
+# Weight of each answered request in the prompt-token scale (engine count / estimate),
+# and the scale before the first (the estimate is bytes / 4: this is 2 bytes a token).
 PROMPT_SCALE_EWMA = 0.1
+PROMPT_SCALE_PRIOR = 2.0
 # The plan's headroom after the engine reported preemptions, and how fast it comes back.
 SHRINK = 0.9
 RECOVER = 0.02
@@ -73,12 +80,13 @@ class KvPlan:
     headroom: float = 1.0
     step_seconds: float | None = None  # the engine's recent time per step (its TPOT)
     preemptions_seen: float = field(default=0.0)
-    prompt_scale: float = 1.0  # the engine's prompt tokens per estimated one (``observe_prompt``)
+    prompt_scale: float = PROMPT_SCALE_PRIOR  # the engine's prompt tokens per estimated one (``observe_prompt``)
     prompts_seen: int = 0
 
     def observe_prompt(self, estimated: float, counted: float | None) -> None:
         """The engine counted ``counted`` tokens in a prompt estimated at ``estimated``:
-        the mean ratio so far for the first answers, then a moving average."""
+        the mean ratio so far for the first answers (the prior is dropped at the
+        first), then a moving average."""
         if counted is None or not (estimated > 0 and counted > 0):
             return
         self.prompts_seen += 1

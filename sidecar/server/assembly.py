@@ -7,6 +7,8 @@ Pure construction, no I/O: the lifecycle (``app.py``) decides when to build.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import SidecarConfig
 from ..core.admission import AdmissionOrder
 from ..core.autok import BinCountController
@@ -78,7 +80,12 @@ def build_core(
     if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
         learned.fallback = predictor.fallback
         predictor = learned
-    plan = KvPlan(reserve=cfg.kv_reserve_ratio) if projected_kv(cfg) else None
+    plan = None
+    if projected_kv(cfg):
+        # what the plan learned of the engine (capacity, step time, headroom, prompt scale) outlives a reload:
+        # a fresh plan would admit freely until the next scrape and start its prompt scale over
+        kept = previous.kv_plan if previous is not None else None
+        plan = KvPlan(reserve=cfg.kv_reserve_ratio) if kept is None else replace(kept, reserve=cfg.kv_reserve_ratio)
     return Core(predictor=predictor, binner=binner, former=former, sizer=sizer, admission=build_admission(cfg),
                 kv_plan=plan)  # fmt: skip
 

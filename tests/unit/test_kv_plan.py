@@ -67,14 +67,14 @@ def test_the_engines_preemptions_tighten_the_plan_and_clean_scrapes_relax_it():
 
 
 def test_held_counts_the_tokens_generated_since_it_was_sent():
-    plan = KvPlan(capacity=1000, block=16, step_seconds=0.01)
+    plan = KvPlan(capacity=1000, block=16, step_seconds=0.01, prompt_scale=1.0)
     assert plan.held(20, 50, 0.2) == (20 + 19 + 8, 31)  # 20 steps' time, one counted as late; half a block of rounding
     assert plan.held(20, 50, 10.0) == (20 + 49 + 8, 1)  # past its prediction: one more token, never less
 
 
 def test_prompts_count_as_many_tokens_as_the_engine_counted_for_answered_ones():
     plan = KvPlan(capacity=1000, block=2, step_seconds=0.01)
-    assert plan.held(30, 50, 0.0) == (30 + 1, 50)  # nothing answered yet: the estimate as it is
+    assert plan.held(30, 50, 0.0) == (2 * 30 + 1, 50)  # nothing answered yet: 2 bytes a token, twice the estimate
     for estimated, counted in [(30, 24), (40, 32), (10, None), (0, 5), (20, 0)]:  # unknown counts teach nothing
         plan.observe_prompt(estimated, counted)
     assert plan.prompt_scale == pytest.approx(0.8) and plan.prompts_seen == 2
@@ -94,7 +94,7 @@ def _scheduler(plan: KvPlan | None, order: AdmissionOrder | None = None) -> tupl
 
 
 def test_the_scheduler_holds_a_request_the_cache_would_not_hold_to_its_end():
-    s, clock = _scheduler(KvPlan())
+    s, clock = _scheduler(KvPlan(prompt_scale=1.0))  # prompts counted as estimated
     s.on_snapshot(EngineSnapshot(kv_capacity_tokens=200, kv_block_tokens=1, tpot_seconds=0.01, fresh=True), 0.0)
     for i in range(3):  # 10 + 1 + 80 = 91 tokens each at its end
         s.submit(Request(id=f"r{i}", arrival=0.0, prompt_tokens=10, max_tokens=80, hint_tokens=80))
@@ -108,17 +108,18 @@ def test_the_scheduler_holds_a_request_the_cache_would_not_hold_to_its_end():
 
 def test_the_engines_prompt_counts_of_answered_requests_let_more_in():
     """Prompts estimated at 40 tokens that the engine counts as 10, 80 tokens out
-    each, half a token of rounding: at first two fit in 280 tokens (2 x 120.5 at
-    their end); once an answer shows the engine's count, three do (3 x 90.5)."""
+    each, half a token of rounding: at first, prompts counted at twice the
+    estimate, one fits in 280 tokens (2 x 160.5 do not); once an answer shows the
+    engine's count, three do (3 x 90.5)."""
     s, clock = _scheduler(KvPlan())
     s.on_snapshot(EngineSnapshot(kv_capacity_tokens=280, kv_block_tokens=1, tpot_seconds=0.01, fresh=True), 0.0)
     for i in range(4):
         s.submit(Request(id=f"r{i}", arrival=0.0, prompt_tokens=40, max_tokens=80, hint_tokens=80))
     first = s.step(0.0).dispatches
-    assert [r.id for d in first for r in d.requests] == ["r0", "r1"]
+    assert [r.id for d in first for r in d.requests] == ["r0"]
     s.complete(first[0].requests[0], Outcome(completion_tokens=80, prompt_tokens=10), 0.8)
     s.release(first[0].slot, 0.8)
-    assert [r.id for d in s.step(0.8).dispatches for r in d.requests] == ["r2", "r3"]
+    assert [r.id for d in s.step(0.8).dispatches for r in d.requests] == ["r1", "r2", "r3"]
 
 
 def test_without_a_plan_the_same_requests_all_go_in():
@@ -192,6 +193,21 @@ def test_memory_admission_projected_builds_a_plan_and_turns_off_b_mem():
     assert build_core(parse_config({}), ManualClock()).kv_plan is None  # default: BatchSize (b_mem)
     gang = parse_config({"memory": {"admission": "Projected"}, "batch": {"mode": "Gang"}})
     assert build_core(gang, ManualClock()).kv_plan is None  # a gang batch is not admitted per request
+
+
+def test_a_reload_keeps_what_the_plan_learned_of_the_engine_and_takes_the_new_reserve():
+    from binbatch_sidecar.config import parse_config
+    from binbatch_sidecar.server.assembly import build_core
+
+    doc = {"memory": {"admission": "Projected", "kvReservePercent": 10}, "batch": {"sizing": "Combined"}}
+    core = build_core(parse_config(doc), ManualClock())
+    core.kv_plan.on_snapshot(1000.0, 16, 0.01, 2.0)  # capacity, step time, and a preemption: headroom 0.9
+    core.kv_plan.observe_prompt(40, 10)
+    doc["memory"]["kvReservePercent"] = 20
+    reloaded = build_core(parse_config(doc), ManualClock(), previous=core).kv_plan
+    assert reloaded is not core.kv_plan  # the old core keeps its own
+    assert (reloaded.capacity, reloaded.step_seconds, reloaded.prompt_scale) == (1000.0, 0.01, 0.25)
+    assert reloaded.budget == pytest.approx(1000 * 0.8 * 0.9)  # not None: no free-for-all until the next scrape
 
 
 def test_preemptions_while_none_of_ours_is_in_the_engine_do_not_tighten_the_plan():
