@@ -267,7 +267,11 @@ class Scheduler:
                 for r in batch.requests:
                     pending.push(batch, r)
             sizes = former.target_sizes
-            backlog = self._backlog(now, max(sizes))
+            # what is in flight, once per admission; only the critical-path rule (once arrivals have
+            # stopped) and the KV plan read it, so a stream of arrivals without a plan skips it
+            stopped = pending.arrivals_stopped(now)
+            left = self._inflight_left(now) if stopped or self._plan_active() else []
+            backlog = self._backlog(left, max(sizes)) if stopped else None
             head = pending.peek(now, backlog)
             if head is None:
                 return
@@ -278,7 +282,7 @@ class Scheduler:
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
             if self.engine_cap is not None:
                 limit = min(limit, self.engine_cap)
-            if self.inflight_requests >= limit or not self._kv_fits(req, now):
+            if self.inflight_requests >= limit or not self._kv_fits(req, left):
                 return
             pending.pop(now, backlog)
             if req.expired(now):
@@ -300,26 +304,28 @@ class Scheduler:
             if r in self._open
         ]
 
-    def _backlog(self, now: float, size: int) -> Backlog | None:
-        """The engine's remaining work, for the critical-path rule (admission.py):
-        it runs at most ``size`` (capped by ``engine_cap``) at once, in the KV plan's
-        budget."""
-        if self.core.admission.order == "fifo":
-            return None
-        left = self._inflight_left(now)
+    def _backlog(self, left: list[tuple[float, float]], size: int) -> Backlog:
+        """The engine's remaining work (``left``: ``_inflight_left``), for the
+        critical-path rule (admission.py): it runs at most ``size`` (capped by
+        ``engine_cap``) at once, in the KV plan's budget."""
         plan = self.core.kv_plan
         concurrency = size if self.engine_cap is None else min(size, self.engine_cap)
         return Backlog(sum(r for _, r in left), sum(kv_area(h, r) for h, r in left), concurrency,
                        None if plan is None else plan.budget)  # fmt: skip
 
-    def _kv_fits(self, req: Request, now: float) -> bool:
-        """Does the engine's KV cache hold ``req`` and every request in flight until
-        each finishes (``core.kv_plan``; no plan: yes)?  The head of the queue waits
-        when it does not: a later, smaller one is not sent past it."""
+    def _plan_active(self) -> bool:
         plan = self.core.kv_plan
-        if plan is None or plan.budget is None:
+        return plan is not None and plan.budget is not None
+
+    def _kv_fits(self, req: Request, left: list[tuple[float, float]]) -> bool:
+        """Does the engine's KV cache hold ``req`` and every request in flight
+        (``left``: ``_inflight_left``) until each finishes (``core.kv_plan``; no
+        plan: yes)?  The head of the queue waits when it does not: a later, smaller
+        one is not sent past it."""
+        plan = self.core.kv_plan
+        if plan is None or not self._plan_active():
             return True
-        return plan.fits(self._inflight_left(now), plan.held(req.prompt_tokens, _expected(req), 0.0))
+        return plan.fits(left, plan.held(req.prompt_tokens, _expected(req), 0.0))
 
     def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than
