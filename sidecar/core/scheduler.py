@@ -267,11 +267,10 @@ class Scheduler:
                 for r in batch.requests:
                     pending.push(batch, r)
             sizes = former.target_sizes
-            # what is in flight, once per admission; only the critical-path rule (once arrivals have
-            # stopped) and the KV plan read it, so a stream of arrivals without a plan skips it
-            stopped = pending.arrivals_stopped(now)
-            left = self._inflight_left(now) if stopped or self._plan_active() else []
-            backlog = self._backlog(left, max(sizes)) if stopped else None
+            # what is in flight is listed only when read: by the critical-path rule once arrivals
+            # have stopped, and by the KV plan once the engine has room (``_kv_fits``), at most once
+            left = self._inflight_left(now) if pending.arrivals_stopped(now) else None
+            backlog = None if left is None else self._backlog(left, max(sizes))
             head = pending.peek(now, backlog)
             if head is None:
                 return
@@ -282,7 +281,7 @@ class Scheduler:
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
             if self.engine_cap is not None:
                 limit = min(limit, self.engine_cap)
-            if self.inflight_requests >= limit or not self._kv_fits(req, left):
+            if self.inflight_requests >= limit or not self._kv_fits(req, now, left):
                 return
             pending.pop(now, backlog)
             if req.expired(now):
@@ -313,19 +312,16 @@ class Scheduler:
         return Backlog(sum(r for _, r in left), sum(kv_area(h, r) for h, r in left), concurrency,
                        None if plan is None else plan.budget)  # fmt: skip
 
-    def _plan_active(self) -> bool:
-        plan = self.core.kv_plan
-        return plan is not None and plan.budget is not None
-
-    def _kv_fits(self, req: Request, left: list[tuple[float, float]]) -> bool:
+    def _kv_fits(self, req: Request, now: float, left: list[tuple[float, float]] | None = None) -> bool:
         """Does the engine's KV cache hold ``req`` and every request in flight
-        (``left``: ``_inflight_left``) until each finishes (``core.kv_plan``; no
-        plan: yes)?  The head of the queue waits when it does not: a later, smaller
-        one is not sent past it."""
+        (``left``, ``_inflight_left`` if listed already) until each finishes
+        (``core.kv_plan``; no plan: yes)?  The head of the queue waits when it does
+        not: a later, smaller one is not sent past it."""
         plan = self.core.kv_plan
-        if plan is None or not self._plan_active():
+        if plan is None or plan.budget is None:
             return True
-        return plan.fits(left, plan.held(req.prompt_tokens, _expected(req), 0.0))
+        return plan.fits(self._inflight_left(now) if left is None else left,
+                         plan.held(req.prompt_tokens, _expected(req), 0.0))  # fmt: skip
 
     def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than
