@@ -89,6 +89,15 @@ def test_workload_replays_the_same_requests_at_every_load():
     assert workloads.build("chat", 50, rate=None, seed=4) != burst
 
 
+def test_a_seed_fixes_the_arrival_pattern_at_every_rate():
+    # the rate is a fraction of a measured capacity, a new float each run: the same
+    # seed must give the same arrivals scaled, not a new sample (workloads.build)
+    at_10 = [r.arrival_s for r in workloads.build("chat", 50, rate=10.0, seed=3)]
+    at_9_37 = [r.arrival_s for r in workloads.build("chat", 50, rate=9.37, seed=3)]
+    assert at_9_37 == pytest.approx([t * 10.0 / 9.37 for t in at_10], rel=1e-12)
+    assert [r.arrival_s for r in workloads.build("chat", 50, rate=10.0, seed=4)] != at_10
+
+
 def test_ideal_gang_bins_cut_by_length_and_keep_arrival_order():
     lengths = [5, 90, 7, 60, 1, 33, 2, 8]
 
