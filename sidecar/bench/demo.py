@@ -150,8 +150,12 @@ def _measured(key: str, rows: dict[str, dict[str, Any] | None], cfg: e2e.E2EConf
     if key == "goodput":
         meet = [r["goodput_per_s"] / r["requests_per_s"] if r["requests_per_s"] else math.nan for r in (d, s)]
         every = " (direct meets it at every load measured)" if meet[0] >= 0.9 else ""
+        ceiling = setup.get("goodput_ceiling")
+        most = "" if ceiling is None else f", so no admission could reach more than {ceiling:.2f}x here"
+        by_load = ", ".join(f"{x}: {v:.2f}x" for x, v in setup.get("goodput_ratio_by_load", {}).items() if v is not None)
+        others = f"; sidecar/direct goodput at each load {by_load}" if by_load else ""
         return (f"share of requests meeting the SLO at load {d['load']:g}: direct {meet[0]:.0%}, sidecar "
-                f"{meet[1]:.0%}{every}; {both('TPOT p99', 'tpot_p99_s')} (SLO {cfg.slo_tpot_s * 1e3:g} ms)")
+                f"{meet[1]:.0%}{every}{most}{others}; {both('TPOT p99', 'tpot_p99_s')} (SLO {cfg.slo_tpot_s * 1e3:g} ms)")
     rate = both("requests/s", "requests_per_s", lambda v: f"{v:.2f}")
     if key == "kv":
         pre = "not exposed by the engine" if None in (d["preemptions"], s["preemptions"]) else both(

@@ -115,6 +115,11 @@ def test_goodput_load_says_when_direct_never_missed():
     assert "where direct misses" in e2e.goodput_note({"goodput_load": 0.8, "goodput_direct_missed_slo": True})
 
 
+def test_goodput_ceiling_is_what_serving_every_request_within_the_slo_would_reach():
+    assert e2e.goodput_ceiling(_direct(10, 8)) == pytest.approx(1.25)
+    assert e2e.goodput_ceiling(_direct(10, 0)) is None  # direct met it for none: no finite ceiling
+
+
 def test_ordering_bound_is_the_share_of_direct_e2e_that_is_not_waiting():
     from binbatch_sidecar.bench.bench_clients import RunResult
 

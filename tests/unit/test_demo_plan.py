@@ -36,7 +36,9 @@ def _doc(cfg: e2e.E2EConfig, ratios: dict[str, float | None]) -> dict:
                 "ttft_p99_s": 0.1, "tpot_p50_s": 0.012, "tpot_p99_s": 0.02, "e2e_p50_s": 0.6, "e2e_p99_s": 2.0,
                 "goodput_per_s": 9.0, "preemptions": 40.0 if c.key == "direct" else 4.0,
             })  # fmt: skip
-    return {"runs": runs, "ratios": ratios, "_setup": {"goodput_load": 0.95, "ordering_bound_at_95pct_load": 0.9}}
+    return {"runs": runs, "ratios": ratios, "_setup": {"goodput_load": 0.95, "ordering_bound_at_95pct_load": 0.9,
+                                                     "goodput_ceiling": 1.11,
+                                                     "goodput_ratio_by_load": {"0.8": 1.0, "0.95": 1.02, "1.1": 1.5}}}
 
 
 def test_a_missed_target_is_judged_missed_with_the_figures_it_came_from():
@@ -52,6 +54,7 @@ def test_a_missed_target_is_judged_missed_with_the_figures_it_came_from():
     assert [c["met"] for c in wins["kv"]["checks"]] == [True, True]  # the bounds are inclusive
     assert "direct 40, sidecar 4" in wins["kv"]["measured"]
     assert wins["goodput"]["scenario"] == "chat@0.95"
+    assert "more than 1.11x here" in wins["goodput"]["measured"] and "1.1: 1.50x" in wins["goodput"]["measured"]
     assert wins["gang"]["checks"][0]["met"] is None  # not measured is neither met nor missed
     assert "sidecar 2.00x" in wins["gang"]["measured"] and "ideal client 2.00x" in wins["gang"]["measured"]
     for w in wins.values():
