@@ -45,15 +45,17 @@ async def test_continuous_generate_and_stream_through_the_sidecar(vllm_server, t
     async with running_sidecar(_doc(vllm_server, batch={"mode": "Continuous"}), tmp_path) as sc:
         resp = await sc.inference.Generate(prompt_request(1, 12), timeout=120)
         assert resp.completion_tokens == 12 and resp.text
-        # 64 tokens: long enough that the engine's SSE events cannot all land in one
-        # read. With 10, a fast engine's whole answer sometimes arrived at once, and
-        # the stream rightly sent what had arrived as one chunk (GenerateStream).
-        chunks = [c async for c in sc.inference.GenerateStream(prompt_request(2, 64), timeout=120)]
+        # 256 tokens: long enough that the engine's SSE events cannot all land in one
+        # read. With 10, and then with 64 on a host with AVX-512 (~3 ms a step) in the
+        # full suite, a fast engine's whole answer sometimes arrived at once -- vLLM
+        # merges the tokens its API server has not sent yet -- and the stream rightly
+        # sent what had arrived as one chunk (GenerateStream).
+        chunks = [c async for c in sc.inference.GenerateStream(prompt_request(2, 256), timeout=120)]
         assert chunks[-1].HasField("final")
         pieces = [c.text for c in chunks[:-1]]
         assert len(pieces) >= 2  # real token streaming, not one chunk at the end
         assert "".join(pieces) and chunks[-1].final.text == ""  # the text comes once, in the chunks
-        assert chunks[-1].final.completion_tokens == 64
+        assert chunks[-1].final.completion_tokens == 256
         await sc.sidecar.feed.poll_once()
         stats = await sc.stats()
         assert stats.metrics_source.state == pb.METRICS_STATE_FRESH  # vLLM's /metrics parsed
