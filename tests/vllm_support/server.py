@@ -77,7 +77,7 @@ PROFILES: dict[str, dict[str, object]] = {
     # for memory (vLLM's CPU default caps running requests at max_num_seqs=128).
     "default": {},
     # 16 blocks of 32 tokens (15 usable, 480 tokens): 32 concurrent requests of
-    # 16 prompt + 64 output tokens (3 blocks each at the end) must queue
+    # 16 prompt + 160 output tokens (6 blocks each at the end) must queue
     # (num_requests_waiting > 0) and get preempted (num_preemptions_total grows).
     # --max-model-len must fit in the blocks (vLLM refuses to start otherwise).
     "small_kv": {
