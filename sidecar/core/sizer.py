@@ -42,6 +42,7 @@ REASONS = (
     "memory",  # b_mem is the binding bound
     "kv-plan",  # memory is admitted per request (kv_plan.py), no batch-size bound; b_sla (if any) does not bind
     "sla",  # b_sla is the binding bound
+    "sla-infeasible",  # the engine misses the TPOT SLO at the smallest size too: b_sla is lifted (SlaSizer)
 )
 # What Stats.sizer_reason reports before the sizer's first update.
 INITIAL_REASON = "initial"
@@ -138,6 +139,12 @@ class LengthStats:
 # -- SLA-constrained size (seed Algorithm 2) ------------------------------------------
 
 
+# Slow scrapes in a row at the smallest batch size after which a TPOT SLO counts as
+# beyond the engine (``SlaSizer.infeasible``): three, so one slow interval (a long
+# prefill, a noisy neighbour) does not give the SLO up.
+INFEASIBLE_AFTER = 3
+
+
 class SlaSizer:
     """Algorithm 2 as a state machine: a noisy binary search for the largest batch
     whose TPOT stays within ``eps_d`` of ``d_sla``.
@@ -167,6 +174,13 @@ class SlaSizer:
     * line 15's floor at the running count is left out: outside the engine, a
       target below the running count is how we shrink ("admit none until enough
       finish").
+    * an SLO the engine cannot meet is given up, not chased: after
+      ``INFEASIBLE_AFTER`` slow scrapes in a row at b_min (the engine decoding at
+      most b_min requests), no batch size can meet D_SLA, so b ← b_max
+      (``infeasible``) until a TPOT within D_SLA + ε_D is seen, when the search
+      starts again from the whole window.  Chasing it held a real vLLM CPU
+      server (32 ms a token alone) at one sequence for a 20 ms SLO: a quarter of
+      its throughput, and every request still missed.
     """
 
     def __init__(
@@ -193,6 +207,9 @@ class SlaSizer:
         self.b_min, self.b_max = b_min, b_max
         self.low, self.high = b_min, b_max  # Algorithm 2 line 1
         self.b = (b_min + b_max) // 2 if initial is None else initial
+        self.infeasible = False  # D_SLA is beyond the engine at b_min: b is lifted to b_max
+        self.tpot_at_min: float | None = None  # the TPOT of the last slow scrape at b_min
+        self._slow_at_min = 0  # slow scrapes in a row at b_min
 
     def update(self, tpot: float | None, observed_batch: float | None = None) -> int:
         """One scrape interval: ``tpot`` = recent mean seconds per output token
@@ -205,6 +222,19 @@ class SlaSizer:
         prev, low, high, a = self.b, self.low, self.high, self.alpha
         b_bar = prev if observed_batch is None else _clamp(int(observed_batch), self.b_min, self.b_max)
         slow, fast = tpot > self.d_sla + self.eps_d, tpot < self.d_sla - self.eps_d
+        if self.infeasible:
+            if slow:
+                return self.b  # still beyond it: nothing to buy with a smaller batch
+            self.infeasible, low, high = False, self.b_min, self.b_max  # within reach again: search anew
+        if slow and (prev if observed_batch is None else observed_batch) <= self.b_min:  # unrounded: at most b_min
+            self._slow_at_min += 1
+            self.tpot_at_min = tpot
+            if self._slow_at_min >= INFEASIBLE_AFTER:
+                self.infeasible, self._slow_at_min = True, 0
+                self.low, self.high, self.b = self.b_min, self.b_max, self.b_max
+                return self.b
+        else:
+            self._slow_at_min = 0
         # Algorithm 2 lines 5-13 (each right-hand side uses the previous window)
         if slow:
             low, high = max(low - self.delta, self.b_min), max(b_bar, low + a)
@@ -414,7 +444,7 @@ class BatchSizer:
             if (mem is not None and (b_sla is None or mem <= b_sla)) or (mem is None and b_sla is None):
                 labels.add(mem_label)
             else:
-                labels.add("sla")
+                labels.add("sla-infeasible" if sla is not None and sla.infeasible else "sla")
         reason = "+".join(r for r in REASONS if r in labels)
         detail = f"{mem_label}: b_mem={mems}" if self.mode in ("memory", "combined") else "memory term off"
         if mem_label == "kv-plan":
@@ -428,6 +458,9 @@ class BatchSizer:
         if sla:
             tpot = "none" if snap.tpot_seconds is None else f"{snap.tpot_seconds * 1e3:.1f} ms"
             detail += f"; b_sla={b_sla} (TPOT {tpot}, target {sla.d_sla * 1e3:.1f} ms)"
+            if sla.infeasible and sla.tpot_at_min is not None:
+                detail += (f"; the target is lifted: at {sla.b_min} running the engine took "
+                           f"{sla.tpot_at_min * 1e3:.1f} ms a token")  # fmt: skip
         usage = snap.kv_usage_ratio
         if usage is not None and usage >= self.kv_saturation:
             sizes = [min(s, p) for s, p in zip(sizes, prev)]

@@ -157,6 +157,7 @@ class Dispatcher:
         self.engine_timeout = engine_timeout
         self.adjustments: deque[Adjustment] = deque(maxlen=MAX_ADJUSTMENTS)
         self._logged: dict[str, tuple[float, str, int]] = {}  # field -> (last INFO time, reason kind, changes since)
+        self._sla_infeasible = False  # the sizer gave the TPOT SLO up (SlaSizer.infeasible): warned once a change
         self._wall_time = wall_time
         self._calls: dict[Request, Call] = {}  # accepted and not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
@@ -498,6 +499,16 @@ class Dispatcher:
     def on_snapshot(self, snapshot: EngineSnapshot | None) -> SizeDecision:
         """Recompute B_t from a metrics snapshot (None: no metrics source)."""
         decision, changes = self.scheduler.on_snapshot(snapshot, self.clock.now())
+        sla = self.scheduler.core.sizer.sla
+        if sla is not None and sla.infeasible != self._sla_infeasible:
+            self._sla_infeasible = sla.infeasible
+            if sla.infeasible:
+                log.warning("the TPOT SLO (%.1f ms) is beyond the engine even at %d running: the batch size no "
+                            "longer shrinks for it until a TPOT within it is seen (%s)", sla.d_sla * 1e3, sla.b_min,
+                            decision.detail)  # fmt: skip
+            else:
+                log.info("the engine's TPOT is within the SLO (%.1f ms) again: the batch size follows it",
+                         sla.d_sla * 1e3)  # fmt: skip
         for change in changes:
             if change.field == "batchSize":
                 self.metrics.size_changes.labels(decision.reason).inc()
@@ -527,6 +538,7 @@ class Dispatcher:
 
     def replace_core(self, core: Core, *, mode: Mode, max_inflight_batches: int, engine_timeout: float | None) -> None:
         """Swap in a core built from a new config; queued requests move over in order."""
+        self._sla_infeasible = False  # a new sizer searches anew
         self.engine_timeout = engine_timeout
         for req in self.scheduler.replace_core(core, mode=mode, max_inflight_batches=max_inflight_batches):
             self._resolve(req, "rejected", exc=Rejected("resource_exhausted", "queue full after a config reload"))

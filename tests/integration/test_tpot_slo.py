@@ -71,3 +71,35 @@ async def test_a_held_request_without_a_ttft_budget_ends_at_its_deadline(tmp_pat
             stats = await sc.stats()
             assert stats.totals.expired + stats.totals.cancelled == 1  # ended in the sidecar, never sent
             assert stats.totals.completed == 4
+
+
+async def test_a_policy_tpot_slo_the_engine_misses_at_one_request_is_given_up(tmp_path):
+    """latency.tpotMilliseconds 1 with Sla sizing in front of an engine that takes
+    ~10 ms a token even alone: the sizer walks the batch down to minBatchSize, and
+    after three slow scrapes there stops chasing the SLO -- b_sla goes back to
+    maxBatchSize and Stats says "sla-infeasible" -- instead of serving one request
+    at a time, every one of them still late."""
+    doc = sidecar_config(
+        "",
+        batch={"mode": "Continuous", "sizing": "Sla", "staticSize": 4, "maxBatchSize": 32, "maxWaitMilliseconds": 1},
+        latency={"tpotMilliseconds": 1},
+        metrics={"intervalMilliseconds": 60000, "staleAfterMilliseconds": 600000},  # scrapes only when polled
+    )
+    async with running_emulator(STEPPED) as url:
+        doc["engine"]["url"], doc["metrics"]["url"] = url, url + "/metrics"
+        async with running_sidecar(doc, tmp_path) as sc:
+            await sc.sidecar.feed.poll_once()
+            reasons, sizes = [], []
+            for round_ in range(8):  # each round decodes tokens, so each scrape has a fresh TPOT
+                await asyncio.gather(*(sc.inference.Generate(prompt_request(10 * round_ + i, 8), timeout=30)
+                                       for i in range(2)))  # fmt: skip
+                await sc.sidecar.feed.poll_once()
+                stats = await sc.stats()
+                reasons.append(stats.sizer_reason.partition(":")[0])
+                sizes.append(stats.b_sla)
+            assert 1 in sizes  # it did try the smallest batch first
+            assert reasons[-1] == "sla-infeasible" and sizes[-1] == 32, (reasons, sizes)
+            # and stops shrinking for it: 8 requests at once all go in together
+            replies = await asyncio.gather(*(sc.inference.Generate(prompt_request(100 + i, 8), timeout=30)
+                                             for i in range(8)))  # fmt: skip
+            assert max(r.queue_seconds for r in replies) < 0.3

@@ -143,7 +143,7 @@ def _emitted_sizer_reasons() -> set[str]:
         sizer = BatchSizer(mode=mode, static_size=8, max_size=64, d_sla=0.05, min_samples=32, kv_plan=kv_plan)
         for i in range(samples):  # bin 0 short, bin 1 long: per-bin b_mem differ
             sizer.observe(i % 2, 100, 50 if i % 2 == 0 else 20_000)
-        for _ in range(3):
+        for _ in range(12):  # enough slow scrapes for b_sla to reach 1 and give the SLO up ("sla-infeasible")
             reasons.add(sizer.update(snapshot, 2).reason)
         reasons.add(sizer.update(EngineSnapshot(fresh=False), 2).reason)  # stale after that history
     return reasons

@@ -749,8 +749,8 @@ class Adjustment(_message.Message):
     "target-unreachable" (the k with the lowest latency bound).
     values: "rebalance" | "static" | "no-metrics" | "stale-last-good"
       | "stale-static" | "stale-pressure" | "kv-saturated" | "warming-up"
-      | "no-kv-capacity" | "memory" | "kv-plan" | "sla" | "meets-target"
-      | "overloaded" | "target-unreachable"
+      | "no-kv-capacity" | "memory" | "kv-plan" | "sla" | "sla-infeasible"
+      | "meets-target" | "overloaded" | "target-unreachable"
     """
     def __init__(
         self,
@@ -840,12 +840,16 @@ class Stats(_message.Message):
       "kv-plan": memory.admission Projected: no batch-size bound from memory,
         each request is admitted only if the KV cache holds it to its end
         (b_sla, if any, does not bind);
-      "sla": b_sla is the binding bound.
+      "sla": b_sla is the binding bound;
+      "sla-infeasible": the engine missed the TPOT SLO (latency.tpotMilliseconds)
+        at minBatchSize too, three scrapes in a row: no batch size can meet it,
+        so b_sla no longer shrinks the batch (it is maxBatchSize) until a TPOT
+        within the SLO is seen.
     When bins are bound by different terms, their reasons are joined by "+"
     in the order above, e.g. "memory+sla" or "warming-up+sla".
     values: "initial" | "static" | "no-metrics" | "stale-last-good"
       | "stale-static" | "stale-pressure" | "kv-saturated" | "warming-up"
-      | "no-kv-capacity" | "memory" | "kv-plan" | "sla"
+      | "no-kv-capacity" | "memory" | "kv-plan" | "sla" | "sla-infeasible"
     """
     inflight_batches: _builtins.int
     """Batches in the engine now (at most maxInflightBatches)."""
