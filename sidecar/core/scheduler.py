@@ -418,6 +418,8 @@ class Scheduler:
         core = self.core
         changes: list[Change] = []
         observed = self.ledger.mean_requests(now)
+        if core.former.gate is not None and snapshot is not None:
+            core.former.gate.observe_interval(snapshot.tpot_seconds, observed)
         if isinstance(core.binner, AdaptiveBinner) and snapshot is not None and snapshot.kv_capacity_tokens:
             mu = core.sizer.overall.mu
             if mu:

@@ -73,6 +73,28 @@ async def test_a_held_request_without_a_ttft_budget_ends_at_its_deadline(tmp_pat
             assert stats.totals.completed == 4
 
 
+async def test_a_tpot_slo_the_engine_misses_even_alone_is_sent_at_once(tmp_path):
+    """The same engine and request as above, but the sidecar has seen the engine's
+    TPOT with one request running (~10 ms): a 1 ms SLO cannot be met by waiting, so
+    the request goes at once instead of waiting out its deadline."""
+    doc = sidecar_config(
+        "", batch={"sizing": "Static", "staticSize": 4, "maxWaitMilliseconds": 1},
+        metrics={"intervalMilliseconds": 60000, "staleAfterMilliseconds": 600000},
+    )  # fmt: skip
+    async with running_emulator(STEPPED) as url:
+        doc["engine"]["url"], doc["metrics"]["url"] = url, url + "/metrics"
+        async with running_sidecar(doc, tmp_path) as sc:
+            await sc.sidecar.feed.poll_once()
+            for i in range(2):  # one at a time, a scrape after each: the engine's TPOT alone
+                await sc.inference.Generate(prompt_request(i, 6), timeout=30)
+                await sc.sidecar.feed.poll_once()
+            gate = sc.sidecar.dispatcher.core.former.gate
+            assert gate is not None and gate.alone is not None and gate.alone > 0.005
+            assert gate.observed is not None and gate.observed > 0.001  # the gate alone would hold it
+            reply = await sc.inference.Generate(prompt_request(20, 3), metadata=(("x-slo-tpot-ms", "1"),), timeout=5)
+            assert reply.completion_tokens == 3 and reply.queue_seconds < 0.3
+
+
 async def test_a_policy_tpot_slo_the_engine_misses_at_one_request_is_given_up(tmp_path):
     """latency.tpotMilliseconds 1 with Sla sizing in front of an engine that takes
     ~10 ms a token even alone: the sizer walks the batch down to minBatchSize, and

@@ -121,3 +121,34 @@ def test_drain_ignores_the_gate():
     f.drain()
     batch = f.take()
     assert batch is not None and batch.requests == [r]
+
+
+def test_an_slo_the_engine_misses_even_alone_is_not_held():
+    """Over an interval with one request of ours and one running at both scrapes the
+    engine took 32 ms a token: a 20 ms SLO cannot be met by waiting, a 40 ms one can."""
+    gate = TpotGate(policy_tpot=None)
+    gate.observe(0.030, fresh=True, running=1)
+    gate.observe(0.032, fresh=True, running=1)
+    gate.observe_interval(0.032, ours=1.0)
+    assert gate.alone == 0.032
+    gate.observe(0.060, fresh=True, running=8)  # busy now
+    gate.observe_interval(0.060, ours=6.5)
+    assert gate.alone == 0.032 and gate.admits(0.020, now=0.0)  # beyond it even alone: sent at once
+    assert not gate.admits(0.040, now=0.0)  # within reach alone: held while the engine runs at 60 ms
+
+
+def test_an_interval_with_more_than_one_running_is_not_alone():
+    gate = TpotGate(policy_tpot=None)
+    gate.observe(None, fresh=True, running=0)
+    gate.observe(0.050, fresh=True, running=0)
+    gate.observe_interval(0.050, ours=4.0)  # four of ours ran between two idle scrapes
+    assert gate.alone is None
+    gate.observe(0.050, fresh=True, running=3)
+    gate.observe_interval(0.050, ours=0.5)  # one of ours, but others ran too
+    assert gate.alone is None
+    gate.observe(0.050, fresh=True, running=1)
+    gate.observe_interval(0.050, ours=None)  # none of ours: another client's TPOT
+    gate.observe(0.050, fresh=False, running=1)
+    gate.observe(0.050, fresh=True, running=1)
+    gate.observe_interval(0.050, ours=1.0)  # the scrape before was stale: its count is unknown
+    assert gate.alone is None and not gate.admits(0.020, now=0.0)

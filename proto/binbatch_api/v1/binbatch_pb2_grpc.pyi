@@ -65,7 +65,8 @@ class InferenceStub:
         while the engine's recent inter-token latency (from its metrics) meets
         it, else it waits in the sidecar: at most until its TTFT budget above is
         spent (then it is sent anyway), or its deadline passes (DEADLINE_EXCEEDED).
-        Without fresh metrics it is not held. They are metadata
+        Without fresh metrics it is not held, nor when its SLO is below the
+        engine's TPOT with one request running (waiting cannot help). They are metadata
         keys, not message fields. Values are plain ASCII digits (no sign, spaces
         or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
         `x-slo-tpot-ms` in [1, 100000].
@@ -117,7 +118,8 @@ class InferenceAsyncStub(InferenceStub):
         while the engine's recent inter-token latency (from its metrics) meets
         it, else it waits in the sidecar: at most until its TTFT budget above is
         spent (then it is sent anyway), or its deadline passes (DEADLINE_EXCEEDED).
-        Without fresh metrics it is not held. They are metadata
+        Without fresh metrics it is not held, nor when its SLO is below the
+        engine's TPOT with one request running (waiting cannot help). They are metadata
         keys, not message fields. Values are plain ASCII digits (no sign, spaces
         or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
         `x-slo-tpot-ms` in [1, 100000].
@@ -165,7 +167,8 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         while the engine's recent inter-token latency (from its metrics) meets
         it, else it waits in the sidecar: at most until its TTFT budget above is
         spent (then it is sent anyway), or its deadline passes (DEADLINE_EXCEEDED).
-        Without fresh metrics it is not held. They are metadata
+        Without fresh metrics it is not held, nor when its SLO is below the
+        engine's TPOT with one request running (waiting cannot help). They are metadata
         keys, not message fields. Values are plain ASCII digits (no sign, spaces
         or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
         `x-slo-tpot-ms` in [1, 100000].
