@@ -5,6 +5,9 @@ requests without one go at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -54,7 +57,10 @@ async def test_a_tpot_slo_the_engine_misses_holds_the_request_until_its_ttft_bud
             assert quick.queue_seconds < 0.3
 
 
-async def test_a_held_request_without_a_ttft_budget_ends_at_its_deadline(tmp_path):
+@contextlib.asynccontextmanager
+async def _static_sidecar_on_stepped_engine(tmp_path) -> AsyncIterator[Any]:
+    """A static-size sidecar in front of the STEPPED engine that scrapes only when
+    the test polls, polled once before any traffic."""
     doc = sidecar_config(
         "", batch={"sizing": "Static", "staticSize": 4, "maxWaitMilliseconds": 1},
         metrics={"intervalMilliseconds": 60000, "staleAfterMilliseconds": 600000},
@@ -63,36 +69,34 @@ async def test_a_held_request_without_a_ttft_budget_ends_at_its_deadline(tmp_pat
         doc["engine"]["url"], doc["metrics"]["url"] = url, url + "/metrics"
         async with running_sidecar(doc, tmp_path) as sc:
             await sc.sidecar.feed.poll_once()
-            await asyncio.gather(*(sc.inference.Generate(prompt_request(i, 6), timeout=30) for i in range(4)))
-            await sc.sidecar.feed.poll_once()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await sc.inference.Generate(prompt_request(20, 3), metadata=(("x-slo-tpot-ms", "1"),), timeout=0.5)
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            stats = await sc.stats()
-            assert stats.totals.expired + stats.totals.cancelled == 1  # ended in the sidecar, never sent
-            assert stats.totals.completed == 4
+            yield sc
+
+
+async def test_a_held_request_without_a_ttft_budget_ends_at_its_deadline(tmp_path):
+    async with _static_sidecar_on_stepped_engine(tmp_path) as sc:
+        await asyncio.gather(*(sc.inference.Generate(prompt_request(i, 6), timeout=30) for i in range(4)))
+        await sc.sidecar.feed.poll_once()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await sc.inference.Generate(prompt_request(20, 3), metadata=(("x-slo-tpot-ms", "1"),), timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        stats = await sc.stats()
+        assert stats.totals.expired + stats.totals.cancelled == 1  # ended in the sidecar, never sent
+        assert stats.totals.completed == 4
 
 
 async def test_a_tpot_slo_the_engine_misses_even_alone_is_sent_at_once(tmp_path):
     """The same engine and request as above, but the sidecar has seen the engine's
     TPOT with one request running (~10 ms): a 1 ms SLO cannot be met by waiting, so
     the request goes at once instead of waiting out its deadline."""
-    doc = sidecar_config(
-        "", batch={"sizing": "Static", "staticSize": 4, "maxWaitMilliseconds": 1},
-        metrics={"intervalMilliseconds": 60000, "staleAfterMilliseconds": 600000},
-    )  # fmt: skip
-    async with running_emulator(STEPPED) as url:
-        doc["engine"]["url"], doc["metrics"]["url"] = url, url + "/metrics"
-        async with running_sidecar(doc, tmp_path) as sc:
+    async with _static_sidecar_on_stepped_engine(tmp_path) as sc:
+        for i in range(2):  # one at a time, a scrape after each: the engine's TPOT alone
+            await sc.inference.Generate(prompt_request(i, 6), timeout=30)
             await sc.sidecar.feed.poll_once()
-            for i in range(2):  # one at a time, a scrape after each: the engine's TPOT alone
-                await sc.inference.Generate(prompt_request(i, 6), timeout=30)
-                await sc.sidecar.feed.poll_once()
-            gate = sc.sidecar.dispatcher.core.former.gate
-            assert gate is not None and gate.alone is not None and gate.alone > 0.005
-            assert gate.observed is not None and gate.observed > 0.001  # the gate alone would hold it
-            reply = await sc.inference.Generate(prompt_request(20, 3), metadata=(("x-slo-tpot-ms", "1"),), timeout=5)
-            assert reply.completion_tokens == 3 and reply.queue_seconds < 0.3
+        gate = sc.sidecar.dispatcher.core.former.gate
+        assert gate is not None and gate.alone is not None and gate.alone > 0.005
+        assert gate.observed is not None and gate.observed > 0.001  # the gate alone would hold it
+        reply = await sc.inference.Generate(prompt_request(20, 3), metadata=(("x-slo-tpot-ms", "1"),), timeout=5)
+        assert reply.completion_tokens == 3 and reply.queue_seconds < 0.3
 
 
 async def test_a_policy_tpot_slo_the_engine_misses_at_one_request_is_given_up(tmp_path):
