@@ -2,7 +2,7 @@
 
 What the sidecar relies on, checked on the real engine: batched /v1/completions
 with exact output lengths (``max_tokens`` + ``ignore_eos``), chat completions, the
-metric names and labels it scrapes, that concurrent requests share engine steps (continuous batching),
+metric names and labels it scrapes, that requests in the engine together share its steps (continuous batching),
 and that a small KV budget makes vLLM queue and preempt.
 
 The server comes from the session fixture ``vllm_server`` (conftest.py): one at a
@@ -158,14 +158,18 @@ async def test_metrics_names_and_labels(vllm_server: Any, http: aiohttp.ClientSe
     assert info.labels["num_gpu_blocks_override"] == "None"
 
 
-async def test_concurrency_shares_engine_steps(vllm_server: Any, http: aiohttp.ClientSession) -> None:
-    """Continuous batching: 32 requests at once share the engine's steps; 32 in a row do not.
+async def test_requests_in_the_engine_together_share_its_steps(vllm_server: Any, http: aiohttp.ClientSession) -> None:
+    """Continuous batching: 32 requests that reach the engine together share its
+    steps; 32 in a row take a step per token each.
 
     Counted in engine steps (the count of vLLM's ``vllm:iteration_tokens_total``
     histogram: one observation per engine step that produced output), not in wall
-    time. On a just-booted 2-core CI machine the wall times of the two phases came
-    out equal (3.13 s vs 3.16 s) while the engine still batched: the API server,
-    starved of CPU, paced both. A step count does not depend on the host's speed.
+    time, and the 32 go in one call (a list of prompts), which vLLM's API server
+    adds to the engine in one pass. Two earlier forms failed on 2-core CI machines
+    while the engine was fine: wall times (32 at once took as long as 32 in a row,
+    3.13 s vs 3.16 s), and then steps with 32 separate HTTP calls (512 steps either
+    way, one request running at a time in vLLM's log): there the API server passed
+    each call on more slowly than the engine finished the one before.
     """
     n, max_tokens = 32, 16
     steps = "vllm:iteration_tokens_total"
@@ -176,19 +180,17 @@ async def test_concurrency_shares_engine_steps(vllm_server: Any, http: aiohttp.C
         data = await complete(http, vllm_server, token_prompt(i), max_tokens)
         assert data["usage"]["completion_tokens"] == max_tokens
     middle = await scrape(http, vllm_server)
-    results = await asyncio.gather(
-        *(complete(http, vllm_server, token_prompt(100 + i), max_tokens) for i in range(n))
-    )
+    data = await complete(http, vllm_server, [token_prompt(100 + i) for i in range(n)], max_tokens)
     after = await scrape(http, vllm_server)
-    assert all(r["usage"]["completion_tokens"] == max_tokens for r in results)
+    assert len(data["choices"]) == n and data["usage"]["completion_tokens"] == n * max_tokens
 
     count = f"{steps}_count"
     sequential = value(middle, steps, count) - value(before, steps, count)
-    concurrent = value(after, steps, count) - value(middle, steps, count)
+    together = value(after, steps, count) - value(middle, steps, count)
     # In a row, each request needs a step per output token (the prefill step gives the first).
     assert sequential >= n * max_tokens, sequential
-    # At once, a step serves several requests: half the steps means two requests a step on average.
-    assert concurrent <= 0.5 * sequential, (concurrent, sequential)
+    # Together, a step serves all that are running: about max_tokens steps, not n * max_tokens.
+    assert together <= 4 * max_tokens, (together, sequential)
 
 
 def bucket(families: dict[str, Any], name: str, le: str) -> float:
