@@ -398,8 +398,12 @@ async def test_a_child_the_api_server_refuses_is_reported_in_status_and_retried(
     """Defect 5 (status side) and 4: a 422 on the Service left the policy without any status."""
     api = cluster
     message = 'Service "fast-binbatch" is invalid: spec.ports[0].port: Invalid value'
-    # kmock stores what it is sent even when a reaction answers instead: the Service stays unseen too.
-    api["post", kmock.resource("v1/services")] << 422 << {"kind": "Status", "code": 422, "message": message}
+    # kmock stores what it is sent even when a reaction answers instead: the Service stays unseen too,
+    # and the retry's create meets the stored one (409), so its update is refused as well -- without
+    # that, the retry succeeded within the same second and the refusal was in status only briefly.
+    refusal = {"kind": "Status", "code": 422, "message": message}
+    api["post", kmock.resource("v1/services")] << 422 << refusal
+    api["patch", kmock.resource("v1/services")] << 422 << refusal
     api["get", kmock.resource("v1/services")] << 404 << {"kind": "Status", "code": 404, "message": "not found"}
     await api.post(POLICIES, json=policy_doc("fast"))
 
