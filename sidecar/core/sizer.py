@@ -495,7 +495,8 @@ class BatchSizer:
         if snap.preemptions_delta:
             signs.append(f"{snap.preemptions_delta:g} preemptions")
         sla = self.sla if self.mode in ("sla", "combined") else None
-        if sla and snap.tpot_seconds is not None and snap.tpot_seconds > sla.d_sla + sla.eps_d:
+        # an SLO given up as beyond the engine (SlaSizer.infeasible) is no sign of pressure
+        if sla and not sla.infeasible and snap.tpot_seconds is not None and snap.tpot_seconds > sla.d_sla + sla.eps_d:
             signs.append(f"TPOT {snap.tpot_seconds * 1e3:.1f} ms over {sla.d_sla * 1e3:.1f} ms")
         return ", ".join(signs)
 

@@ -281,6 +281,16 @@ def test_a_slow_engine_running_more_than_the_smallest_size_is_not_proof_of_infea
     assert not s.infeasible
 
 
+def test_after_an_slo_is_given_up_stale_metrics_hold_the_size_instead_of_halving_it():
+    sizer = BatchSizer(mode="sla", d_sla=0.020, static_size=4, max_size=64, kv_plan=True)
+    slow = EngineSnapshot(kv_capacity_tokens=100_000, tpot_seconds=0.032, fresh=True)
+    for _ in range(10):
+        sizer.update(slow, k=1)
+    assert sizer.sla is not None and sizer.sla.infeasible and sizer.sizes == [64]
+    stale = sizer.update(EngineSnapshot(fresh=False), k=1)
+    assert (stale.reason, stale.sizes) == ("stale-last-good", [64])
+
+
 def test_the_sizer_reports_an_slo_given_up_with_the_tpot_it_saw():
     sizer = BatchSizer(mode="sla", d_sla=0.020, static_size=4, max_size=64, kv_plan=True)
     slow = EngineSnapshot(kv_capacity_tokens=100_000, tpot_seconds=0.032, fresh=True)
