@@ -99,7 +99,7 @@ async def test_a_tpot_slo_the_engine_misses_even_alone_is_sent_at_once(tmp_path)
         assert reply.completion_tokens == 3 and reply.queue_seconds < 0.3
 
 
-async def test_a_policy_tpot_slo_the_engine_misses_at_one_request_is_given_up(tmp_path):
+async def test_a_policy_tpot_slo_the_engine_misses_at_one_request_is_given_up(tmp_path, caplog):
     """latency.tpotMilliseconds 1 with Sla sizing in front of an engine that takes
     ~10 ms a token even alone: the sizer walks the batch down to minBatchSize, and
     after three slow scrapes there stops chasing the SLO -- b_sla goes back to
@@ -125,6 +125,9 @@ async def test_a_policy_tpot_slo_the_engine_misses_at_one_request_is_given_up(tm
                 sizes.append(stats.b_sla)
             assert 1 in sizes  # it did try the smallest batch first
             assert reasons[-1] == "sla-infeasible" and sizes[-1] == 32, (reasons, sizes)
+            warnings = [r.getMessage() for r in caplog.records
+                        if r.name == "binbatch.dispatcher" and r.levelname == "WARNING"]  # fmt: skip
+            assert len(warnings) == 1 and "TPOT SLO (1.0 ms) is beyond the engine" in warnings[0]  # once, a change
             # and stops shrinking for it: 8 requests at once all go in together
             replies = await asyncio.gather(*(sc.inference.Generate(prompt_request(100 + i, 8), timeout=30)
                                              for i in range(8)))  # fmt: skip

@@ -277,7 +277,7 @@ def test_one_slow_scrape_at_the_smallest_size_does_not_give_the_slo_up():
 def test_a_slow_engine_running_more_than_the_smallest_size_is_not_proof_of_infeasibility():
     s = SlaSizer(0.020, b_min=1, b_max=64, initial=1)
     for _ in range(5):
-        s.update(0.032, observed_batch=8)  # other clients keep 8 running: a smaller batch of ours may help
+        s.update(0.032, observed_batch=8)  # 8 of ours decoded: a smaller batch may still meet it
     assert not s.infeasible
 
 

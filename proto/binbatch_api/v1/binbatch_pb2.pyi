@@ -828,7 +828,8 @@ class Stats(_message.Message):
       "stale-static": stale, and there never were fresh metrics: the static
         size;
       "stale-pressure": stale, and the last fresh scrape showed pressure (KV
-        saturated, preemptions, TPOT over the SLO): half the last good size,
+        saturated, preemptions, TPOT over an SLO not given up as
+        "sla-infeasible"): half the last good size,
         held there;
       "kv-saturated": the engine's KV cache usage is at or above saturation:
         no bin grows;
