@@ -70,6 +70,11 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
               "staticSize must be <= maxBatchSize", ".staticSize"),
         _rule(("dispatch", "mode"), "self.dispatch != 'Smdp' || self.mode == 'Gang'",
               "dispatch Smdp needs mode Gang", ".dispatch"),
+        _rule(("drainOrder", "mode", "order", "sizing"),
+              "self.drainOrder != 'LongestFitFirst' || (self.mode == 'Continuous' && self.order == 'ShortestFirst'"
+              " && (self.sizing == 'Memory' || self.sizing == 'Combined'))",
+              "drainOrder LongestFitFirst needs mode Continuous, order ShortestFirst and sizing Memory or Combined",
+              ".drainOrder"),
     ],
     "bins": [
         _rule(("boundaries", "mode"), "size(self.boundaries) == 0 || self.mode == 'Fixed'",
@@ -97,6 +102,10 @@ SPEC_RULES = [
     {"rule": "!has(self.batch) || !has(self.batch.sizing) || self.batch.sizing != 'Sla'"
              " || (has(self.latency) && has(self.latency.tpotMilliseconds) && self.latency.tpotMilliseconds > 0)",
      "message": "latency.tpotMilliseconds must be > 0 when batch.sizing is Sla", "fieldPath": ".latency.tpotMilliseconds"},
+    {"rule": "!has(self.batch) || !has(self.batch.drainOrder) || self.batch.drainOrder != 'LongestFitFirst'"
+             " || (has(self.memory) && has(self.memory.admission) && self.memory.admission == 'Projected')",
+     "message": "batch.drainOrder LongestFitFirst needs memory.admission Projected (it packs by the projected KV plan)",
+     "fieldPath": ".batch.drainOrder"},
     _rule(("sidecar", "sidecar.takeOverServingPort", "sidecar.takeOverServingPort.enabled", "engine", "engine.url"),
           f"!self.sidecar.takeOverServingPort.enabled || self.engine.url.matches(r'{LOOPBACK_URL}')",
           "engine.url must name the pod's loopback (127.0.0.1 or localhost) when sidecar.takeOverServingPort is "

@@ -21,7 +21,8 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
     batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
                 maxQueuedRequests, dispatch: MaxWait|Smdp, smdpEngineWeight, order: Fifo|ShortestFirst,
-                agingTokensPerSecond, maxQueueWaitMilliseconds, followEngineQueue}
+                agingTokensPerSecond, maxQueueWaitMilliseconds, followEngineQueue,
+                drainOrder: ShortestFirst|LongestFitFirst}
     memory:    {admission: BatchSize|Projected, overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
     predictor: {kind: Hint|Online, defaultOutputTokens}
@@ -70,6 +71,7 @@ Sizing = Literal["Static", "Memory", "Sla", "Combined"]
 # (core/smdp_policy.py); gang mode only.
 Dispatch = Literal["MaxWait", "Smdp"]
 AdmissionOrderName = Literal["Fifo", "ShortestFirst"]
+DrainOrder = Literal["ShortestFirst", "LongestFitFirst"]
 MemoryAdmission = Literal["BatchSize", "Projected"]
 PredictorKind = Literal["Hint", "Online"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
@@ -185,6 +187,7 @@ class BatchConfig(_Section):
     aging_tokens_per_second: int = Field(20, ge=0, le=1_000_000, description="ShortestFirst: each second a request waits lowers its rank by this many predicted tokens, so long requests move up.")  # fmt: skip
     follow_engine_queue: bool = Field(True, description="Continuous mode: also hold admission while the engine's own queue is not empty (from its running and waiting counts each scrape), so the queue forms here where it is ordered; while the engine queues nothing the cap grows above what it runs.")  # fmt: skip
     max_queue_wait_milliseconds: int = Field(30_000, ge=1, le=3_600_000, description="ShortestFirst: a request that waited this long for admission goes before every other, the oldest first (no request is starved).")  # fmt: skip
+    drain_order: DrainOrder = Field("ShortestFirst", description="ShortestFirst, once arrivals stop (a burst or a batch job is over, what is queued is a batch): ShortestFirst keeps the shortest first, the longest request going first only when the rest would drain before it could end (best mean latency). LongestFitFirst (needs memory.admission Projected) sends the longest request the KV cache holds to its end next, so long answers overlap the short ones and the cache stays full (best throughput, for a later median).")  # fmt: skip
 
     @model_validator(mode="after")
     def _sizes_ordered(self) -> BatchConfig:
@@ -326,6 +329,16 @@ class SidecarConfig(_Section):
     def _sla_needs_target(self) -> SidecarConfig:
         if self.batch.sizing == "Sla" and self.latency.tpot_milliseconds == 0:
             _broken([("latency.tpotMilliseconds", "must be > 0 when batch.sizing is Sla")])
+        b = self.batch
+        if b.drain_order == "LongestFitFirst":
+            needs = [(b.mode == "Continuous", f"batch.mode Continuous (is {b.mode})"),
+                     (b.order == "ShortestFirst", f"batch.order ShortestFirst (is {b.order})"),
+                     (self.memory.admission == "Projected", f"memory.admission Projected (is {self.memory.admission})"),
+                     (b.sizing in ("Memory", "Combined"), f"batch.sizing Memory or Combined (is {b.sizing})")]  # fmt: skip
+            missing = [what for ok, what in needs if not ok]
+            if missing:
+                _broken([("batch.drainOrder", "LongestFitFirst packs by the projected KV plan and needs "
+                          + ", ".join(missing))])  # fmt: skip
         return self
 
     # SI values for the server, converted once here.

@@ -267,23 +267,29 @@ class Scheduler:
                 for r in batch.requests:
                     pending.push(batch, r)
             sizes = former.target_sizes
-            # what is in flight is listed only when read: by the critical-path rule once arrivals
-            # have stopped, and by the KV plan once the engine has room (``_kv_fits``), at most once
+            # what is in flight is listed only when read: once arrivals have stopped (the drain
+            # order: the critical-path rule or first fit decreasing), and by the KV plan once the
+            # engine has room (``_kv_fits``), at most once
             left = self._inflight_left(now) if pending.arrivals_stopped(now) else None
-            backlog = None if left is None else self._backlog(left, max(sizes))
-            head = pending.peek(now, backlog)
+            packing = (left is not None and pending.order.drain == "longest_fit_first" and pending.order.order != "fifo"
+                       and self._kv_planned())  # fmt: skip
+            backlog = None if left is None or packing else self._backlog(left, max(sizes))
+            if packing:  # a batch is left: the longest request the KV cache holds goes next (admission.py)
+                head = pending.packed(now, lambda r: self._kv_fits(r, now, left))
+            else:
+                head = pending.peek(now, backlog)
             if head is None:
                 return
             batch, req = head
             if req not in self._open:  # cancelled while waiting: ended already
-                pending.pop(now, backlog)
+                pending.remove(req) if packing else pending.pop(now, backlog)
                 continue
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
             if self.engine_cap is not None:
                 limit = min(limit, self.engine_cap)
-            if self.inflight_requests >= limit or not self._kv_fits(req, now, left):
+            if self.inflight_requests >= limit or not (packing or self._kv_fits(req, now, left)):
                 return
-            pending.pop(now, backlog)
+            pending.remove(req) if packing else pending.pop(now, backlog)
             if req.expired(now):
                 if self.end(req, "expired"):
                     out.expired.append(req)
@@ -311,6 +317,11 @@ class Scheduler:
         concurrency = size if self.engine_cap is None else min(size, self.engine_cap)
         return Backlog(sum(r for _, r in left), sum(kv_area(h, r) for h, r in left), concurrency,
                        None if plan is None else plan.budget)  # fmt: skip
+
+    def _kv_planned(self) -> bool:
+        """Is the KV plan on, with the engine's capacity known?"""
+        plan = self.core.kv_plan
+        return plan is not None and plan.budget is not None
 
     def _kv_fits(self, req: Request, now: float, left: list[tuple[float, float]] | None = None) -> bool:
         """Does the engine's KV cache hold ``req`` and every request in flight

@@ -104,6 +104,7 @@ def build_admission(cfg: SidecarConfig) -> AdmissionOrder:
         aging=float(b.aging_tokens_per_second),
         max_wait=b.max_queue_wait_milliseconds / 1000,
         follow_engine=b.follow_engine_queue,
+        drain="longest_fit_first" if b.drain_order == "LongestFitFirst" else "shortest_first",
     )
 
 

@@ -61,6 +61,12 @@ async def test_quick_e2e_bench_prints_runs_direct_first_and_ratios_from_the_same
     direct, sidecar = _row(runs, mode="direct", load=0.95), _row(runs, mode="continuous", load=0.95, k=4,
                                                                   name_has="hint")  # fmt: skip
     assert ratios["e2e_p99_at_95pct_load"] == pytest.approx(sidecar["e2e_p99_s"] / direct["e2e_p99_s"])
+    # the KV-pressure ratios are the packing sidecar's (drainOrder LongestFitFirst), the hinted one's row beside it
+    burst = {name: _row(runs, mode=mode, load=None, k=k, name_has=name)
+             for name, mode, k in [("chat burst, KV pressure | direct", "direct", 1), ("LongestFitFirst", "continuous", 4)]}  # fmt: skip
+    assert ratios["throughput_under_kv_pressure"] == pytest.approx(
+        burst["LongestFitFirst"]["requests_per_s"] / burst["chat burst, KV pressure | direct"]["requests_per_s"])
+    assert "chat burst, KV pressure | sidecar continuous k=4 hint" in {r["name"] for r in runs}
     gain = {(m, k): _row(runs, mode=m, load=None, k=k)["requests_per_s"] for m in ("gang", "ideal-gang") for k in (1, 4, 8)}
     for k in (4, 8):
         assert ratios[f"gang_k{k}_gain_vs_ideal"] == pytest.approx(

@@ -286,3 +286,42 @@ def test_an_engine_held_by_its_sequence_limit_with_kv_to_spare_is_capped_at_what
     assert s.engine_cap == 8  # still queued, no more running: it is full
     # a burst the engine is taking in: it runs more than at the scrape before, so it is not full
     assert engine_cap(running=20, waiting=5, inflight=25, previous=None, kv_usage=0.2, before=(8, 12)) is None
+
+
+def test_first_fit_decreasing_finds_the_longest_that_fits_by_bisection():
+    """``packed`` against a scan of every waiting request, longest first, for
+    tests that are monotone in the length (as the KV plan's is)."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(200):
+        q: AdmissionQueue[int] = AdmissionQueue(AdmissionOrder("shortest_first"))
+        lengths = [rng.randint(1, 50) for _ in range(rng.randint(1, 30))]
+        for i, n in enumerate(lengths):
+            q.push(i, Request(id=str(i), arrival=0.0, predicted_tokens=float(n)))
+        room = rng.randint(0, 55)
+        got = q.packed(1.0, lambda r: (r.predicted_tokens or 0) <= room)
+        fitting = [n for n in lengths if n <= room]
+        if not fitting:
+            assert got is None
+        else:
+            assert got is not None and got[1].predicted_tokens == max(fitting)
+            q.remove(got[1])
+            assert len(q) == len(lengths) - 1
+
+
+def test_first_fit_decreasing_keeps_priorities_and_the_max_wait_bound():
+    q: AdmissionQueue[str] = AdmissionQueue(AdmissionOrder("shortest_first", max_wait=5.0))
+    q.push("old", Request(id="old", arrival=0.0, predicted_tokens=90.0))
+    q.push("low", Request(id="low", arrival=4.0, predicted_tokens=20.0))
+    q.push("urgent", Request(id="urgent", arrival=4.0, predicted_tokens=40.0, priority=1))
+    q.push("urgent-short", Request(id="urgent-short", arrival=4.0, predicted_tokens=10.0, priority=1))
+
+    def under(n: float):
+        return lambda r: (r.predicted_tokens or 0) <= n
+
+    assert q.packed(4.5, under(100))[0] == "urgent"  # the longest of the highest priority
+    assert q.packed(4.5, under(30))[0] == "urgent-short"
+    assert q.packed(4.5, under(5)) is None  # the urgent ones wait: no lower priority goes past them
+    assert q.packed(5.0, under(100))[0] == "old"  # waited max_wait: it goes first, when it fits
+    assert q.packed(5.0, under(50)) is None

@@ -51,6 +51,7 @@ batch:
   agingTokensPerSecond: 25
   maxQueueWaitMilliseconds: 30000
   followEngineQueue: false
+  drainOrder: ShortestFirst
 memory:
   admission: Projected
   overflowPerMille: 5
@@ -325,3 +326,16 @@ def test_smdp_dispatch_needs_gang_mode():
     with pytest.raises(ConfigError, match="batch.dispatch: Smdp needs mode Gang"):
         parse_config({"batch": {"dispatch": "Smdp"}})
     assert parse_config({"batch": {"dispatch": "Smdp", "mode": "Gang"}}).batch.dispatch == "Smdp"
+
+
+def test_drain_order_longest_fit_first_needs_the_projected_kv_plan_and_names_what_is_missing():
+    ok = parse_config({"memory": {"admission": "Projected"}, "batch": {"drainOrder": "LongestFitFirst"}})
+    assert ok.batch.drain_order == "LongestFitFirst"
+    assert parse_config({}).batch.drain_order == "ShortestFirst"
+    with pytest.raises(ConfigError) as err:
+        parse_config({"batch": {"drainOrder": "LongestFitFirst", "order": "Fifo"}})
+    assert str(err.value).count("batch.drainOrder") == 1
+    assert "memory.admission Projected (is BatchSize)" in str(err.value)
+    assert "batch.order ShortestFirst (is Fifo)" in str(err.value)
+    with pytest.raises(ConfigError, match=r"batch\.drainOrder"):
+        parse_config({"batch": {"drainOrder": "Longest"}})

@@ -53,6 +53,7 @@ def test_a_missed_target_is_judged_missed_with_the_figures_it_came_from():
     assert "mean TTFT is 10% of its mean E2E" in wins["latency"]["measured"] and "reach 0.90" in wins["latency"]["measured"]
     assert [c["met"] for c in wins["kv"]["checks"]] == [True, True]  # the bounds are inclusive
     assert "direct 40, sidecar 4" in wins["kv"]["measured"]
+    assert "the default drain order (ShortestFirst): 5.00 req/s, E2E p50 0.60 s" in wins["kv"]["measured"]
     assert wins["goodput"]["scenario"] == "chat@0.95"
     assert "more than 1.11x here" in wins["goodput"]["measured"] and "1.1: 1.50x" in wins["goodput"]["measured"]
     assert wins["gang"]["checks"][0]["met"] is None  # not measured is neither met nor missed
