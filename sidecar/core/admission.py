@@ -78,7 +78,6 @@ class AdmissionOrder:
     follow_engine: bool = False  # also cap admission at the engine's own concurrency (``engine_cap``)
     drain: Drain = "shortest_first"  # once arrivals stop: the critical-path rule, or first fit decreasing
 
-
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")

@@ -282,19 +282,27 @@ class Scheduler:
                 return
             batch, req = head
             if req not in self._open:  # cancelled while waiting: ended already
-                pending.remove(req) if packing else pending.pop(now, backlog)
+                self._take(pending, req, packing, now, backlog)
                 continue
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
             if self.engine_cap is not None:
                 limit = min(limit, self.engine_cap)
             if self.inflight_requests >= limit or not (packing or self._kv_fits(req, now, left)):
                 return
-            pending.remove(req) if packing else pending.pop(now, backlog)
+            self._take(pending, req, packing, now, backlog)
             if req.expired(now):
                 if self.end(req, "expired"):
                     out.expired.append(req)
                 continue
             out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now), batch, (req,)))
+
+    @staticmethod
+    def _take(pending: AdmissionQueue, req: Request, packed: bool, now: float, backlog: Backlog | None) -> None:
+        """Remove ``req``, the head ``pending.packed`` or ``pending.peek`` gave, from the queue."""
+        if packed:
+            pending.remove(req)
+        else:
+            pending.pop(now, backlog)
 
     def _inflight_left(self, now: float) -> list[tuple[float, float]]:
         """(tokens held, tokens left) of every open request in flight: the KV plan's
