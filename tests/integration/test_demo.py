@@ -70,7 +70,9 @@ def test_demo_judges_each_win_with_ratios_from_its_own_rows(demo_run):
             assert type(value) is float and math.isfinite(value), check
             assert check["met"] is (value <= check["target"] if check["op"] == "<=" else value >= check["target"])
 
-    direct, sidecar = (runs[n] for n in wins["kv"]["rows"])
+    # the burst's ratios are the packing sidecar's; the default drain order's row is shown beside it
+    direct, default_drain, sidecar = (runs[n] for n in wins["kv"]["rows"])
+    assert "LongestFitFirst" in sidecar["name"] and "LongestFitFirst" not in default_drain["name"]
     assert doc["ratios"]["throughput_under_kv_pressure"] == pytest.approx(
         sidecar["requests_per_s"] / direct["requests_per_s"]
     )

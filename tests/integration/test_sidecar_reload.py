@@ -111,6 +111,10 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ("batch", "aging_tokens_per_second"): ({"batch": {"agingTokensPerSecond": 7}}, lambda s: _core(s).admission.aging, 7.0),  # fmt: skip
     ("batch", "max_queue_wait_milliseconds"): ({"batch": {"maxQueueWaitMilliseconds": 1500}}, lambda s: _core(s).admission.max_wait, 1.5),  # fmt: skip
     ("batch", "follow_engine_queue"): ({"batch": {"followEngineQueue": False}}, lambda s: _core(s).admission.follow_engine, False),  # fmt: skip
+    ("batch", "drain_order"): (
+        {"memory": {"admission": "Projected"}, "batch": {"drainOrder": "LongestFitFirst"}},
+        lambda s: _core(s).admission.drain, "longest_fit_first",
+    ),  # fmt: skip
     ("memory", "admission"): ({"memory": {"admission": "Projected"}}, lambda s: _core(s).kv_plan is not None, True),
     ("memory", "overflow_per_mille"): ({"memory": {"overflowPerMille": 20}}, lambda s: _core(s).sizer.eps_m, 0.02),
     ("memory", "kv_reserve_percent"): ({"memory": {"kvReservePercent": 10}}, lambda s: _core(s).sizer.kv_reserve_ratio, 0.1),  # fmt: skip
