@@ -335,9 +335,9 @@ class Scheduler:
         """Does the engine's KV cache hold ``req`` and every request in flight
         (``left``, ``_inflight_left`` if listed already) until each finishes
         (``core.kv_plan``; no plan: yes)?  The head of the queue waits when it does
-        not: a later, smaller one is not sent past it."""
+        not: a later, smaller one is not sent past it (but see ``AdmissionQueue.packed``)."""
         plan = self.core.kv_plan
-        if plan is None or plan.budget is None:
+        if plan is None or not self._kv_planned():
             return True
         return plan.fits(self._inflight_left(now) if left is None else left,
                          plan.held(req.prompt_tokens, _expected(req), 0.0))  # fmt: skip
