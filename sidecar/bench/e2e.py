@@ -314,6 +314,30 @@ def goodput_load(direct_rows: dict[float, dict[str, Any]]) -> tuple[float, bool]
     return max(direct_rows), False
 
 
+# Below this share of direct's requests meeting the SLO even at the lowest load, the SLO
+# is beyond the engine (the bench's 20 ms TPOT default on a CPU engine): say so.
+SLO_UNREACHABLE_SHARE = 0.1
+
+
+def slo_warning(direct_rows: dict[float, dict[str, Any]], cfg: E2EConfig) -> str | None:
+    """A warning when direct meets the SLO for almost no request even at the lowest
+    load: goodput ratios then compare two near-zero figures, and an engine slower
+    than the SLO alone needs an SLO of its own (``--slo-tpot-ms``, ``--slo-ttft-ms``)."""
+    if not direct_rows:
+        return None
+    low = min(direct_rows)
+    d = direct_rows[low]
+    share = d["goodput_per_s"] / d["requests_per_s"] if d["requests_per_s"] else 0.0
+    if share >= SLO_UNREACHABLE_SHARE:
+        return None
+    measured = ", ".join(f"{name} p50 {d[key] * 1e3:.0f} ms" for name, key in (("TTFT", "ttft_p50_s"), ("TPOT", "tpot_p50_s"))
+                         if d.get(key) is not None)  # fmt: skip
+    return (f"direct meets the SLO (TTFT <= {cfg.slo_ttft_s * 1e3:g} ms, TPOT <= {cfg.slo_tpot_s * 1e3:g} ms) for "
+            f"{share:.0%} of its requests even at load {low:g} ({measured}): this engine is slower than the SLO, "
+            f"so the goodput ratios compare near-zero figures; give it an SLO it can meet with --slo-tpot-ms and "
+            f"--slo-ttft-ms")  # fmt: skip
+
+
 def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[dict[str, float | None], dict[str, Any]]:
     """The headline ratios, each sidecar (hinted) over direct from the same run;
     also where each came from (for the table)."""
@@ -333,6 +357,8 @@ def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[d
         out["goodput_at_slo"] = _ratio(rows[f"chat@{pick:g}", "hint"]["goodput_per_s"],
                                        rows[f"chat@{pick:g}", "direct"]["goodput_per_s"])  # fmt: skip
         notes["goodput_ceiling"] = goodput_ceiling(loads[pick])
+        if (warning := slo_warning(loads, cfg)) is not None:
+            notes["slo_warning"] = warning
         notes["goodput_ratio_by_load"] = {
             f"{x:g}": _ratio(rows[f"chat@{x:g}", "hint"]["goodput_per_s"], d["goodput_per_s"])
             for x, d in sorted(loads.items()) if (f"chat@{x:g}", "hint") in rows
@@ -440,7 +466,9 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         "burst_capacity_requests_per_s": burst_capacity, "repeats": cfg.repeats, "seed": cfg.seed, "failures": failures,
         "slo": f"TTFT <= {cfg.slo_ttft_s * 1e3:g} ms and TPOT <= {cfg.slo_tpot_s * 1e3:g} ms", **notes,
     }  # fmt: skip
-    say("setup: " + ", ".join(f"{k} {v}" for k, v in setup.items()))
+    say("setup: " + ", ".join(f"{k} {v}" for k, v in setup.items() if k != "slo_warning"))
+    if "slo_warning" in setup:
+        say("WARNING: " + setup["slo_warning"])
     return {"runs": rows, "ratios": ratios, "_setup": setup}
 
 
@@ -503,6 +531,8 @@ def print_tables(doc: dict[str, Any]) -> None:
     if setup.get("ordering_bound_at_95pct_load") is not None:
         print(f"  (the lowest e2e_mean_at_95pct_load any order could reach here, all of direct's waiting removed: "
               f"{setup['ordering_bound_at_95pct_load']:.3f})")  # fmt: skip
+    if setup.get("slo_warning"):
+        print(f"  WARNING: {setup['slo_warning']}")
     if setup.get("goodput_ceiling") is not None:
         by_load = ", ".join(f"{x} {_fmt(v, 1, 3)}" for x, v in setup.get("goodput_ratio_by_load", {}).items())
         print(f"  (the highest goodput_at_slo any admission could reach there, every request within the SLO: "

@@ -115,6 +115,16 @@ def test_goodput_load_says_when_direct_never_missed():
     assert "where direct misses" in e2e.goodput_note({"goodput_load": 0.8, "goodput_direct_missed_slo": True})
 
 
+def test_an_slo_direct_meets_for_almost_no_request_is_called_out_with_the_flags_to_change_it():
+    cfg = e2e.E2EConfig(slo_tpot_s=0.020)
+    slow = {x: {**_direct(2, 0.1), "ttft_p50_s": 0.9, "tpot_p50_s": 0.041} for x in (0.8, 0.95)}
+    warning = e2e.slo_warning(slow, cfg)
+    assert warning is not None and "5% of its requests even at load 0.8" in warning
+    assert "TPOT p50 41 ms" in warning and "TPOT <= 20 ms" in warning and "--slo-tpot-ms" in warning
+    assert e2e.slo_warning({0.8: _direct(10, 1.0), 0.95: _direct(10, 0)}, cfg) is None  # 10% at the lowest load
+    assert e2e.slo_warning({}, cfg) is None
+
+
 def test_goodput_ceiling_is_what_serving_every_request_within_the_slo_would_reach():
     assert e2e.goodput_ceiling(_direct(10, 8)) == pytest.approx(1.25)
     assert e2e.goodput_ceiling(_direct(10, 0)) is None  # direct met it for none: no finite ceiling
