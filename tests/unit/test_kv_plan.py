@@ -313,3 +313,22 @@ def test_a_chat_burst_under_the_plan_is_served_as_fast_as_direct_with_a_tenth_of
         assert mean >= 1.0 and min(ratios) >= 0.95
     else:
         assert 0.9 <= mean < 0.97
+
+
+def test_a_request_cancelled_while_queued_is_skipped_by_first_fit_decreasing():
+    """The longest waiting request's caller went away after it was taken into the
+    admission queue: packing picks it, finds it ended (cancelled) and drops it,
+    then sends the next longest that fits; the cancelled one never reaches the
+    engine."""
+    s, _ = _scheduler(KvPlan(prompt_scale=1.0), AdmissionOrder("shortest_first", drain="longest_fit_first"))
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=500, kv_block_tokens=1, tpot_seconds=0.01, fresh=True), 0.0)
+    s.core.former.set_target_sizes([2])  # the engine takes two for now: the rest queue here
+    reqs = {name: Request(id=name, arrival=0.0, prompt_tokens=40, max_tokens=n, hint_tokens=n)
+            for name, n in [("in0", 20), ("in1", 30), ("long", 200), ("mid", 120), ("low", 50)]}  # fmt: skip
+    for r in reqs.values():
+        s.submit(r)
+    assert [r.id for d in s.step(0.0).dispatches for r in d.requests] == ["in0", "in1"]
+    s.core.former.set_target_sizes([64])
+    assert s.cancel(reqs["long"], 0.0005) == "cancelled"
+    assert [r.id for d in s.step(0.001).dispatches for r in d.requests] == ["mid", "low"]
+    assert s.totals["cancelled"] == 1 and len(s._pending) == 0
