@@ -221,13 +221,12 @@ def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
     # bins learned from the arriving hints (what a user who does not know the length distribution sets): a
     # batch-locked engine's bins are those with the least expected batch time, here cut between the two peaks
     gang_bins = {"mode": "Auto", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}
+    kv_hint = {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max}, "batch": cont,
+               "memory": memory, "latency": slo}  # fmt: skip
     return {
-        "kv-hint": ("kv", {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max},
-                           "batch": cont, "memory": memory, "latency": slo}),  # fmt: skip
-        "kv-packed": ("kv", {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max},
-                             "batch": {**cont, "drainOrder": "LongestFitFirst"}, "memory": memory, "latency": slo}),
-        "kv-online": ("kv", {"predictor": {"kind": "Online"}, "bins": {"count": 4, "maxOutputTokens": chat_max},
-                             "batch": cont, "memory": memory, "latency": slo}),  # fmt: skip
+        "kv-hint": ("kv", kv_hint),
+        "kv-packed": ("kv", {**kv_hint, "batch": {**cont, "drainOrder": "LongestFitFirst"}}),
+        "kv-online": ("kv", {**kv_hint, "predictor": {"kind": "Online"}}),
         "ample-free": ("ample", {"predictor": {"kind": "Hint"},
                                  "bins": {"count": 4, "maxOutputTokens": workloads.longest("short", cfg.scale)},
                                  "batch": cont}),  # fmt: skip
