@@ -228,7 +228,10 @@ class AdmissionQueue(Generic[T]):
             self._tokens += tokens
             self._area += kv_area(req.prompt_tokens, tokens)
             if self._last_arrival is not None:
-                self._gap += GAP_EWMA * (max(0.0, req.arrival - self._last_arrival) - self._gap)
+                gap = max(0.0, req.arrival - self._last_arrival)
+                # a gap past QUIET_GAPS means arrivals had stopped: it counts at that bound, so an idle
+                # night does not make the next burst look like a slow stream for its first hundred arrivals
+                self._gap += GAP_EWMA * ((gap if self._gap == 0.0 else min(gap, QUIET_GAPS * self._gap)) - self._gap)
             self._last_arrival = req.arrival if self._last_arrival is None else max(self._last_arrival, req.arrival)
         heapq.heappush(self._oldest, (req.arrival, seq, e))
         if req.deadline is not None:

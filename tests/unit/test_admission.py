@@ -325,3 +325,22 @@ def test_first_fit_decreasing_keeps_priorities_and_the_max_wait_bound():
     assert q.packed(4.5, under(5)) is None  # the urgent ones wait: no lower priority goes past them
     assert q.packed(5.0, under(100))[0] == "old"  # waited max_wait: it goes first, when it fits
     assert q.packed(5.0, under(50)) is None
+
+
+def test_an_idle_hour_does_not_hide_the_end_of_the_next_burst():
+    """Arrivals stop after QUIET_GAPS mean gaps without one.  A gap that long means
+    arrivals had stopped, so it counts at that bound: an hour's idle gap folded in
+    whole made the next 64-request burst's mean gap 0.2 s, and its end was seen
+    only 2 s after its last arrival; now within QUIET_GAPS of its own gaps."""
+    q: AdmissionQueue[int] = AdmissionQueue(AdmissionOrder("shortest_first"))
+    t = 0.0
+    for i in range(20):  # a stream, one a second
+        q.push(i, Request(id=str(i), arrival=t, predicted_tokens=10.0))
+        t += 1.0
+    t += 3600.0  # an idle hour
+    for i in range(64):  # then a burst, a millisecond apart
+        q.push(i, Request(id=f"b{i}", arrival=t, predicted_tokens=10.0))
+        t += 0.001
+    last = t - 0.001
+    assert q.arrivals_stopped(last + 0.5)  # half a second after the burst: over
+    assert not q.arrivals_stopped(last + 0.00001)
