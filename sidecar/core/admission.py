@@ -189,9 +189,8 @@ class AdmissionQueue(Generic[T]):
         self._oldest: list[tuple[float, int, _Entry[T]]] = []  # (arrival, seq): the max-wait bound
         self._deadlines: list[tuple[float, int, _Entry[T]]] = []
         # shortest_first: the live entries by (-priority, -predicted, seq), the longest of the highest
-        # priority first (the critical-path rule and ``packed``), kept sorted; ``_entries`` finds them
-        self._by_length: list[tuple[float, float, int]] = []
-        self._entries: dict[int, _Entry[T]] = {}
+        # priority first (the critical-path rule and ``packed``), kept sorted; ``remove`` finds a request's
+        self._by_length: list[tuple[float, float, int, _Entry[T]]] = []
         self._entry_of: dict[Request, _Entry[T]] = {}
         self._tokens = 0.0  # predicted tokens of the live entries
         self._area = 0.0  # and their KV area
@@ -222,8 +221,7 @@ class AdmissionQueue(Generic[T]):
         if self.order.order != "fifo":
             tokens = req.predicted_tokens or 0.0
             e.key = (prio, -tokens, seq)
-            bisect.insort(self._by_length, e.key)
-            self._entries[seq] = e
+            bisect.insort(self._by_length, (*e.key, e))
             self._entry_of[req] = e
             self._tokens += tokens
             self._area += kv_area(req.prompt_tokens, tokens)
@@ -257,15 +255,15 @@ class AdmissionQueue(Generic[T]):
             return (oldest.item, oldest.req) if fits(oldest.req) else None
         top = self._by_length[0][0]
         lo, hi = 0, bisect.bisect_left(self._by_length, (top, math.inf))  # the highest priority's class
-        if not fits(self._entries[self._by_length[hi - 1][2]].req):
+        if not fits(self._by_length[hi - 1][3].req):
             return None  # not even its shortest
         while lo < hi - 1:  # invariant: the entry at hi - 1 fits
             mid = (lo + hi - 1) // 2
-            if fits(self._entries[self._by_length[mid][2]].req):
+            if fits(self._by_length[mid][3].req):
                 hi = mid + 1
             else:
                 lo = mid + 1
-        e = self._entries[self._by_length[hi - 1][2]]
+        e = self._by_length[hi - 1][3]
         return e.item, e.req
 
     def remove(self, req: Request) -> None:
@@ -300,8 +298,7 @@ class AdmissionQueue(Generic[T]):
         self._len -= 1
         if self.order.order != "fifo":
             tokens = e.req.predicted_tokens or 0.0
-            del self._by_length[bisect.bisect_left(self._by_length, e.key)]
-            del self._entries[e.seq]
+            del self._by_length[bisect.bisect_left(self._by_length, e.key)]  # the 3-tuple sorts before its entry's
             self._entry_of.pop(e.req, None)
             self._tokens = max(0.0, self._tokens - tokens) if self._len else 0.0
             self._area = max(0.0, self._area - kv_area(e.req.prompt_tokens, tokens)) if self._len else 0.0
@@ -315,7 +312,7 @@ class AdmissionQueue(Generic[T]):
         """The longest waiting request if it is on the critical path (module docstring)."""
         if not self._by_length or not self.arrivals_stopped(now):
             return None
-        longest = self._entries[self._by_length[0][2]]
+        longest = self._by_length[0][3]
         tokens = longest.req.predicted_tokens or 0.0
         steps = backlog.drain_steps(self._tokens - tokens, self._area - kv_area(longest.req.prompt_tokens, tokens))
         return longest if steps is not None and tokens >= steps else None
