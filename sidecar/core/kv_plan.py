@@ -15,12 +15,18 @@ between completions and drops at each, so its peak is just before a completion:
 max_k Σ_{i : r_i ≥ r_k} (h_i + r_k).  A request is admitted only if that peak,
 with it included, stays within the capacity (less a reserve).  This is the seed's
 memory constraint (memory-sla-dynamic-batching.md, Eq. 2) per request instead of
-in distribution: with known lengths (hints) it is exact but for the tokens
-generated so far, which it estimates from the time since the request went in
-and the engine's recent time per step (the bench's KV-pressure burst: 1 preemption
-where direct has 72, in simulation); with
-predicted lengths the engine's own preemption counter tightens the plan
-(``KvPlan.on_snapshot``).  A prompt's tokens are the sidecar's tokenizer-free
+in distribution.  The tokens a request holds now are the engine's own count when
+its answer is streamed: the sidecar asks vLLM for ``continuous_usage_stats``, so
+every chunk says how many tokens it generated and how many it counted in the
+prompt (``Request.engine_generated``, ``engine_prompt_tokens``), and such a
+sequence is counted in whole KV blocks, exactly, at every future step.  A
+request answered in one piece (not streamed) has its tokens generated estimated
+from the time since it went in and the engine's recent time per step, less one,
+and its prompt from the estimate below, plus the mean block rounding.  So with
+known lengths (hints) and streamed answers the plan is exact: the bench's
+KV-pressure burst on the embedded engine had 0-1 preemptions a run where direct
+had 72, and 3-4 while every count was a time estimate.  With predicted lengths
+the engine's own preemption counter tightens the plan (``KvPlan.on_snapshot``).  A prompt's tokens are the sidecar's tokenizer-free
 estimate (bytes / 4) scaled by what the engine counted for the prompts of the
 requests it answered (``observe_prompt``): on the embedded engine, one token a
 word, the raw estimate held a chat prompt at 30 tokens for 24, and the plan's
@@ -29,11 +35,11 @@ vocabulary of the real-vLLM test model counts the same prompts at 2.35x the
 estimate.  Until the engine has counted one prompt the scale is
 ``PROMPT_SCALE_PRIOR``, 2 bytes a token, the dense end of tokenizers (code,
 numbers, non-Latin scripts): too high costs a cold sidecar's first requests a
-little concurrency, too low costs preemptions.  Block rounding is covered by counting every sequence
-at half a block more, the mean of what rounding up to whole blocks adds (a whole
-block each, the worst case, held the bench's KV-pressure burst to about half of
-direct's throughput; the rare sum past the mean is what the preemption feedback
-is for).
+little concurrency, too low costs preemptions.  Block rounding of an estimated
+sequence is covered by counting it at half a block more, the mean of what
+rounding up to whole blocks adds (a whole block each, the worst case, held the
+bench's KV-pressure burst to about half of direct's throughput; the rare sum past
+the mean is what the preemption feedback is for).
 
 Pure: no I/O, no clock.
 """
@@ -43,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Weight of each answered request in the prompt-token scale (engine count / estimate),
 # and the scale before the first (the estimate is bytes / 4: this is 2 bytes a token).
@@ -54,16 +61,32 @@ RECOVER = 0.02
 FLOOR = 0.5
 
 
-def peak_tokens(seqs: Iterable[tuple[float, float]]) -> float:
-    """The most tokens ``seqs`` ((held now, left to generate) each) hold at once
-    from now until all finish, every one gaining a token per step."""
-    items = sorted(((max(r, 1.0), h) for h, r in seqs), reverse=True)  # longest left first
+class Seq(NamedTuple):
+    """A sequence in the plan: tokens it holds now, tokens it has left to generate,
+    and whether ``held`` is the engine's own count (its stream said so: rounded up
+    to whole KV blocks exactly) or an estimate that carries the mean rounding."""
+
+    held: float
+    left: float
+    exact: bool = False
+
+
+def peak_tokens(seqs: Iterable[Seq | tuple[float, float]], block: int = 1) -> float:
+    """The most KV ``seqs`` hold at once from now until all finish, every one
+    gaining a token per step; an ``exact`` one holds whole ``block``-token blocks."""
+    items = sorted(((max(s[1], 1.0), s[0], len(s) > 2 and s[2]) for s in seqs), reverse=True)  # longest left first
     peak = 0.0
-    held = 0.0
-    for n, (r, h) in enumerate(items, 1):
+    held = 0.0  # of the running ones, which all hold h_i + r just before the one with r left finishes
+    n = 0
+    residues: dict[float, int] = {}  # exact ones by held mod block: what rounding adds depends on it alone
+    for r, h, exact in items:
         held += h
-        # just before the sequence with r left finishes, the n with r_i >= r hold h_i + r each
-        peak = max(peak, held + n * r)
+        n += 1
+        if exact and block > 1:
+            key = h % block
+            residues[key] = residues.get(key, 0) + 1
+        rounding = sum(c * (-(j + r) % block) for j, c in residues.items())
+        peak = max(peak, held + n * r + rounding)
     return peak
 
 
@@ -116,25 +139,36 @@ class KvPlan:
             return None
         return self.capacity * (1.0 - self.reserve) * self.headroom
 
-    def held(self, prompt: float, predicted: float, elapsed: float) -> tuple[float, float]:
-        """(tokens held now, tokens left) of a request sent ``elapsed`` seconds ago
-        (``prompt``: its estimated prompt tokens, scaled here)."""
-        done = 0.0
-        if self.step_seconds and elapsed > 0:  # one step less: it may have started a step late
-            done = min(max(math.floor(elapsed / self.step_seconds) - 1, 0), max(predicted - 1.0, 0.0))
-        return prompt * self.prompt_scale + done + self.margin, max(predicted - done, 1.0)
+    def held(
+        self, prompt: float, predicted: float, elapsed: float, *, generated: int | None = None,
+        engine_prompt: int | None = None,
+    ) -> Seq:  # fmt: skip
+        """A request sent ``elapsed`` seconds ago (``prompt``: its estimated prompt
+        tokens, scaled here).  ``generated`` and ``engine_prompt``: what the
+        engine's stream said of it (``Request.engine_generated``,
+        ``engine_prompt_tokens``); with both its tokens are known exactly."""
+        if generated is not None:
+            done = float(generated)
+        else:
+            done = 0.0
+            if self.step_seconds and elapsed > 0:  # one step less: it may have started a step late
+                done = min(max(math.floor(elapsed / self.step_seconds) - 1, 0), max(predicted - 1.0, 0.0))
+        left = max(predicted - done, 1.0)
+        if generated is not None and engine_prompt is not None:
+            return Seq(engine_prompt + done, left, True)
+        return Seq(prompt * self.prompt_scale + done + self.margin, left)
 
     @property
     def margin(self) -> float:
         """Tokens a sequence holds beyond its own by block rounding, on average."""
         return self.block / 2
 
-    def fits(self, inflight: Iterable[tuple[float, float]], new: tuple[float, float]) -> bool:
-        """Would the cache hold ``inflight`` and ``new`` ((held, left) each) to the end?"""
+    def fits(self, inflight: Iterable[Seq], new: Seq) -> bool:
+        """Would the cache hold ``inflight`` and ``new`` to the end?"""
         budget = self.budget
         if budget is None:
             return True
         seqs = list(inflight)
         if not seqs:
             return True  # an empty engine takes anything that fits its context at all
-        return peak_tokens([*seqs, new]) <= budget
+        return peak_tokens([*seqs, new], self.block) <= budget

@@ -33,6 +33,9 @@ class Request:
     actual_tokens: float | None = None  # set when the engine reports completion
     bin: int | None = None  # set by the batch former
     cancelled: bool = False  # set by cancel(); such a request is never dispatched
+    # what the engine's stream said so far, while the request is in flight (the KV plan's exact progress)
+    engine_generated: int | None = None  # tokens generated
+    engine_prompt_tokens: int | None = None  # the prompt's tokens as the engine counted them
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline

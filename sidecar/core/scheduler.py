@@ -35,7 +35,7 @@ from .breaker import EngineBreaker
 from .clock import Clock
 from .former import Batch, BatchFormer, QueueFull
 from .inflight import InflightLedger, Slot
-from .kv_plan import KvPlan
+from .kv_plan import KvPlan, Seq
 from .predictor import AccuracyTracker, LengthPredictor
 from .queue_wait import ServiceRate, refusal
 from .request import Request
@@ -304,26 +304,28 @@ class Scheduler:
         else:
             pending.pop(now, backlog)
 
-    def _inflight_left(self, now: float) -> list[tuple[float, float]]:
+    def _inflight_left(self, now: float) -> list[Seq]:
         """(tokens held, tokens left) of every open request in flight: the KV plan's
-        estimate from the time since it went in, else its whole predicted length."""
+        count from what its engine stream said, or its estimate from the time since
+        it went in; without a plan its whole predicted length."""
         plan = self.core.kv_plan
         return [
-            plan.held(r.prompt_tokens, _expected(r), now - slot.acquired_at)
+            plan.held(r.prompt_tokens, _expected(r), now - slot.acquired_at, generated=r.engine_generated,
+                      engine_prompt=r.engine_prompt_tokens)  # fmt: skip
             if plan is not None
-            else (float(r.prompt_tokens), _expected(r))
+            else Seq(float(r.prompt_tokens), _expected(r))
             for slot in self.ledger.held()
             for r in slot.requests
             if r in self._open
         ]
 
-    def _backlog(self, left: list[tuple[float, float]], size: int) -> Backlog:
+    def _backlog(self, left: list[Seq], size: int) -> Backlog:
         """The engine's remaining work (``left``: ``_inflight_left``), for the
         critical-path rule (admission.py): it runs at most ``size`` (capped by
         ``engine_cap``) at once, in the KV plan's budget."""
         plan = self.core.kv_plan
         concurrency = size if self.engine_cap is None else min(size, self.engine_cap)
-        return Backlog(sum(r for _, r in left), sum(kv_area(h, r) for h, r in left), concurrency,
+        return Backlog(sum(s.left for s in left), sum(kv_area(s.held, s.left) for s in left), concurrency,
                        None if plan is None else plan.budget)  # fmt: skip
 
     def _kv_planned(self) -> bool:
@@ -331,7 +333,7 @@ class Scheduler:
         plan = self.core.kv_plan
         return plan is not None and plan.budget is not None
 
-    def _kv_fits(self, req: Request, now: float, left: list[tuple[float, float]] | None = None) -> bool:
+    def _kv_fits(self, req: Request, now: float, left: list[Seq] | None = None) -> bool:
         """Does the engine's KV cache hold ``req`` and every request in flight
         (``left``, ``_inflight_left`` if listed already) until each finishes
         (``core.kv_plan``; no plan: yes)?  The head of the queue waits when it does

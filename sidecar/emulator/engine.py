@@ -190,7 +190,7 @@ class EmulatedEngine:
             self.scheduler.finish(seq)
             self.stats.finished += 1
             self.metrics.request_finished(seq, now)
-        seq.events.put_nowait(SeqEvent(seq.index, text, seq.finish_reason))
+        seq.events.put_nowait(SeqEvent(seq.index, text, seq.finish_reason, tokens=seq.output_tokens))
 
     def _publish(self) -> None:
         self.metrics.publish_state(self.scheduler)

@@ -71,6 +71,7 @@ class SeqEvent:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    tokens: int = 0  # the sequence's output tokens with this one
 
 
 _seq_ids = itertools.count()

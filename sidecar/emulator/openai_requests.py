@@ -50,6 +50,7 @@ class SamplingSpec:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk (vLLM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,15 +107,18 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise _bad("stop", f"must be a string or a list of strings, got {value!r}")
 
 
-def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+def _include_usage(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """``stream_options``: (include_usage, continuous_usage_stats); as in vLLM the
+    second counts only with the first."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise _bad("stream_options", "must be an object")
     if not stream:
         raise _bad("stream_options", "is only allowed when stream is true")
-    return _bool(options, "include_usage", False)
+    include = bool(_bool(options, "include_usage", False))
+    return include, include and bool(_bool(options, "continuous_usage_stats", False))
 
 
 def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
@@ -139,6 +143,7 @@ def parse_sampling(body: dict[str, Any], chat: bool) -> SamplingSpec:
     if max_tokens is not None and min_tokens > max_tokens:
         raise _bad("min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}")
     stream = _bool(body, "stream", False)
+    include_usage, continuous_usage = _include_usage(body, stream)
     return SamplingSpec(
         max_tokens=max_tokens,
         min_tokens=min_tokens,
@@ -148,7 +153,8 @@ def parse_sampling(body: dict[str, Any], chat: bool) -> SamplingSpec:
         seed=_int(body, "seed", None, -(2**63)),
         ignore_eos=_bool(body, "ignore_eos", False),
         stream=stream,
-        include_usage=_include_usage(body, stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
     )
 
 

@@ -21,7 +21,7 @@ from .config import EmulatorConfig
 from .engine import EmulatedEngine, EngineStopped
 from .metrics import EmulatorMetrics
 from .model import SeqEvent, Sequence
-from .openai_requests import RequestError, build_sequences, parse_request
+from .openai_requests import RequestError, SamplingSpec, build_sequences, parse_request
 
 # --------------------------------------------------------------------- HTTP: shapes
 
@@ -71,14 +71,20 @@ class ResponseShape:
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])  # fmt: skip
 
-    def token_chunk(self, event: SeqEvent) -> dict[str, Any]:
+    def token_chunk(self, event: SeqEvent, prompt_tokens: int | None = None) -> dict[str, Any]:
+        """One token's chunk; with ``prompt_tokens`` (continuous usage stats) it
+        carries the sequence's usage so far, as vLLM's do."""
         choice: dict[str, Any] = {"index": event.index}
         if self.chat:
             choice["delta"] = {"content": event.text}
         else:
             choice["text"] = event.text
         choice |= {"logprobs": None, "finish_reason": event.finish_reason}
-        return self._chunk([choice])
+        chunk = self._chunk([choice])
+        if prompt_tokens is not None:
+            chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": event.tokens,
+                              "total_tokens": prompt_tokens + event.tokens}  # fmt: skip
+        return chunk
 
     def usage_chunk(self, seqs: list[Sequence]) -> dict[str, Any]:
         body = self._chunk([])
@@ -161,7 +167,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     shape = ResponseShape(chat, config.model, token_ids=body.get("return_token_ids") is True)
     try:
         if parsed.sampling.stream:
-            return await _stream(request, shape, seqs, events, parsed.sampling.include_usage)
+            return await _stream(request, shape, seqs, events, parsed.sampling)
         return await _whole(shape, seqs, events)
     finally:
         engine.abort(seqs)  # a client that went away frees its blocks; no-op when done
@@ -180,9 +186,10 @@ async def _whole(shape: ResponseShape, seqs: list[Sequence], events: asyncio.Que
 
 async def _stream(
     request: web.Request, shape: ResponseShape, seqs: list[Sequence], events: asyncio.Queue[SeqEvent],
-    include_usage: bool,
+    sampling: SamplingSpec,
 ) -> web.StreamResponse:  # fmt: skip
     """Server-sent events: one chunk per token, the error if the engine stops, [DONE]."""
+    prompts = {s.index: s.prompt_tokens for s in seqs} if sampling.continuous_usage else {}
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     try:
@@ -194,11 +201,11 @@ async def _stream(
             if event.error is not None:
                 await _sse(response, _unavailable(event.error).body())
                 break
-            await _sse(response, shape.token_chunk(event))
+            await _sse(response, shape.token_chunk(event, prompts.get(event.index)))
             if event.finish_reason is not None:
                 open_seqs -= 1
         else:
-            if include_usage:
+            if sampling.include_usage:
                 await _sse(response, shape.usage_chunk(seqs))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

@@ -24,6 +24,7 @@ cancelled before its first step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -373,8 +374,10 @@ class Dispatcher:
         try:
             if call.deltas is not None:
                 result: EngineResult | EngineError | None = None
+                req.engine_generated = req.engine_prompt_tokens = None  # a requeued request starts over
                 try:
-                    async for item in self.client.stream(call.engine_request, timeout=self.engine_timeout):
+                    async for item in self.client.stream(call.engine_request, timeout=self.engine_timeout,
+                                                         on_progress=functools.partial(_note_progress, req)):  # fmt: skip
                         if isinstance(item, StreamDelta):
                             if call.first_token_at is None:
                                 self._first_token(req, call)
@@ -632,3 +635,9 @@ class Dispatcher:
             self.metrics.bin_accuracy_by_source.labels(source).set(acc.bin_accuracy(b, source) or 0.0)
             self.metrics.within_one_accuracy_by_source.labels(source).set(acc.within_one_bin_accuracy(b, source) or 0.0)
 
+
+def _note_progress(req: Request, generated: int, prompt_tokens: int | None) -> None:
+    """A streamed chunk's progress, for the KV plan (``Scheduler._inflight_left``)."""
+    req.engine_generated = generated
+    if prompt_tokens is not None:
+        req.engine_prompt_tokens = prompt_tokens

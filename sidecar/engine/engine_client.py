@@ -130,6 +130,10 @@ class EngineResult:
     completion_tokens: int
 
 
+# ``on_progress`` of a stream: (tokens generated so far, the prompt's tokens as the engine counted them or None)
+Progress = Callable[[int, int | None], None]
+
+
 @dataclass(frozen=True, slots=True)
 class StreamDelta:
     """A piece of generated text; the last item of a stream is an ``EngineResult``."""
@@ -382,12 +386,18 @@ class EngineClient:
     # -- stream ------------------------------------------------------------------------
 
     async def stream(
-        self, request: EngineRequest, *, timeout: float | None = None
+        self, request: EngineRequest, *, timeout: float | None = None, on_progress: Progress | None = None
     ) -> AsyncIterator[StreamDelta | EngineResult]:
         """Stream one request: a ``StreamDelta`` per non-empty text piece, then the
         ``EngineResult`` (the concatenated text, the last finish reason, the token
         counts of the usage chunk).  Failures raise ``EngineError``; leaving the loop
-        early closes the connection, which makes vLLM abort the request."""
+        early closes the connection, which makes vLLM abort the request.
+
+        ``on_progress(generated, prompt_tokens)`` hears, at every chunk, how many
+        tokens the engine has generated and how many it counted in the prompt: the
+        stream asks for vLLM's ``continuous_usage_stats`` (usage in every chunk);
+        from an engine that sends none, ``generated`` is the token chunks seen (at
+        least one token each) and ``prompt_tokens`` None."""
         limit = self.timeout_seconds if timeout is None else timeout
         deadline = asyncio.get_running_loop().time() + limit
         timed_out = EngineError("timeout", None, f"the engine did not finish within {limit:g} s")
@@ -395,7 +405,7 @@ class EngineClient:
             path, body = "/v1/chat/completions", _chat_body(request)
         else:
             path, body = "/v1/completions", request.params.body() | {"prompt": request.prompt}
-        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        body |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         encoded = _encode(body)
         if len(encoded) > self.max_body_bytes:
             raise _too_large(len(encoded), self.max_body_bytes)
@@ -413,6 +423,7 @@ class EngineClient:
             pieces: list[str] = []
             finish: str | None = None
             usage: tuple[int, int] | None = None
+            token_chunks = 0  # chunks that carried a token (the count without continuous usage)
             while True:
                 async with asyncio.timeout_at(deadline):
                     payload = await reader.next()
@@ -421,14 +432,20 @@ class EngineClient:
                 event = _json_object(payload.encode())
                 if "error" in event:
                     raise _payload_error(event)
-                if event.get("usage"):
-                    usage = _usage(event)
+                chunk_usage = _usage(event) if event.get("usage") else None
+                if chunk_usage is not None:
+                    usage = chunk_usage
                 for choice in event.get("choices") or ():
                     if not isinstance(choice, dict):
                         raise EngineError("internal", 200, "a stream choice is not an object")
                     piece = choice.get("text")
-                    if piece is None and isinstance(choice.get("delta"), dict):
-                        piece = choice["delta"].get("content")
+                    delta = choice.get("delta")
+                    if piece is None and isinstance(delta, dict):
+                        piece = delta.get("content")
+                        if "role" not in delta:  # a chat stream's opening role chunk holds no token
+                            token_chunks += 1
+                    elif piece is not None:
+                        token_chunks += 1
                     if piece:
                         if not isinstance(piece, str):
                             raise EngineError("internal", 200, "a stream piece is not text")
@@ -436,6 +453,11 @@ class EngineClient:
                         yield StreamDelta(piece)
                     if choice.get("finish_reason"):
                         finish = str(choice["finish_reason"])
+                if on_progress is not None and event.get("choices"):
+                    if chunk_usage is not None:
+                        on_progress(chunk_usage[1], chunk_usage[0])
+                    else:
+                        on_progress(token_chunks, None)
             if finish is None:
                 raise EngineError("unavailable", 200, "the engine ended the stream before the completion finished")
             if usage is None:

@@ -159,6 +159,21 @@ async def test_streaming_chat_opens_with_the_role_and_ends_with_usage(emulator, 
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
 
 
+async def test_continuous_usage_stats_put_the_running_counts_in_every_token_chunk(emulator, http):
+    body = {"prompt": "count along", "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    payloads = await sse_payloads(http, f"{emulator.base_url}/v1/completions", body)
+
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert [c["usage"]["completion_tokens"] for c in chunks[:-1]] == [1, 2, 3, 4]
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {chunks[-1]["usage"]["prompt_tokens"]}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    # as in vLLM, only with include_usage
+    body["stream_options"] = {"continuous_usage_stats": True}
+    payloads = await sse_payloads(http, f"{emulator.base_url}/v1/completions", body)
+    assert not any("usage" in json.loads(p) for p in payloads[:-1])
+
+
 async def test_output_length_is_seeded_and_stays_within_min_and_max_tokens(emulator, http):
     prompts = [f"prompt number {i}" for i in range(40)]
     first = await complete(http, emulator.base_url, prompt=prompts, max_tokens=30, min_tokens=5, seed=7)

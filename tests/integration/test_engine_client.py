@@ -326,7 +326,8 @@ def sse(*events: dict[str, Any] | str) -> bytes:
 
 async def test_stream_yields_deltas_then_a_result_with_usage(engine: ScriptedEngine, client: EngineClient) -> None:
     async def stream(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["stream"] is True
+        assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(b": keep-alive comment\n\n")
@@ -341,8 +342,38 @@ async def test_stream_yields_deltas_then_a_result_with_usage(engine: ScriptedEng
         return resp
 
     engine.handlers["/v1/completions"] = stream
-    items = [item async for item in client.stream(prompt("hi", P(2)))]
+    progress: list[tuple[int, int | None]] = []
+    items = [item async for item in client.stream(prompt("hi", P(2)), on_progress=lambda *a: progress.append(a))]
     assert items == [StreamDelta(" Hel"), StreamDelta("lo"), EngineResult(" Hello", "length", 4, 2)]
+    # no usage in its chunks: each token chunk (the empty one too) counts one, the prompt's count unknown
+    assert progress == [(1, None), (2, None), (3, None)]
+
+
+async def test_stream_progress_is_the_engines_own_count_when_every_chunk_has_usage(
+    engine: ScriptedEngine, client: EngineClient
+) -> None:
+    def usage(prompt: int, done: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    async def stream(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse(  # vLLM's continuous_usage_stats; two tokens in one chunk (its stream interval)
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+             "usage": usage(7, 0)},
+            {"choices": [{"index": 0, "delta": {"content": "ab"}, "finish_reason": None}], "usage": usage(7, 2)},
+            {"choices": [{"index": 0, "delta": {"content": "c"}, "finish_reason": "length"}], "usage": usage(7, 3)},
+            {"choices": [], "usage": usage(7, 3)},
+            "[DONE]",
+        ))  # fmt: skip
+        return resp
+
+    engine.handlers["/v1/chat/completions"] = stream
+    progress: list[tuple[int, int | None]] = []
+    request = EngineRequest(params=P(3), messages=(("user", "hey"),))
+    items = [i async for i in client.stream(request, on_progress=lambda *a: progress.append(a))]
+    assert items == [StreamDelta("ab"), StreamDelta("c"), EngineResult("abc", "length", 7, 3)]
+    assert progress == [(0, 7), (2, 7), (3, 7)]
 
 
 async def test_chat_stream_reads_delta_content(engine: ScriptedEngine, client: EngineClient) -> None:

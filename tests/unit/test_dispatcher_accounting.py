@@ -53,7 +53,7 @@ class FakeEngine:
     async def complete_batch(self, requests, *, timeout=None):
         return await self._wait(requests)
 
-    async def stream(self, request, *, timeout=None):
+    async def stream(self, request, *, timeout=None, on_progress=None):
         yield StreamDelta("x")
         (result,) = await self._wait([request])
         if isinstance(result, EngineError):

@@ -5,6 +5,8 @@ each finishes -- with known lengths the engine never preempts (issue 11, win 3).
 from __future__ import annotations
 
 import itertools
+import math
+import random
 
 import pytest
 
@@ -12,7 +14,7 @@ from binbatch_sidecar.core.admission import AdmissionOrder, Drain
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
-from binbatch_sidecar.core.kv_plan import FLOOR, KvPlan, peak_tokens
+from binbatch_sidecar.core.kv_plan import FLOOR, KvPlan, Seq, peak_tokens
 from binbatch_sidecar.core.predictor import HintPredictor
 from binbatch_sidecar.core.request import Request
 from binbatch_sidecar.core.scheduler import Core, Outcome, Scheduler
@@ -21,9 +23,10 @@ from binbatch_sidecar.sim.engine_model import ContinuousEngine
 from binbatch_sidecar.sim.simulator import drive, engine_snapshot
 
 
-def brute_peak(seqs: list[tuple[float, float]]) -> float:
-    """Step the sequences one token at a time; the most tokens held at once."""
-    state = [[h, max(r, 1.0)] for h, r in seqs]
+def brute_peak(seqs: list[tuple[float, float]] | list[Seq], block: int = 1) -> float:
+    """Step the sequences one token at a time; the most tokens held at once (an
+    exact sequence holding whole blocks)."""
+    state = [[s[0], max(s[1], 1.0), len(s) > 2 and s[2]] for s in seqs]
     peak = 0.0
     for _ in itertools.count():
         live = [s for s in state if s[1] > 0]
@@ -32,7 +35,7 @@ def brute_peak(seqs: list[tuple[float, float]]) -> float:
         for s in live:  # each takes its next token's slot, then maybe finishes
             s[0] += 1
             s[1] -= 1
-        peak = max(peak, sum(s[0] for s in live))
+        peak = max(peak, sum(math.ceil(s[0] / block) * block if s[2] else s[0] for s in live))
 
 
 @pytest.mark.parametrize(
@@ -41,6 +44,16 @@ def brute_peak(seqs: list[tuple[float, float]]) -> float:
 )
 def test_the_peak_is_what_stepping_the_sequences_token_by_token_reaches(seqs):
     assert peak_tokens(seqs) == brute_peak(seqs)
+
+
+def test_sequences_the_engine_counted_hold_whole_blocks_at_every_step():
+    rng = random.Random(7)
+    for _ in range(200):
+        seqs = [Seq(rng.randrange(0, 60), rng.randrange(1, 40), rng.random() < 0.6) for _ in range(rng.randrange(1, 9))]
+        assert peak_tokens(seqs, 16) == brute_peak(seqs, 16), seqs
+    # one exact sequence of 17 tokens and 15 to go holds 2 blocks: 32 at its end, not 17 + 15 + a half-block margin
+    assert peak_tokens([Seq(17, 15, True)], 16) == 32
+    assert peak_tokens([Seq(17, 16, True)], 16) == 48  # the 33rd token takes a third block
 
 
 def test_a_long_request_fits_beside_short_ones_only_when_their_end_makes_room():
@@ -68,17 +81,27 @@ def test_the_engines_preemptions_tighten_the_plan_and_clean_scrapes_relax_it():
 
 def test_held_counts_the_tokens_generated_since_it_was_sent():
     plan = KvPlan(capacity=1000, block=16, step_seconds=0.01, prompt_scale=1.0)
-    assert plan.held(20, 50, 0.2) == (20 + 19 + 8, 31)  # 20 steps' time, one counted as late; half a block of rounding
-    assert plan.held(20, 50, 10.0) == (20 + 49 + 8, 1)  # past its prediction: one more token, never less
+    assert plan.held(20, 50, 0.2) == (20 + 19 + 8, 31, False)  # 20 steps' time, one late; half a block of rounding
+    assert plan.held(20, 50, 10.0) == (20 + 49 + 8, 1, False)  # past its prediction: one more token, never less
+
+
+def test_held_takes_what_the_engines_stream_said_over_the_time_estimate():
+    plan = KvPlan(capacity=1000, block=16, step_seconds=0.01, prompt_scale=1.0)
+    # 0.2 s would be 19 tokens; the stream said 7, of a prompt the engine counted at 24: exact, no margin
+    assert plan.held(20, 50, 0.2, generated=7, engine_prompt=24) == (24 + 7, 43, True)
+    # the count without the prompt's (an engine without continuous usage stats): estimated prompt, margin kept
+    assert plan.held(20, 50, 0.2, generated=7) == (20 + 7 + 8, 43, False)
+    # past its prediction the stream's count stands; one token still to come
+    assert plan.held(20, 50, 0.2, generated=70, engine_prompt=24) == (94, 1, True)
 
 
 def test_prompts_count_as_many_tokens_as_the_engine_counted_for_answered_ones():
     plan = KvPlan(capacity=1000, block=2, step_seconds=0.01)
-    assert plan.held(30, 50, 0.0) == (2 * 30 + 1, 50)  # nothing answered yet: 2 bytes a token, twice the estimate
+    assert plan.held(30, 50, 0.0) == (2 * 30 + 1, 50, False)  # nothing answered yet: 2 bytes a token, twice the estimate
     for estimated, counted in [(30, 24), (40, 32), (10, None), (0, 5), (20, 0)]:  # unknown counts teach nothing
         plan.observe_prompt(estimated, counted)
     assert plan.prompt_scale == pytest.approx(0.8) and plan.prompts_seen == 2
-    assert plan.held(30, 50, 0.0) == (pytest.approx(24 + 1), 50)
+    assert plan.held(30, 50, 0.0) == (pytest.approx(24 + 1), 50, False)
     for _ in range(200):  # later answers move it as a moving average
         plan.observe_prompt(10, 12)
     assert plan.prompt_scale == pytest.approx(1.2)

@@ -36,8 +36,10 @@ class Engine:
         self.calls.append((list(requests), fut))
         return await fut
 
-    async def stream(self, request, *, timeout=None):
+    async def stream(self, request, *, timeout=None, on_progress=None):
         await self.first.wait()
+        if on_progress is not None:
+            on_progress(1, 9)  # the chunk's usage: 1 token generated, 9 in the prompt
         yield StreamDelta("x")
         self.delta_sent.set()
         (result,) = await self.complete_batch([request])
@@ -111,6 +113,20 @@ async def test_a_stream_has_its_ttft_at_its_first_delta_and_its_e2e_at_the_end()
     await call.future
     assert observed(metrics, "binbatch_request_e2e_seconds") == (1, pytest.approx(1.0))
     assert observed(metrics, "binbatch_request_ttft_seconds") == (1, pytest.approx(0.3))  # once, not again
+
+
+async def test_a_streams_progress_reaches_the_request_for_the_kv_plan_and_a_retry_starts_it_over():
+    d, engine, clock, _ = make(mode="continuous")
+    req, call = submit(d, 1, stream=True)
+    req.engine_generated, req.engine_prompt_tokens = 40, 30  # left from an earlier try
+    d._step()
+    await settle()
+    assert (req.engine_generated, req.engine_prompt_tokens) == (None, None)  # in flight again: nothing known yet
+    engine.first.set()
+    await engine.delta_sent.wait()
+    assert (req.engine_generated, req.engine_prompt_tokens) == (1, 9)
+    engine.answer(0)
+    await call.future
 
 
 async def test_failed_requests_are_not_in_the_latency_histograms():
