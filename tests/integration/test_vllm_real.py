@@ -21,6 +21,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from binbatch_sidecar.engine.engine_client import EngineClient, EngineRequest, EngineResult, SamplingParams
+
 pytestmark = pytest.mark.vllm
 
 TIMEOUT = aiohttp.ClientTimeout(total=120)
@@ -82,6 +84,21 @@ async def test_completions_batch_of_four_exact_lengths(
     assert data["usage"]["completion_tokens"] == 4 * 16
     assert data["usage"]["prompt_tokens"] > 0
     assert data["model"] == vllm_server.model
+
+
+async def test_a_stream_reports_the_engines_running_counts_to_the_kv_plan(vllm_server: Any) -> None:
+    """The KV plan's exact progress (kv_plan.py): vLLM's continuous usage stats
+    give, at every chunk, the tokens generated and the prompt's count."""
+    request = EngineRequest(params=SamplingParams(model=vllm_server.model, max_tokens=12, ignore_eos=True),
+                            prompt="Count the tokens as they come")  # fmt: skip
+    progress: list[tuple[int, int | None]] = []
+    async with EngineClient(vllm_server.base_url, timeout_seconds=60) as client:
+        items = [i async for i in client.stream(request, on_progress=lambda *a: progress.append(a))]
+    result = items[-1]
+    assert isinstance(result, EngineResult) and result.completion_tokens == 12
+    generated = [g for g, _ in progress]
+    assert generated == sorted(generated) and generated[-1] == 12 and len(set(generated)) > 1
+    assert {p for _, p in progress} == {result.prompt_tokens}  # the engine's own count, in every chunk
 
 
 async def test_chat_completions(vllm_server: Any, http: aiohttp.ClientSession) -> None:
