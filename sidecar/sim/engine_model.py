@@ -10,7 +10,9 @@
   first served while fewer than ``max_num_seqs`` run and their tokens fit; when
   the running sequences' next tokens would not fit, the newest is preempted (its
   KV is dropped and recomputed when it is admitted again, vLLM's recompute
-  preemption) and goes back to the head of the queue.
+  preemption) and goes back to the head of the queue.  With ``streams`` each
+  request hears its tokens generated at every step (``Request.engine_generated``),
+  as the sidecar hears them from a streamed answer's chunks.
 
 Both are pure (time passed in) and know nothing of the scheduler: they take
 groups of ``Request``s (one engine call) and report which finished.  A driver
@@ -100,6 +102,7 @@ class ContinuousEngine:
         kv_tokens: int = 16_384,
         max_num_seqs: int = 256,
         prefill_per_token: float = 0.00002,
+        streams: bool = False,
     ) -> None:
         if a < 0 or c < 0 or prefill_per_token < 0:
             raise ValueError(f"a, c and prefill_per_token must be >= 0, got {a}, {c}, {prefill_per_token}")
@@ -107,6 +110,7 @@ class ContinuousEngine:
             raise ValueError(f"kv_tokens and max_num_seqs must be >= 1, got {kv_tokens}, {max_num_seqs}")
         self.a, self.c, self.kv_tokens, self.max_num_seqs = a, c, kv_tokens, max_num_seqs
         self.prefill_per_token = prefill_per_token
+        self.streams = streams  # tell each request its progress at every step, as a streamed answer's chunks do
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []  # in admission order: the newest is last
         self.stats = EngineStats()
@@ -142,6 +146,8 @@ class ContinuousEngine:
                 self.stats.decoded_tokens += 1
                 if s.generated == 1:
                     self.stats.first_token.setdefault(s.req, end)
+                if self.streams:  # vLLM's continuous usage stats in the chunk of this token
+                    s.req.engine_generated, s.req.engine_prompt_tokens = s.generated, s.prompt
                 if s.generated >= s.output:
                     done.append(s.req)
                     self._used -= s.tokens - 1

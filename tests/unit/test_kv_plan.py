@@ -289,14 +289,17 @@ def test_once_a_bursts_arrivals_stop_the_longest_request_the_cache_holds_goes_ne
     assert admitted_after(0.001, "shortest_first") == []
 
 
+@pytest.mark.parametrize("streams", [False, True])
 @pytest.mark.parametrize("drain", ["ShortestFirst", "LongestFitFirst"])
-def test_a_chat_burst_under_the_plan_is_served_as_fast_as_direct_with_a_tenth_of_its_preemptions(drain):
+def test_a_chat_burst_under_the_plan_is_served_as_fast_as_direct_with_a_tenth_of_its_preemptions(drain, streams):
     """The bench's KV-pressure burst (64 chat requests, hinted, the embedded
     engine's shape) in the engine model, seeds 1-8: shortest-first with the
     critical-path rule takes 0.94x direct's throughput on the mean (the long answers
     left to the end pack the cache badly); first fit decreasing once the arrivals
     stop (``batch.drainOrder: LongestFitFirst``) 0.96-1.10x (mean 1.01), with 31
-    preemptions where direct has 560."""
+    preemptions where direct has 560.  When the answers are streamed the plan
+    counts the tokens generated as the engine does (``streams``): shortest-first
+    never preempts, first fit decreasing takes 0.99-1.18x (mean 1.05) with 10."""
     from binbatch_sidecar.bench import workloads
     from binbatch_sidecar.config import parse_config
     from binbatch_sidecar.server.assembly import build_core
@@ -321,6 +324,7 @@ def test_a_chat_burst_under_the_plan_is_served_as_fast_as_direct_with_a_tenth_of
         clock = ManualClock()
         s = Scheduler(build_core(cfg, clock), clock, mode="continuous")
         eng = engine()
+        eng.streams = streams
         # a sidecar that has served before knows the engine's cache, its time per step and its tokenizer
         s.on_snapshot(EngineSnapshot(kv_capacity_tokens=752, kv_block_tokens=1, tpot_seconds=0.0075, fresh=True), 0.0)
         s.core.kv_plan.observe_prompt(1.0, 1.0)
@@ -330,12 +334,13 @@ def test_a_chat_burst_under_the_plan_is_served_as_fast_as_direct_with_a_tenth_of
         ratios.append(end / res.makespan)
         ours += eng.stats.preemptions
         theirs += direct.stats.preemptions
-    assert ours <= 0.1 * theirs
+    assert ours <= (0.02 if streams else 0.1) * theirs
     mean = sum(ratios) / len(ratios)
     if drain == "LongestFitFirst":
-        assert mean >= 1.0 and min(ratios) >= 0.95
+        assert mean >= (1.03 if streams else 1.0) and min(ratios) >= (0.98 if streams else 0.95)
     else:
         assert 0.9 <= mean < 0.97
+        assert ours == 0 or not streams
 
 
 def test_a_request_cancelled_while_queued_is_skipped_by_first_fit_decreasing():
