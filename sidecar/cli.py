@@ -213,9 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--load-requests", type=_positive_int, help="requests per Poisson load run (default 256)")
     e2.add_argument("--capacity-concurrency", type=_positive_int,
                     help="requests kept outstanding while measuring direct's capacity (default 32; must exceed what "
-                         "the engine runs at once, but an engine that thrashes with a deep queue reads low)")
+                         "the engine runs at once)")
     e2.add_argument("--capacity-requests", type=_positive_int,
-                    help="requests of that capacity run (default 256; at least 3x the concurrency)")
+                    help="requests of that capacity run (default 512; at least 3x the concurrency)")
     e2.add_argument("--loads", type=_load_fraction, nargs="+", metavar="FRACTION",
                     help="Poisson loads as fractions of direct capacity (default 0.5 0.8 0.95 1.1)")  # fmt: skip
     e2.add_argument("--slo-ttft-ms", type=_positive_float, default=500.0,
