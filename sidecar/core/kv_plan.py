@@ -71,10 +71,10 @@ class Seq(NamedTuple):
     exact: bool = False
 
 
-def peak_tokens(seqs: Iterable[Seq | tuple[float, float]], block: int = 1) -> float:
+def peak_tokens(seqs: Iterable[Seq], block: int = 1) -> float:
     """The most KV ``seqs`` hold at once from now until all finish, every one
     gaining a token per step; an ``exact`` one holds whole ``block``-token blocks."""
-    items = sorted(((max(s[1], 1.0), s[0], len(s) > 2 and s[2]) for s in seqs), reverse=True)  # longest left first
+    items = sorted(((max(s.left, 1.0), s.held, s.exact) for s in seqs), reverse=True)  # longest left first
     peak = 0.0
     held = 0.0  # of the running ones, which all hold h_i + r just before the one with r left finishes
     n = 0

@@ -117,8 +117,8 @@ def _include_usage(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
         raise _bad("stream_options", "must be an object")
     if not stream:
         raise _bad("stream_options", "is only allowed when stream is true")
-    include = bool(_bool(options, "include_usage", False))
-    return include, include and bool(_bool(options, "continuous_usage_stats", False))
+    include = _bool(options, "include_usage", False)
+    return include, include and _bool(options, "continuous_usage_stats", False)
 
 
 def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:

@@ -23,10 +23,10 @@ from binbatch_sidecar.sim.engine_model import ContinuousEngine
 from binbatch_sidecar.sim.simulator import drive, engine_snapshot
 
 
-def brute_peak(seqs: list[tuple[float, float]] | list[Seq], block: int = 1) -> float:
+def brute_peak(seqs: list[Seq], block: int = 1) -> float:
     """Step the sequences one token at a time; the most tokens held at once (an
     exact sequence holding whole blocks)."""
-    state = [[s[0], max(s[1], 1.0), len(s) > 2 and s[2]] for s in seqs]
+    state = [[s.held, max(s.left, 1.0), s.exact] for s in seqs]
     peak = 0.0
     for _ in itertools.count():
         live = [s for s in state if s[1] > 0]
@@ -43,6 +43,7 @@ def brute_peak(seqs: list[tuple[float, float]] | list[Seq], block: int = 1) -> f
     [[(10, 5)], [(10, 5), (3, 40)], [(100, 1), (5, 50), (20, 20), (7, 7)], [(0, 3), (0, 3), (0, 3)], []],
 )
 def test_the_peak_is_what_stepping_the_sequences_token_by_token_reaches(seqs):
+    seqs = [Seq(h, r) for h, r in seqs]
     assert peak_tokens(seqs) == brute_peak(seqs)
 
 
@@ -59,10 +60,10 @@ def test_sequences_the_engine_counted_hold_whole_blocks_at_every_step():
 def test_a_long_request_fits_beside_short_ones_only_when_their_end_makes_room():
     plan = KvPlan(capacity=100, block=0)
     # 10 tokens held, 10 to go: 20 at its end.  A new one of 10 + 60 peaks at 70 alone.
-    assert plan.fits([(10, 10)], (10, 60))  # together: 20 + 20 while both run, then 70
-    assert not plan.fits([(40, 30)], (10, 60))  # 40 + 30 and 10 + 30 overlap: 110 > 100
-    assert plan.fits([], (90, 60))  # an empty engine takes anything
-    assert KvPlan().fits([(10**6, 10**6)], (1, 1))  # capacity unknown: no plan
+    assert plan.fits([Seq(10, 10)], Seq(10, 60))  # together: 20 + 20 while both run, then 70
+    assert not plan.fits([Seq(40, 30)], Seq(10, 60))  # 40 + 30 and 10 + 30 overlap: 110 > 100
+    assert plan.fits([], Seq(90, 60))  # an empty engine takes anything
+    assert KvPlan().fits([Seq(10**6, 10**6)], Seq(1, 1))  # capacity unknown: no plan
 
 
 def test_the_engines_preemptions_tighten_the_plan_and_clean_scrapes_relax_it():
