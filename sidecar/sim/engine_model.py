@@ -12,7 +12,13 @@
   KV is dropped and recomputed when it is admitted again, vLLM's recompute
   preemption) and goes back to the head of the queue.  With ``streams`` each
   request hears its tokens generated at every step (``Request.engine_generated``),
-  as the sidecar hears them from a streamed answer's chunks.
+  as the sidecar hears them from a streamed answer's chunks.  With a
+  ``priority`` (a key of each request, lower first) it schedules as vLLM's
+  ``--scheduling-policy priority``: the waiting ones are taken by (priority,
+  arrival), a preempted one goes back among them by the same key, and the one
+  preempted is the running one with the largest key.  Given each request's true
+  length as its priority this is shortest-first inside the engine with perfect
+  knowledge: what a sidecar's order is measured against.
 
 Both are pure (time passed in) and know nothing of the scheduler: they take
 groups of ``Request``s (one engine call) and report which finished.  A driver
@@ -75,6 +81,7 @@ class _Seq:
     output: int
     generated: int = 0
     prefilled: bool = False
+    order: int = 0  # when it reached the engine, among all its sequences
 
     @property
     def tokens(self) -> int:
@@ -103,6 +110,7 @@ class ContinuousEngine:
         max_num_seqs: int = 256,
         prefill_per_token: float = 0.00002,
         streams: bool = False,
+        priority: Callable[[Request], float] | None = None,
     ) -> None:
         if a < 0 or c < 0 or prefill_per_token < 0:
             raise ValueError(f"a, c and prefill_per_token must be >= 0, got {a}, {c}, {prefill_per_token}")
@@ -111,7 +119,9 @@ class ContinuousEngine:
         self.a, self.c, self.kv_tokens, self.max_num_seqs = a, c, kv_tokens, max_num_seqs
         self.prefill_per_token = prefill_per_token
         self.streams = streams  # tell each request its progress at every step, as a streamed answer's chunks do
-        self.waiting: deque[_Seq] = deque()
+        self.priority = priority
+        self.waiting: deque[_Seq] | list[tuple[float, int, _Seq]] = deque() if priority is None else []
+        self._arrivals = itertools.count()  # arrival order: the tie-break of equal priorities
         self.running: list[_Seq] = []  # in admission order: the newest is last
         self.stats = EngineStats()
         self._step_end: float | None = None
@@ -123,7 +133,11 @@ class ContinuousEngine:
     def submit(self, now: float, requests: Sequence[Request]) -> None:
         """Queue ``requests``; they start at the next step (``kick`` starts one if idle)."""
         for r in requests:
-            self.waiting.append(_Seq(r, int(r.prompt_tokens), max(1, int(round(r.actual_tokens or 1)))))
+            s = _Seq(r, int(r.prompt_tokens), max(1, int(round(r.actual_tokens or 1))), order=next(self._arrivals))
+            if self.priority is None:
+                self.waiting.append(s)
+            else:
+                heapq.heappush(self.waiting, (self.priority(r), s.order, s))
 
     def kick(self, now: float) -> None:
         """Start a step now if none is running and there is work."""
@@ -163,17 +177,19 @@ class ContinuousEngine:
     def _start(self, now: float) -> None:
         # Running sequences first: each needs one more token; preempt the newest until they fit.
         while len(self.running) > 1 and self._used + len(self.running) > self.kv_tokens:
-            s = self.running.pop()
+            s = self._preempt()
             self._used -= s.tokens
             s.prefilled = False
-            self.waiting.appendleft(s)
             self.stats.preemptions += 1
         prefill = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
-            s = self.waiting[0]
+            s = self.waiting[0] if self.priority is None else self.waiting[0][2]
             if self.running and self._used + s.tokens + len(self.running) + 1 > self.kv_tokens:
                 break
-            self.waiting.popleft()
+            if self.priority is None:
+                self.waiting.popleft()
+            else:
+                heapq.heappop(self.waiting)
             self.running.append(s)
             self._used += s.tokens
             prefill += s.tokens
@@ -183,6 +199,19 @@ class ContinuousEngine:
         self.stats.steps += 1
         self.stats.step_seconds += dt
         self._step_end = now + dt
+
+    def _preempt(self) -> _Seq:
+        """Take the running sequence to preempt out and queue it again: the newest
+        (FCFS), or the one with the largest (priority, arrival)."""
+        if self.priority is None:
+            s = self.running.pop()
+            self.waiting.appendleft(s)
+            return s
+        key = self.priority
+        s = max(self.running, key=lambda x: (key(x.req), x.order))
+        self.running.remove(s)
+        heapq.heappush(self.waiting, (key(s.req), s.order, s))
+        return s
 
     # -- what its /metrics would say -------------------------------------------------
 

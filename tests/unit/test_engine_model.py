@@ -53,6 +53,26 @@ def test_outgrowing_the_kv_budget_preempts_the_newest_and_recomputes_it_later():
     assert e.stats.finished == 2 and e.kv_usage() == 0.0
 
 
+def test_priority_scheduling_takes_the_lowest_key_first_and_preempts_the_highest():
+    """vLLM's ``--scheduling-policy priority``: waiting ones by (priority, arrival),
+    the running one with the largest key preempted -- here the one that arrived
+    first, which FCFS would have kept."""
+    e = ContinuousEngine(a=1.0, c=0.0, kv_tokens=24, max_num_seqs=8, prefill_per_token=0.0,
+                         priority=lambda r: r.actual_tokens)  # fmt: skip
+    e.submit(0.0, [seq(0, 10, 10), seq(1, 10, 8)])
+    e.kick(0.0)
+    assert len(e.running) == 2
+    done = run_out(e)
+    assert e.stats.preemptions >= 1
+    assert done["1"] < done["0"]  # the shorter kept running
+    queued = ContinuousEngine(a=1.0, c=0.0, kv_tokens=10_000, max_num_seqs=1, prefill_per_token=0.0,
+                              priority=lambda r: r.actual_tokens)  # fmt: skip
+    queued.submit(0.0, [seq(0, 1, 5), seq(1, 1, 9), seq(2, 1, 3), seq(3, 1, 3)])
+    queued.kick(0.0)
+    order = sorted(run_out(queued).items(), key=lambda kv: kv[1])
+    assert [k for k, _ in order] == ["2", "3", "0", "1"]  # by length, a tie by arrival
+
+
 def test_kv_limited_direct_run_preempts_more_under_more_load_and_ends_every_request():
     def direct(rate: float):
         w = Workload(n=300, lmin=16, lmax=512, rate=rate, seed=3, prompt=(32, 256))
