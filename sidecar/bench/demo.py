@@ -183,6 +183,15 @@ def _fmt(v: float | None, scale: float = 1.0, digits: int = 0) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
 
+def _ratio(value: float | None, target: float) -> str:
+    """A ratio to three decimals, or four when three would round it onto its target
+    (0.9995 against ">= 1" printed as 1.000 beside MISSED reads as a bug)."""
+    if value is None:
+        return "-"
+    shown = f"{value:.3f}"
+    return f"{value:.4f}" if float(shown) == target and value != target else shown
+
+
 def print_report(doc: dict[str, Any]) -> None:
     setup = doc["setup"]
     runs = {r["name"]: r for r in doc["runs"]}
@@ -207,7 +216,7 @@ def print_report(doc: dict[str, Any]) -> None:
                   f"{r['goodput_per_s']:7.2f} {_fmt(r['preemptions'], 1, 1):>7}")  # fmt: skip
         for c in win["checks"]:
             verdict = {True: "met", False: "MISSED", None: "not measured"}[c["met"]]
-            print(f"   {c['label']:12} sidecar/{c['over']:6} {_fmt(c['value'], 1, 3):>6}   target {c['op']} {c['target']:g}"
+            print(f"   {c['label']:12} sidecar/{c['over']:6} {_ratio(c['value'], c['target']):>6}   target {c['op']} {c['target']:g}"
                   f"   {verdict}")  # fmt: skip
         if win["measured"]:
             print(f"   measured: {win['measured']}")

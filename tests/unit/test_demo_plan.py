@@ -60,3 +60,10 @@ def test_a_missed_target_is_judged_missed_with_the_figures_it_came_from():
     assert "sidecar 2.00x" in wins["gang"]["measured"] and "ideal client 2.00x" in wins["gang"]["measured"]
     for w in wins.values():
         assert w["rows"][0].endswith("| direct"), w["key"]
+
+
+def test_a_ratio_just_short_of_its_target_is_not_printed_as_the_target():
+    assert demo._ratio(0.99952, 1.0) == "0.9995"  # beside MISSED, never "1.000"
+    assert demo._ratio(1.0, 1.0) == "1.000"
+    assert demo._ratio(0.875, 0.7) == "0.875"
+    assert demo._ratio(None, 1.0) == "-"
