@@ -9,7 +9,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from .config import EmulatorConfig
+from .config import SCHEDULING_POLICIES, EmulatorConfig
 from .server import CannotListen, serve
 
 DESCRIPTION = "A vLLM-compatible engine emulator: OpenAI API, /metrics, paged KV-cache blocks."
@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per KV block (default {d.block_size})")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs,
                         help=f"most sequences per step (default {d.max_num_seqs})")  # fmt: skip
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
+                        help="fcfs, or priority: waiting requests by their priority field (lower first), then "
+                             "arrival; the running one with the largest preempted (vLLM's flag; default fcfs)")  # fmt: skip
     parser.add_argument("--max-model-len", type=_positive_int, default=d.max_model_len,
                         help=f"longest prompt + output in tokens (default {d.max_model_len})")  # fmt: skip
     parser.add_argument("--legacy-names", action="store_true",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True, slots=True)
 class EmulatorConfig:
@@ -27,6 +29,11 @@ class EmulatorConfig:
     """Tokens per KV cache block."""
     max_num_seqs: int = 256
     """Most sequences running in one step (vLLM's ``--max-num-seqs``)."""
+    scheduling_policy: str = "fcfs"
+    """vLLM's ``--scheduling-policy``: "fcfs", or "priority" -- waiting requests
+    taken by (``priority``, arrival), the running one with the largest key
+    preempted; a request's ``priority`` field (default 0, lower first) is refused
+    under "fcfs" unless 0."""
     max_model_len: int = 2048
     """Longest prompt + output, tokens; must fit in the KV cache, as vLLM requires."""
     legacy_names: bool = False
@@ -52,6 +59,9 @@ class EmulatorConfig:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: expected one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")  # fmt: skip
         if self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks: must be >= 2 (one is vLLM's null block), got {self.num_gpu_blocks}")
         if self.max_model_len > self.kv_capacity_tokens:

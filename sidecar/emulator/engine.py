@@ -40,7 +40,8 @@ class EmulatedEngine:
     def __init__(self, config: EmulatorConfig, metrics: EmulatorMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.scheduler = BlockScheduler(config.num_gpu_blocks, config.block_size, config.max_num_seqs)
+        self.scheduler = BlockScheduler(config.num_gpu_blocks, config.block_size, config.max_num_seqs,
+                                        priority=config.scheduling_policy == "priority")  # fmt: skip
         self.stats = EngineStats()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

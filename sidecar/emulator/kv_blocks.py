@@ -1,7 +1,9 @@
-"""vLLM's scheduler in miniature: paged KV blocks, FIFO admission, recompute preemption."""
+"""vLLM's scheduler in miniature: paged KV blocks, FIFO (or priority) admission,
+recompute preemption."""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -23,7 +25,7 @@ class StepPlan:
 class BlockScheduler:
     """vLLM-style continuous batching over a paged KV budget (no I/O, no clock)."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, *, priority: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks: must be >= 2 (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -33,6 +35,8 @@ class BlockScheduler:
         # a sequence), and its usage gauge counts the others
         self.usable_blocks = num_blocks - 1
         self.free_blocks = self.usable_blocks
+        # vLLM's --scheduling-policy priority: waiting in (priority, arrival) order, the largest preempted
+        self.priority = priority
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -50,9 +54,17 @@ class BlockScheduler:
         return -(-seq.context_tokens // self.block_size)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence at the back of the waiting queue."""
+        """Queue a new sequence at the back of the waiting queue (priority: in its place)."""
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if self.priority:
+            self._insert(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insert(self, seq: Sequence) -> None:
+        """Put ``seq`` among the waiting ones by (priority, arrival)."""
+        keys = [s.priority_key for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.priority_key), seq)
 
     def schedule(self) -> StepPlan:
         """Grow the running sequences (preempting if needed), then admit waiting ones."""
@@ -63,14 +75,21 @@ class BlockScheduler:
 
     def _grow_running(self) -> list[Sequence]:
         """Give every running sequence the blocks of its next step, in admission
-        order; preempt from the most recently admitted end when none are free."""
+        order; preempt from the most recently admitted end when none are free
+        (priority: the running one with the largest (priority, arrival))."""
         preempted: list[Sequence] = []
         i = 0
         while i < len(self.running):
             if self._reserve(self.running[i]):
                 i += 1
                 continue
-            victim = self.running.pop()  # possibly running[i] itself
+            if self.priority:
+                victim = max(self.running, key=lambda s: s.priority_key)
+                if self.running.index(victim) < i:
+                    i -= 1
+                self.running.remove(victim)
+            else:
+                victim = self.running.pop()  # possibly running[i] itself
             self._preempt(victim)
             preempted.append(victim)
         return preempted
@@ -98,11 +117,15 @@ class BlockScheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute-mode preemption: free the blocks, back to the front of waiting."""
+        """Recompute-mode preemption: free the blocks, back to the front of waiting
+        (priority: back in its place, ahead of every later arrival of its priority)."""
         self._release(seq)
         seq.status = SeqStatus.WAITING
         seq.preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.priority:
+            self._insert(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.free_blocks += seq.blocks

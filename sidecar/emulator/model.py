@@ -91,6 +91,8 @@ class Sequence:
     rng: random.Random
     arrival: float
     events: asyncio.Queue[SeqEvent]
+    priority: int = 0
+    """Its request's ``priority`` (lower first) under ``--scheduling-policy priority``."""
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SeqStatus = SeqStatus.WAITING
     blocks: int = 0
@@ -107,6 +109,11 @@ class Sequence:
     def context_tokens(self) -> int:
         """Tokens whose KV the next step needs: the prompt and every generated token."""
         return self.prompt_tokens + self.output_tokens
+
+    @property
+    def priority_key(self) -> tuple[int, float, int]:
+        """Its place under the priority policy: (priority, arrival), as vLLM orders requests."""
+        return (self.priority, self.arrival, self.seq_id)
 
     @property
     def done(self) -> bool:

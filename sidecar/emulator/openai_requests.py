@@ -60,6 +60,7 @@ class ParsedRequest:
     chat: bool
     prompts: list[Prompt]
     sampling: SamplingSpec
+    priority: int = 0
 
 
 def _int(body: dict[str, Any], name: str, default: int | None, minimum: int) -> int | None:
@@ -221,7 +222,15 @@ def parse_request(body: Any, config: EmulatorConfig, chat: bool) -> ParsedReques
     sampling = parse_sampling(body, chat)
     for prompt in prompts:
         _check_context(prompt, sampling, config, "messages" if chat else "prompt")
-    return ParsedRequest(chat=chat, prompts=prompts, sampling=sampling)
+    return ParsedRequest(chat=chat, prompts=prompts, sampling=sampling, priority=_priority(body, config))
+
+
+def _priority(body: dict[str, Any], config: EmulatorConfig) -> int:
+    """``priority`` (lower first); anything but 0 needs the priority policy, as in vLLM."""
+    priority = _int(body, "priority", 0, -(2**63))
+    if priority and config.scheduling_policy != "priority":
+        raise _bad("priority", f"got {priority} but priority scheduling is not enabled (--scheduling-policy priority)")
+    return priority or 0
 
 
 def _check_context(prompt: Prompt, sampling: SamplingSpec, config: EmulatorConfig, prompt_field: str) -> None:
@@ -250,5 +259,5 @@ def build_sequences(
         eos = eos_position(rng, max_tokens=max_tokens, min_tokens=s.min_tokens, ignore_eos=s.ignore_eos)
         seqs.append(Sequence(index=index, prompt_tokens=prompt.tokens, max_tokens=max_tokens,
                              min_tokens=s.min_tokens, eos_after=eos, stop=s.stop, rng=rng,
-                             arrival=arrival, events=events))  # fmt: skip
+                             arrival=arrival, events=events, priority=parsed.priority))  # fmt: skip
     return seqs

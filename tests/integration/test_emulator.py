@@ -240,6 +240,8 @@ async def test_health_and_models_describe_the_served_model(emulator, http):
         ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
          "max_completion_tokens"),
+        ("completions", {"prompt": "x", "priority": 3}, "priority"),  # needs --scheduling-policy priority
+        ("completions", {"prompt": "x", "priority": "high"}, "priority"),
     ],
 )  # fmt: skip
 async def test_bad_field_answers_400_naming_the_field(emulator, http, path, body, field):
@@ -458,6 +460,25 @@ async def test_shutdown_answers_pending_requests_with_503_and_stops_the_loop(htt
     assert json.loads(payloads[-2][len("data: ") :])["error"]["code"] == 503
     assert emu.engine.loop_task is not None and emu.engine.loop_task.done()
     assert not emu.engine.accepting
+
+
+async def test_under_the_priority_policy_the_lowest_priority_waiting_goes_first(http):
+    """vLLM's --scheduling-policy priority: one sequence at a time; while a long one
+    runs, "late" (priority 1) arrives after "early" (priority 5) and runs first."""
+    async with Emulator(replace(FAST, step_a=0.002, max_num_seqs=1, scheduling_policy="priority")) as emu:
+        url = f"{emu.base_url}/v1/completions"
+        body = {"max_tokens": 2, "ignore_eos": True}
+        async with http.post(url, json={"prompt": "hold", "max_tokens": 1000, "ignore_eos": True,
+                                        "stream": True}) as hold:  # fmt: skip
+            await hold.content.readline()
+            early = asyncio.create_task(post(http, url, {**body, "prompt": "early", "priority": 5}))
+            await emu.engine.wait_for(lambda engine: engine.stats.submitted == 2)
+            late = asyncio.create_task(post(http, url, {**body, "prompt": "late", "priority": 1}))
+            await emu.engine.wait_for(lambda engine: engine.stats.submitted == 3)
+            hold.close()
+            done, _ = await asyncio.wait([early, late], return_when=asyncio.FIRST_COMPLETED)
+        assert done == {late}
+        assert (await early)[0] == 200 and (await late)[0] == 200
 
 
 async def test_client_that_disconnects_frees_its_kv_blocks(http):

@@ -125,3 +125,55 @@ def test_bench_engine_args_pass_the_prefill_cost_to_the_emulator():
 
 def test_both_embedded_engine_shapes_charge_the_same_prefill_cost():
     assert e2e.KV_LIMITED.prefill_per_token == e2e.AMPLE_KV.prefill_per_token > 0
+
+
+def _prio(priority: int, arrival: float, prompt_tokens: int = 16, max_tokens: int = 100) -> Sequence:
+    return Sequence(index=0, prompt_tokens=prompt_tokens, max_tokens=max_tokens, min_tokens=0, eos_after=None,
+                    stop=(), rng=random.Random(0), arrival=arrival, events=asyncio.Queue(), priority=priority)  # fmt: skip
+
+
+def test_the_priority_policy_admits_by_priority_then_arrival():
+    scheduler = BlockScheduler(num_blocks=64, block_size=16, max_num_seqs=2, priority=True)
+    a, b, c = _prio(5, 0.0), _prio(1, 1.0), _prio(1, 2.0)
+    for s in (a, b, c):
+        scheduler.add(s)
+    assert scheduler.schedule().admitted == [b, c]
+    assert list(scheduler.waiting) == [a]
+
+
+def test_the_priority_policy_preempts_the_running_one_with_the_largest_key_and_requeues_it_by_its_key():
+    # 4 usable blocks of 16 tokens; two sequences of 32 prompt tokens hold them all
+    scheduler = BlockScheduler(num_blocks=5, block_size=16, max_num_seqs=4, priority=True)
+    first, urgent = _prio(9, 0.0, prompt_tokens=32), _prio(0, 1.0, prompt_tokens=32)
+    scheduler.add(first)
+    assert scheduler.schedule().admitted == [first]
+    scheduler.add(urgent)
+    plan = scheduler.schedule()
+    assert plan.admitted == [urgent] and plan.batch == [first, urgent]
+    for s in plan.batch:
+        append_token(s)  # each now needs a third block
+    plan = scheduler.schedule()
+    assert plan.preempted == [first]  # FCFS would have preempted the newest, ``urgent``
+    assert plan.batch == [urgent]
+    later = _prio(9, 5.0)
+    scheduler.add(later)
+    assert list(scheduler.waiting) == [first, later]  # back in its place, ahead of a later arrival
+
+
+def test_the_fcfs_policy_still_preempts_the_newest():
+    scheduler = BlockScheduler(num_blocks=5, block_size=16, max_num_seqs=4)
+    first, urgent = _prio(9, 0.0, prompt_tokens=32), _prio(0, 1.0, prompt_tokens=32)
+    scheduler.add(first)
+    scheduler.add(urgent)
+    for s in scheduler.schedule().batch:
+        append_token(s)
+    assert scheduler.schedule().preempted == [urgent]
+
+
+def test_the_scheduling_policy_flag_sets_the_config_and_a_bad_one_names_the_field():
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["emulate-engine", "--scheduling-policy", "priority"])
+    assert config_from_args(args).scheduling_policy == "priority"
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EmulatorConfig(scheduling_policy="lifo")
