@@ -81,8 +81,10 @@ def _bench_sim(args: argparse.Namespace) -> int:
 def _bench_e2e(args: argparse.Namespace) -> int:
     from .bench import e2e
 
-    cfg = e2e.E2EConfig(engine_url=args.engine, seed=args.seed, slo_ttft_s=args.slo_ttft_ms / 1e3,
-                        slo_tpot_s=args.slo_tpot_ms / 1e3)  # fmt: skip
+    if args.priority_engine and not args.engine:
+        raise SystemExit("binbatch bench e2e: --priority-engine needs --engine (the embedded engine starts its own)")
+    cfg = e2e.E2EConfig(engine_url=args.engine, priority_engine_url=args.priority_engine, seed=args.seed,
+                        slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3)  # fmt: skip
     cfg = e2e.quick(cfg) if args.quick else cfg
     cfg = replace(cfg, repeats=args.repeats) if args.repeats else cfg
     cfg = replace(cfg, requests=args.requests) if args.requests else cfg
@@ -205,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
         "e2e", help="the sidecar against calling the engine directly, same workload, same run (~9 min; --quick < 1 min)"
     )  # fmt: skip
     e2.add_argument("--engine", metavar="URL", help="an OpenAI-compatible server (e.g. vLLM); default: the embedded engine")
+    e2.add_argument("--priority-engine", metavar="URL",
+                    help="the same engine and model as --engine, started with --scheduling-policy priority: the "
+                         "'priority' client sends there, each request's true length its priority (vLLM's own "
+                         "shortest-first, the sidecar's yardstick); without it that client is left out")  # fmt: skip
     e2.add_argument("--json", action="store_true", help="print one JSON document {runs, ratios} instead of tables")
     e2.add_argument("--plot", metavar="FILE.png", help="also draw latency and goodput vs load to this PNG")
     e2.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
@@ -287,7 +293,7 @@ def _env_port(name: str) -> int | None:
 _CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
 # bench e2e's scenario keys and shapes (bench/e2e.py SCENARIO_NAMES; the CLI imports benches lazily)
 _E2E_SCENARIOS = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang")
-_E2E_CLIENTS = ("direct", "hint", "packed", "online", "free", "ideal1", "ideal4", "ideal8", "gang1", "gang4", "gang8")
+_E2E_CLIENTS = ("direct", "priority", "hint", "packed", "online", "free", "ideal1", "ideal4", "ideal8", "gang1", "gang4", "gang8")
 
 
 def _positive_float(text: str) -> float:

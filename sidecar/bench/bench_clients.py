@@ -176,14 +176,20 @@ def completion_body(model: str, prompt: str | list[str], tokens: int, stream: bo
     return body
 
 
-def direct_caller(session: aiohttp.ClientSession, url: str, model: str) -> Callable[[BenchRequest], Awaitable[Sample]]:
-    """Streams each request straight to the engine's ``/v1/completions``."""
+def direct_caller(
+    session: aiohttp.ClientSession, url: str, model: str, *, priority: bool = False
+) -> Callable[[BenchRequest], Awaitable[Sample]]:
+    """Streams each request straight to the engine's ``/v1/completions``; with
+    ``priority`` its true length is its vLLM ``priority`` (shortest first: an
+    engine started with ``--scheduling-policy priority``, told the hints)."""
 
     async def call(req: BenchRequest) -> Sample:
         t0 = time.perf_counter()
         ttft = None
         tokens = 0
         body = completion_body(model, req.prompt, req.output_tokens, stream=True)
+        if priority:
+            body["priority"] = req.output_tokens
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             if resp.status != 200:
                 raise CallFailed(f"engine answered HTTP {resp.status}: {(await resp.text())[:200]}")

@@ -44,11 +44,13 @@ class EngineShape:
     max_num_seqs: int = 256
     max_model_len: int = 512
     prefill_per_token: float = 0.0
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy
 
     def describe(self) -> str:
+        policy = "" if self.scheduling_policy == "fcfs" else f", {self.scheduling_policy} scheduling"
         return (f"tau(b) = {self.step_a * 1e3:g} ms + {self.step_c * 1e3:g} ms*b "
                 f"+ {self.prefill_per_token * 1e3:g} ms per prefilled token, "
-                f"KV {self.num_gpu_blocks}x{self.block_size} tokens, max {self.max_num_seqs} seqs")  # fmt: skip
+                f"KV {self.num_gpu_blocks}x{self.block_size} tokens, max {self.max_num_seqs} seqs{policy}")  # fmt: skip
 
 
 def emulator_args(shape: EngineShape) -> list[str]:
@@ -57,7 +59,8 @@ def emulator_args(shape: EngineShape) -> list[str]:
             "--step-a", repr(shape.step_a), "--step-c", repr(shape.step_c),
             "--prefill-per-token", repr(shape.prefill_per_token),
             "--num-gpu-blocks", str(shape.num_gpu_blocks), "--block-size", str(shape.block_size),
-            "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len)]  # fmt: skip
+            "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len),
+            "--scheduling-policy", shape.scheduling_policy]  # fmt: skip
 
 
 class EngineProcess(ChildProcess):

@@ -125,6 +125,9 @@ SLO_MISS_SHARE = 0.9  # direct "misses" the SLO at a load where fewer than this 
 @dataclass(frozen=True)
 class E2EConfig:
     engine_url: str | None = None
+    # an engine like engine_url but started with --scheduling-policy priority, for the "priority" client
+    # (embedded: one is started; with engine_url and none given, that client is left out)
+    priority_engine_url: str | None = None
     requests: int = 64  # per burst (chat KV pressure, short)
     load_requests: int = 256  # per Poisson load: long enough for a queue to form near saturation (module docstring)
     gang_requests: int = 64
@@ -161,10 +164,11 @@ class Client:
 
     key: str
     label: str
-    mode: str  # direct | continuous | gang | ideal-gang
+    mode: str  # direct | engine-priority | continuous | gang | ideal-gang
     k: int
     sidecar: str | None = None  # key of the sidecar process it goes through
     hint: bool = True
+    engine: str | None = None  # the engine it calls, if not the scenario's ("kv-priority")
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,9 @@ class Scenario:
 
 
 DIRECT = Client("direct", "direct", "direct", 1)
+# vLLM's own shortest-first: the same engine started with --scheduling-policy priority, each request's
+# true length its priority (what a user who can restart vLLM and knows the lengths could do without us)
+PRIORITY = Client("priority", "direct, vLLM priority scheduling by hint", "engine-priority", 1, engine="kv-priority")
 HINT = Client("hint", "sidecar continuous k=4 hint", "continuous", 4, "kv-hint")
 # the same, packing the cache once arrivals stop (batch.drainOrder LongestFitFirst): the burst's throughput
 PACKED = Client("packed", "sidecar continuous k=4 hint, drain LongestFitFirst", "continuous", 4, "kv-packed")
@@ -191,12 +198,15 @@ GANG1 = Client("gang1", "sidecar gang k=1", "gang", 1, "ample-gang1")
 GANG4 = Client("gang4", "sidecar gang k=4", "gang", 4, "ample-gang4")
 IDEAL8 = Client("ideal8", "ideal gang k=8", "ideal-gang", 8)
 GANG8 = Client("gang8", "sidecar gang k=8", "gang", 8, "ample-gang8")
-CLIENT_NAMES = tuple(c.key for c in (DIRECT, HINT, PACKED, ONLINE, FREE, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8))
+CLIENT_NAMES = tuple(c.key for c in (DIRECT, PRIORITY, HINT, PACKED, ONLINE, FREE, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4,
+                                     GANG8))  # fmt: skip
 
 
 def scenarios(cfg: E2EConfig) -> list[Scenario]:
-    chat = [Scenario(f"chat@{x:g}", f"chat load {x:g}", "kv", "chat", cfg.load_requests, x, (DIRECT, HINT, ONLINE),
-                     cfg.scale) for x in cfg.loads]  # fmt: skip
+    # vLLM's priority scheduling needs an engine started so: embedded, or given as priority_engine_url
+    ordered = (PRIORITY,) if cfg.engine_url is None or cfg.priority_engine_url else ()
+    chat = [Scenario(f"chat@{x:g}", f"chat load {x:g}", "kv", "chat", cfg.load_requests, x,
+                     (DIRECT, *ordered, HINT, ONLINE), cfg.scale) for x in cfg.loads]  # fmt: skip
     plan = [
         *chat,
         Scenario("chat@burst", "chat burst, KV pressure", "kv", "chat", cfg.requests, None,
@@ -354,13 +364,20 @@ def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[d
         out["e2e_mean_at_95pct_load"] = _ratio(accs[at95, "hint"].e2e_mean(), accs[at95, "direct"].e2e_mean())
         out["e2e_p99_at_95pct_load"] = _ratio(rows[at95, "hint"]["e2e_p99_s"], rows[at95, "direct"]["e2e_p99_s"])
         notes["ordering_bound_at_95pct_load"] = ordering_bound(accs[at95, "direct"])
+    if (at95, "direct") in accs and (at95, "priority") in accs:
+        # the yardstick of the order: vLLM's own priority scheduling told the same hints, over direct
+        notes["vllm_priority_at_95pct_load"] = {
+            "e2e_mean": _ratio(accs[at95, "priority"].e2e_mean(), accs[at95, "direct"].e2e_mean()),
+            "e2e_p99": _ratio(rows[at95, "priority"]["e2e_p99_s"], rows[at95, "direct"]["e2e_p99_s"]),
+        }
     loads = {x: rows[f"chat@{x:g}", "direct"] for x in cfg.loads if (f"chat@{x:g}", "direct") in rows}
     if loads:
         pick, missed = goodput_load(loads)
         notes["goodput_load"] = pick
         notes["goodput_direct_missed_slo"] = missed
-        out["goodput_at_slo"] = _ratio(rows[f"chat@{pick:g}", "hint"]["goodput_per_s"],
-                                       rows[f"chat@{pick:g}", "direct"]["goodput_per_s"])  # fmt: skip
+        if (f"chat@{pick:g}", "hint") in rows:  # else left out (--client): null
+            out["goodput_at_slo"] = _ratio(rows[f"chat@{pick:g}", "hint"]["goodput_per_s"],
+                                           rows[f"chat@{pick:g}", "direct"]["goodput_per_s"])  # fmt: skip
         notes["goodput_ceiling"] = goodput_ceiling(loads[pick])
         if (warning := slo_warning(loads, cfg)) is not None:
             notes["slo_warning"] = warning
@@ -394,11 +411,18 @@ async def run_async(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any
 
 async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: contextlib.AsyncExitStack) -> dict[str, Any]:
     urls: dict[str, str] = {}
+    plan = scenarios(cfg)
     if cfg.engine_url:
         urls = {"kv": cfg.engine_url.rstrip("/"), "ample": cfg.engine_url.rstrip("/")}
         say(f"engine {urls['kv']} (every scenario on it)")
+        if cfg.priority_engine_url:
+            urls["kv-priority"] = cfg.priority_engine_url.rstrip("/")
+            say(f"engine {urls['kv-priority']} (started with --scheduling-policy priority: the priority client)")
     else:
-        for name, shape in (("kv", cfg.kv_engine), ("ample", cfg.ample_engine)):
+        shapes = [("kv", cfg.kv_engine), ("ample", cfg.ample_engine)]
+        if any(c.engine == "kv-priority" for sc in plan for c in sc.clients):
+            shapes.append(("kv-priority", replace(cfg.kv_engine, scheduling_policy="priority")))
+        for name, shape in shapes:
             engine = EngineProcess(shape, tmp)
             await engine.start()
             stack.push_async_callback(engine.stop)
@@ -408,7 +432,6 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
     )
     models = {name: await served_model(session, url) for name, url in urls.items()}
-    plan = scenarios(cfg)
     used = {c.sidecar for sc in plan for c in sc.clients}
     channels: dict[str, grpc.aio.Channel] = {}
     for key, (engine, overrides) in sidecar_overrides(cfg).items():
@@ -426,12 +449,13 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
             await _warm(channels[key])
 
     async def run_one(sc: Scenario, client: Client, requests: list[workloads.BenchRequest]) -> RunResult:
-        url, model = urls[sc.engine], models[sc.engine]
+        engine = client.engine or sc.engine
+        url, model = urls[engine], models[engine]
         before = await preemptions(session, url)
         if client.mode == "ideal-gang":
             result = await ideal_gang(session, url, model, requests, k=client.k, batch=cfg.gang_batch)
         elif client.sidecar is None:
-            result = await replay(requests, direct_caller(session, url, model))
+            result = await replay(requests, direct_caller(session, url, model, priority=client is PRIORITY))
         else:
             result = await replay(requests, sidecar_caller(channels[client.sidecar], hint=client.hint))
         after = await preemptions(session, url)
@@ -536,6 +560,9 @@ def print_tables(doc: dict[str, Any]) -> None:
     if setup.get("ordering_bound_at_95pct_load") is not None:
         print(f"  (the lowest e2e_mean_at_95pct_load any order could reach here, all of direct's waiting removed: "
               f"{setup['ordering_bound_at_95pct_load']:.3f})")  # fmt: skip
+    if (prio := setup.get("vllm_priority_at_95pct_load")) is not None:
+        print(f"  (vLLM's own priority scheduling told the same hints, over direct at load {RATIO_LOAD:g}: mean E2E "
+              f"{_fmt(prio['e2e_mean'], 1, 3)}, p99 {_fmt(prio['e2e_p99'], 1, 3)})")  # fmt: skip
     if setup.get("slo_warning"):
         print(f"  WARNING: {setup['slo_warning']}")
     if setup.get("goodput_ceiling") is not None:
@@ -566,7 +593,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     for r in doc["runs"]:
         if r["load"] is not None:
             series.setdefault(r["name"].split(" | ", 1)[1], []).append(r)
-    for (label, rows), color in zip(series.items(), ("black", "tab:blue", "tab:orange", "tab:green"), strict=False):
+    for (label, rows), color in zip(series.items(), ("black", "tab:blue", "tab:orange", "tab:green", "tab:red"), strict=False):
         rows.sort(key=lambda r: r["load"])
         x = [r["load"] for r in rows]
         lat.plot(x, [r["e2e_p50_s"] for r in rows], "-o", color=color, label=f"{label} p50")

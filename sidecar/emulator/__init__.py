@@ -25,8 +25,8 @@ and behind it runs a token-step engine that batches the way vLLM does:
   ``--scheduling-policy priority`` (vLLM's flag) the waiting queue is kept in
   (``priority``, arrival) order, a preempted sequence goes back into it by the
   same key, and the running sequence with the largest key is the one preempted;
-  a request's ``priority`` other than 0 is refused (400) under the default
-  "fcfs". Chunked prefill and ``max_num_batched_tokens`` are not modelled.
+  under the default "fcfs" a request's ``priority`` is accepted and has no
+  effect, as in vLLM 0.32. Chunked prefill and ``max_num_batched_tokens`` are not modelled.
 * **Tokens.** The emulated tokenizer counts one token per whitespace-separated word
   of the prompt (a chat prompt is rendered with a tiny template first, see
   :func:`render_chat`; a prompt given as token ids counts its ids). Every output

@@ -32,8 +32,8 @@ class EmulatorConfig:
     scheduling_policy: str = "fcfs"
     """vLLM's ``--scheduling-policy``: "fcfs", or "priority" -- waiting requests
     taken by (``priority``, arrival), the running one with the largest key
-    preempted; a request's ``priority`` field (default 0, lower first) is refused
-    under "fcfs" unless 0."""
+    preempted; a request's ``priority`` field (default 0, lower first) has no
+    effect under "fcfs", as in vLLM 0.32."""
     max_model_len: int = 2048
     """Longest prompt + output, tokens; must fit in the KV cache, as vLLM requires."""
     legacy_names: bool = False

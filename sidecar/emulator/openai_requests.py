@@ -226,11 +226,9 @@ def parse_request(body: Any, config: EmulatorConfig, chat: bool) -> ParsedReques
 
 
 def _priority(body: dict[str, Any], config: EmulatorConfig) -> int:
-    """``priority`` (lower first); anything but 0 needs the priority policy, as in vLLM."""
-    priority = _int(body, "priority", 0, -(2**63))
-    if priority and config.scheduling_policy != "priority":
-        raise _bad("priority", f"got {priority} but priority scheduling is not enabled (--scheduling-policy priority)")
-    return priority or 0
+    """``priority`` (lower first).  Under "fcfs" it is accepted and has no effect,
+    as in vLLM 0.32 (before 0.11 vLLM refused anything but 0 there)."""
+    return _int(body, "priority", 0, -(2**63)) or 0
 
 
 def _check_context(prompt: Prompt, sampling: SamplingSpec, config: EmulatorConfig, prompt_field: str) -> None:

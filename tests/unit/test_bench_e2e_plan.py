@@ -72,3 +72,50 @@ def test_cli_capacity_flags_reach_the_plan_and_are_checked(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "e2e", "--capacity-concurrency", "16", "--capacity-requests", "40", "--quiet"])
     assert "--capacity-requests must be at least 3x --capacity-concurrency" in str(exc.value.code)
+
+
+def _clients_at_95(cfg: e2e.E2EConfig) -> list[str]:
+    (sc,) = [sc for sc in e2e.scenarios(cfg) if sc.key == "chat@0.95"]
+    return [c.key for c in sc.clients]
+
+
+def test_vllms_priority_scheduling_is_measured_where_an_engine_runs_it():
+    """The embedded engine starts one with --scheduling-policy priority; against
+    the user's engine the client needs --priority-engine, else it is left out."""
+    assert _clients_at_95(e2e.E2EConfig()) == ["direct", "priority", "hint", "online"]
+    assert "priority" not in _clients_at_95(e2e.E2EConfig(engine_url="http://127.0.0.1:8000"))
+    both = e2e.E2EConfig(engine_url="http://127.0.0.1:8000", priority_engine_url="http://127.0.0.1:8001")
+    assert "priority" in _clients_at_95(both)
+    assert e2e.PRIORITY.engine == "kv-priority" and e2e.PRIORITY.sidecar is None
+
+
+def test_cli_priority_engine_needs_an_engine(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(e2e, "run", lambda cfg, say: seen.setdefault("cfg", cfg) and {"runs": [], "ratios": {}})
+    monkeypatch.setattr(e2e, "print_tables", lambda doc: None)
+    assert cli.main(["bench", "e2e", "--engine", "http://127.0.0.1:1", "--priority-engine", "http://127.0.0.1:2",
+                     "--quiet"]) == 0  # fmt: skip
+    assert seen["cfg"].priority_engine_url == "http://127.0.0.1:2"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "e2e", "--priority-engine", "http://127.0.0.1:2", "--quiet"])
+    assert "--priority-engine needs --engine" in str(exc.value.code)
+
+
+
+def test_ratios_of_clients_left_out_are_null_and_the_priority_yardstick_is_noted():
+    """``--client direct --client priority``: no sidecar ran, so every ratio is
+    null (the run's rows are not lost to a KeyError), and the note compares vLLM's
+    priority scheduling with direct."""
+    from binbatch_sidecar.bench.bench_clients import RunResult, Sample
+
+    cfg = replace(e2e.E2EConfig(), loads=(0.95,))
+    (sc,) = [sc for sc in e2e.scenarios(cfg) if sc.key == "chat@0.95"]
+    accs = {}
+    for client, e2e_s in ((e2e.DIRECT, 2.0), (e2e.PRIORITY, 1.0)):
+        acc = e2e._Acc(sc, client)
+        acc.runs.append(RunResult(samples=[Sample(0.1 * e2e_s, e2e_s, 10), Sample(0.2, 3 * e2e_s, 20)], elapsed_s=4.0))
+        accs[sc.key, client.key] = acc
+    ratios, notes = e2e.compute_ratios(accs, cfg)
+    assert set(ratios) == set(e2e.RATIO_KEYS) and all(v is None for v in ratios.values())
+    assert notes["vllm_priority_at_95pct_load"]["e2e_mean"] == pytest.approx(0.5)
+    assert notes["goodput_load"] == 0.95
