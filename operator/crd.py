@@ -75,6 +75,11 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
               " && (self.sizing == 'Memory' || self.sizing == 'Combined'))",
               "drainOrder LongestFitFirst needs mode Continuous, order ShortestFirst and sizing Memory or Combined",
               ".drainOrder"),
+        _rule(("order", "mode"), "self.order != 'EnginePriority' || self.mode == 'Continuous'",
+              "order EnginePriority needs mode Continuous", ".order"),
+        _rule(("order", "followEngineQueue"), "self.order != 'EnginePriority' || !self.followEngineQueue",
+              "followEngineQueue must be false with order EnginePriority: the queue is to form in the engine",
+              ".followEngineQueue"),
     ],
     "bins": [
         _rule(("boundaries", "mode"), "size(self.boundaries) == 0 || self.mode == 'Fixed'",
@@ -106,6 +111,10 @@ SPEC_RULES = [
              " || (has(self.memory) && has(self.memory.admission) && self.memory.admission == 'Projected')",
      "message": "batch.drainOrder LongestFitFirst needs memory.admission Projected (it packs by the projected KV plan)",
      "fieldPath": ".batch.drainOrder"},
+    {"rule": "!has(self.batch) || !has(self.batch.order) || self.batch.order != 'EnginePriority'"
+             " || !has(self.memory) || !has(self.memory.admission) || self.memory.admission != 'Projected'",
+     "message": "memory.admission Projected holds requests in the sidecar; with batch.order EnginePriority the queue "
+                "is to form in the engine: use BatchSize", "fieldPath": ".memory.admission"},
     _rule(("sidecar", "sidecar.takeOverServingPort", "sidecar.takeOverServingPort.enabled", "engine", "engine.url"),
           f"!self.sidecar.takeOverServingPort.enabled || self.engine.url.matches(r'{LOOPBACK_URL}')",
           "engine.url must name the pod's loopback (127.0.0.1 or localhost) when sidecar.takeOverServingPort is "

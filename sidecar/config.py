@@ -20,7 +20,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 splitThresholdPercent, maxRequestsPerBin}
     batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
-                maxQueuedRequests, dispatch: MaxWait|Smdp, smdpEngineWeight, order: Fifo|ShortestFirst,
+                maxQueuedRequests, dispatch: MaxWait|Smdp, smdpEngineWeight, order: Fifo|ShortestFirst|EnginePriority,
                 agingTokensPerSecond, maxQueueWaitMilliseconds, followEngineQueue,
                 drainOrder: ShortestFirst|LongestFitFirst}
     memory:    {admission: BatchSize|Projected, overflowPerMille, kvReservePercent, kvSaturationPercent}
@@ -70,7 +70,7 @@ Sizing = Literal["Static", "Memory", "Sla", "Combined"]
 # Smdp: the control limit of core/smdp.py with engine time as the per-dispatch cost
 # (core/smdp_policy.py); gang mode only.
 Dispatch = Literal["MaxWait", "Smdp"]
-AdmissionOrderName = Literal["Fifo", "ShortestFirst"]
+AdmissionOrderName = Literal["Fifo", "ShortestFirst", "EnginePriority"]
 DrainOrder = Literal["ShortestFirst", "LongestFitFirst"]
 MemoryAdmission = Literal["BatchSize", "Projected"]
 PredictorKind = Literal["Hint", "Online"]
@@ -183,7 +183,7 @@ class BatchConfig(_Section):
     max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED). A request whose predicted queue wait exceeds its deadline is refused too.")  # fmt: skip
     dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds), or Smdp (Gang only: as soon as a slot is free and its bin holds enough requests, the threshold coming from a semi-Markov decision process (SMDP) solved for the measured arrival rate and batch service time (fitted as a linear function of batch size); maxWaitMilliseconds still bounds the wait, and alone decides until a solution exists).")  # fmt: skip
     smdp_engine_weight: int = Field(16, ge=1, le=100_000, description="Smdp: request-seconds of waiting one engine-second is worth; larger sends fewer, fuller batches.")  # fmt: skip
-    order: AdmissionOrderName = Field("ShortestFirst", description="Continuous mode, when the engine is full: which waiting request is admitted next. Fifo: in arrival order. ShortestFirst: the smallest predicted output first, aged by agingTokensPerSecond and bounded by maxQueueWaitMilliseconds; a request past its TTFT SLO's queue share goes after those that can still meet theirs.")  # fmt: skip
+    order: AdmissionOrderName = Field("ShortestFirst", description="Continuous mode, when the engine is full: which waiting request is admitted next. Fifo: in arrival order. ShortestFirst: the smallest predicted output first, aged by agingTokensPerSecond and bounded by maxQueueWaitMilliseconds; a request past its TTFT SLO's queue share goes after those that can still meet theirs. EnginePriority (for a vLLM started with --scheduling-policy priority): the queue forms in the engine, which orders it -- each request is sent at once with vLLM's priority set to when it would end if served at once (arrival plus predicted tokens times the engine's time per token, in ms; a higher request-class priority first), so the shortest goes first and a long one moves up as it waits, with no dispatch delay; needs mode Continuous, no memory.admission Projected and no followEngineQueue.")  # fmt: skip
     aging_tokens_per_second: int = Field(20, ge=0, le=1_000_000, description="ShortestFirst: each second a request waits lowers its rank by this many predicted tokens, so long requests move up.")  # fmt: skip
     follow_engine_queue: bool = Field(True, description="Continuous mode: also hold admission while the engine's own queue is not empty (from its running and waiting counts each scrape), so the queue forms here where it is ordered; while the engine queues nothing the cap grows above what it runs.")  # fmt: skip
     max_queue_wait_milliseconds: int = Field(30_000, ge=1, le=3_600_000, description="ShortestFirst: a request that waited this long for admission goes before every other, the oldest first (no request is starved).")  # fmt: skip
@@ -198,6 +198,12 @@ class BatchConfig(_Section):
             problems.append(("staticSize", f"must be <= maxBatchSize ({self.max_batch_size}), got {self.static_size}"))
         if self.dispatch == "Smdp" and self.mode != "Gang":
             problems.append(("dispatch", f"Smdp needs mode Gang (its cost is a gang batch's engine time), mode is {self.mode}"))
+        if self.order == "EnginePriority":
+            if self.mode != "Continuous":
+                problems.append(("order", f"EnginePriority sends requests one by one and needs mode Continuous, mode is {self.mode}"))  # fmt: skip
+            if self.follow_engine_queue:  # its default is true: say it, as the CRD's defaulting would fill it in
+                problems.append(("followEngineQueue", "must be false with order EnginePriority: the queue is to form in "
+                                                      "the engine, which orders it"))  # fmt: skip
         if problems:
             _broken(problems)
         return self
@@ -330,6 +336,9 @@ class SidecarConfig(_Section):
         if self.batch.sizing == "Sla" and self.latency.tpot_milliseconds == 0:
             _broken([("latency.tpotMilliseconds", "must be > 0 when batch.sizing is Sla")])
         b = self.batch
+        if b.order == "EnginePriority" and self.memory.admission == "Projected":
+            _broken([("memory.admission", "Projected holds requests here until the KV cache holds them; with "
+                      "batch.order EnginePriority the queue is to form in the engine, which orders it: use BatchSize")])  # fmt: skip
         if b.drain_order == "LongestFitFirst":
             needs = [(b.mode == "Continuous", f"batch.mode Continuous (is {b.mode})"),
                      (b.order == "ShortestFirst", f"batch.order ShortestFirst (is {b.order})"),

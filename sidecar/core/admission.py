@@ -77,6 +77,7 @@ class AdmissionOrder:
     max_wait: float = math.inf
     follow_engine: bool = False  # also cap admission at the engine's own concurrency (``engine_cap``)
     drain: Drain = "shortest_first"  # once arrivals stop: the critical-path rule, or first fit decreasing
+    engine_priority: bool = False  # the engine orders its queue by ``engine_priority`` (vLLM priority scheduling)
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -87,6 +88,37 @@ class AdmissionOrder:
             raise ValueError(f"aging must be finite and >= 0, got {self.aging!r}")
         if not self.max_wait > 0:
             raise ValueError(f"max_wait must be > 0, got {self.max_wait!r}")
+
+
+# ``engine_priority``: a request-class priority step outweighs this many ms of ideal end
+# time (~31.7 years), so a more urgent class always goes first; the time per token
+# assumed until the engine's is measured (a GPU's order of magnitude).
+CLASS_STRIDE_MS = 10**12
+DEFAULT_TPOT_S = 0.02
+
+
+def engine_priority(req: Request, tpot: float | None, epoch: float) -> int:
+    """vLLM's ``priority`` for ``req`` (lower goes first) when the engine orders
+    the queue (``batch.order: EnginePriority``, vLLM's ``--scheduling-policy
+    priority``): when it would end if served at once -- its arrival plus its
+    predicted tokens times the engine's time per token ``tpot``, in ms since
+    ``epoch`` -- less ``CLASS_STRIDE_MS`` per step of request priority.
+
+    That is shortest-first with aging of 1/tpot tokens a second: between two
+    waiting requests the shorter goes first unless the longer arrived earlier by
+    more than the difference of their decode times, so a long request moves up
+    as it waits, at the pace the engine decodes, whatever the engine (no aging
+    to tune; linear aging at a fixed 20 tokens/s starves the long answers in
+    vLLM's queue, since its priority policy also preempts the largest key).  In
+    the engine model at load 0.95 (chat, seeds 1-5) it gives mean E2E 0.85x and
+    p99 1.17x direct's; without the aging (priority = length) p99 is 1.9x.
+    The key never changes once sent: vLLM compares it as it was."""
+    step = tpot if tpot and tpot > 0 else DEFAULT_TPOT_S
+    predicted = req.predicted_tokens if req.predicted_tokens is not None else float(req.max_tokens or 1)
+    if req.max_tokens:
+        predicted = min(predicted, float(req.max_tokens))
+    end_ms = (req.arrival - epoch + predicted * step) * 1000.0
+    return round(end_ms) - req.priority * CLASS_STRIDE_MS
 
 
 # KV usage at or above which a queue in the engine means "it holds all it can"; below

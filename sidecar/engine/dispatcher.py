@@ -27,9 +27,10 @@ import asyncio
 import functools
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ..core.admission import engine_priority
 from ..core.breaker import STATES
 from ..core.clock import Clock
 from ..core.inflight import Slot
@@ -168,6 +169,8 @@ class Dispatcher:
         self._opens_published = 0
         self._children: dict[tuple[object, ...], Any] = {}  # labelled metric children (_child)
         self._depth_bins = 0  # binbatch_queue_depth children made so far (_publish_queue)
+        self._epoch = clock.now()  # batch.order EnginePriority: the keys count ms from here
+        self._tpot: float | None = None  # the engine's last time per token, for those keys
         # Read when /metrics is scraped, not written on every loop pass.
         metrics.inflight_requests.set_function(lambda: self.inflight_requests)
         metrics.inflight_batches.set_function(lambda: self.inflight_batches)
@@ -316,11 +319,15 @@ class Dispatcher:
 
     def _start(self, d: Dispatch, now: float) -> None:
         calls = []
+        ordered_there = self.core.admission.engine_priority and not d.slot.batch
         for req in d.requests:
             call = self._calls[req]
             call.dispatched_at = now
             calls.append(call)
             self.metrics.wait.observe(max(0.0, now - req.arrival))
+            if ordered_there:  # the engine orders its queue: tell it where this one goes
+                key = engine_priority(req, self._tpot, self._epoch)
+                call.engine_request.params = replace(call.engine_request.params, priority=key)
         if d.slot.batch:
             self._spawn(self._run_gang(list(d.requests), calls), d.slot)
         else:
@@ -501,6 +508,8 @@ class Dispatcher:
 
     def on_snapshot(self, snapshot: EngineSnapshot | None) -> SizeDecision:
         """Recompute B_t from a metrics snapshot (None: no metrics source)."""
+        if snapshot is not None and snapshot.fresh and snapshot.tpot_seconds:
+            self._tpot = snapshot.tpot_seconds  # the engine's pace, whoever's tokens it was
         decision, changes = self.scheduler.on_snapshot(snapshot, self.clock.now())
         sla = self.scheduler.core.sizer.sla
         if sla is not None and sla.infeasible != self._sla_infeasible:

@@ -78,6 +78,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     min_tokens: int | None = None
+    priority: int | None = None  # vLLM's priority, lower first (batch.order EnginePriority); None: not sent
 
     def body(self) -> dict[str, Any]:
         """The OpenAI/vLLM JSON fields, without the unset ones (``ignore_eos`` and
@@ -97,6 +98,8 @@ class SamplingParams:
             out["ignore_eos"] = True
         if self.min_tokens is not None:
             out["min_tokens"] = self.min_tokens
+        if self.priority is not None:
+            out["priority"] = self.priority
         return out
 
 

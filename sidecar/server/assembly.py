@@ -99,11 +99,13 @@ def projected_kv(cfg: SidecarConfig) -> bool:
 def build_admission(cfg: SidecarConfig) -> AdmissionOrder:
     """``batch.order`` with its aging and max wait, as the scheduler takes it."""
     b = cfg.batch
+    engine_priority = b.order == "EnginePriority"  # what queues here (B_t) is ordered shortest first too
     return AdmissionOrder(
-        "shortest_first" if b.order == "ShortestFirst" else "fifo",
+        "fifo" if b.order == "Fifo" else "shortest_first",
         aging=float(b.aging_tokens_per_second),
         max_wait=b.max_queue_wait_milliseconds / 1000,
-        follow_engine=b.follow_engine_queue,
+        follow_engine=b.follow_engine_queue and not engine_priority,
+        engine_priority=engine_priority,
         drain="longest_fit_first" if b.drain_order == "LongestFitFirst" else "shortest_first",
     )
 

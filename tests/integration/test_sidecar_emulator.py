@@ -274,3 +274,32 @@ async def test_unset_max_tokens_is_capped_at_bins_max_output_tokens(tmp_path):
             msg = pb.GenerateRequest(prompt="no limit given", ignore_eos=True)
             resp = await sc.inference.Generate(msg, timeout=30)
             assert (resp.completion_tokens, resp.finish_reason) == (24, "length")
+
+
+async def test_engine_priority_order_lets_the_engine_run_the_shortest_waiting_first(tmp_path):
+    """batch.order EnginePriority in front of an engine started with
+    --scheduling-policy priority: the sidecar holds nothing back; each request
+    carries its ideal end as vLLM's priority, and the engine's own queue runs the
+    short one that came last before the long one that came first."""
+    from binbatch_sidecar.emulator import Emulator
+
+    engine = replace(FAST, step_a=0.002, max_num_seqs=1, scheduling_policy="priority")
+    doc = sidecar_config("", batch={"order": "EnginePriority", "followEngineQueue": False, "maxWaitMilliseconds": 0,
+                                    "sizing": "Static", "staticSize": 16},
+                         predictor={"kind": "Hint"})  # fmt: skip
+    async with Emulator(engine) as emu:
+        doc["engine"]["url"] = emu.base_url
+        doc["metrics"]["url"] = emu.base_url + "/metrics"
+        async with running_sidecar(doc, tmp_path) as sc:
+            hold = sc.inference.GenerateStream(prompt_request(0, 500, expected_output_tokens=500), timeout=30)
+            await hold.read()  # running: the engine takes one sequence at a time
+            long = asyncio.ensure_future(sc.inference.Generate(prompt_request(1, 40, expected_output_tokens=40), timeout=30))
+            await emu.engine.wait_for(lambda e: e.stats.submitted == 2)
+            short = asyncio.ensure_future(sc.inference.Generate(prompt_request(2, 3, expected_output_tokens=3), timeout=30))
+            await emu.engine.wait_for(lambda e: e.stats.submitted == 3)
+            keys = [s.priority for s in emu.engine.scheduler.waiting]
+            hold.cancel()
+            done, _ = await asyncio.wait([long, short], return_when=asyncio.FIRST_COMPLETED)
+            assert done == {short}
+            assert (await long).completion_tokens == 40 and (await short).completion_tokens == 3
+    assert len(keys) == 2 and keys[0] < keys[1] and keys[0] > 0  # the short one heads the engine's queue

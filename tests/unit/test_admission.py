@@ -344,3 +344,44 @@ def test_an_idle_hour_does_not_hide_the_end_of_the_next_burst():
     last = t - 0.001
     assert q.arrivals_stopped(last + 0.5)  # half a second after the burst: over
     assert not q.arrivals_stopped(last + 0.00001)
+
+
+# -- batch.order EnginePriority: the key the engine (vLLM --scheduling-policy priority) orders by
+
+
+def _req(name: str, arrival: float, predicted: float, priority: int = 0, max_tokens: int = 1000) -> Request:
+    r = Request(id=name, arrival=arrival, prompt_tokens=10, max_tokens=max_tokens, priority=priority)
+    r.predicted_tokens = predicted
+    return r
+
+
+def test_engine_priority_is_the_ideal_end_in_ms_so_the_shorter_goes_first_unless_the_longer_waited_longer():
+    from binbatch_sidecar.core.admission import engine_priority
+
+    tpot = 0.01  # 100 tokens a second
+    assert engine_priority(_req("a", 10.0, 50), tpot, epoch=10.0) == 500
+    short_late, long_early = _req("s", 10.2, 10), _req("l", 10.0, 50)
+    # the long one would end at 0.5 s, the short at 0.3 s: shortest first
+    assert engine_priority(short_late, tpot, 10.0) < engine_priority(long_early, tpot, 10.0)
+    # a long one that arrived more than its extra decode time (0.4 s) earlier goes first: it aged
+    assert engine_priority(_req("l", 9.5, 50), tpot, 10.0) < engine_priority(short_late, tpot, 10.0)
+    # a more urgent request class goes before any ideal end
+    assert engine_priority(_req("vip", 1e6, 300, priority=1), tpot, 0.0) < engine_priority(_req("x", 0.0, 1), tpot, 0.0)
+    # never past max_tokens; the default time per token until one is measured
+    assert engine_priority(_req("m", 0.0, 500, max_tokens=20), tpot, 0.0) == 200
+    assert engine_priority(_req("d", 0.0, 10), None, 0.0) == 200
+
+
+def test_engine_priority_order_needs_continuous_mode_no_engine_queue_cap_and_no_projected_plan():
+    from binbatch_sidecar.config import parse_config
+    from binbatch_sidecar.server.assembly import build_admission
+
+    ok = {"batch": {"order": "EnginePriority", "followEngineQueue": False}}
+    order = build_admission(parse_config(ok))
+    assert order.engine_priority and order.order == "shortest_first" and not order.follow_engine
+    for doc, field in [({"batch": {"order": "EnginePriority"}}, "batch.followEngineQueue"),
+                       ({"batch": {**ok["batch"], "mode": "Gang"}}, "batch.order"),
+                       ({**ok, "memory": {"admission": "Projected"}}, "memory.admission")]:  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            parse_config(doc)
+    assert not build_admission(parse_config({})).engine_priority
