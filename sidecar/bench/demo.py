@@ -34,9 +34,12 @@ from . import e2e
 
 # The sidecar's best configuration per win (e2e's clients): oracle hints, ordered
 # continuous admission with the SLOs; no SLO on ample KV; gang k = 1 and 4 and
-# the ideal client's k = 1 and 4 (gang k = 8 and the online predictor are the
-# full bench's).
-CLIENTS = ("direct", "hint", "packed", "free", "ideal1", "ideal4", "gang1", "gang4")
+# the ideal client's k = 1 and 4 (gang k = 8, the online predictor and vLLM's own
+# priority scheduling are the full bench's).  Beside the hinted sidecar at the
+# loads, the same handing its order to an engine started with vLLM's
+# --scheduling-policy priority (batch.order EnginePriority): the targets are
+# judged on the first, which needs nothing of the engine.
+CLIENTS = ("direct", "hint", "engine-order", "packed", "free", "ideal1", "ideal4", "gang1", "gang4")
 # The loads of the latency and goodput wins, around saturation where a queue forms
 # (the full bench adds 0.5).
 LOADS = (0.8, e2e.RATIO_LOAD, 1.1)
@@ -72,10 +75,10 @@ class Win:
 
 WINS = (
     Win("latency", "latency from ordering: chat, Poisson at 0.95 of direct capacity", f"chat@{e2e.RATIO_LOAD:g}",
-        ("direct", "hint"), (Check("e2e_mean_at_95pct_load", "<=", 0.7, "mean E2E"),
+        ("direct", "hint", "engine-order"), (Check("e2e_mean_at_95pct_load", "<=", 0.7, "mean E2E"),
                              Check("e2e_p99_at_95pct_load", "<=", 1.2, "p99 E2E"))),
     Win("goodput", "goodput at the SLO: chat, at the load where direct starts to miss it", "goodput",
-        ("direct", "hint"), (Check("goodput_at_slo", ">=", 1.2, "goodput"),)),
+        ("direct", "hint", "engine-order"), (Check("goodput_at_slo", ">=", 1.2, "goodput"),)),
     Win("kv", "KV pressure: chat, all at once on the KV-limited engine", "chat@burst", ("direct", "hint", "packed"),
         (Check("preemptions_under_kv_pressure", "<=", 0.1, "preemptions"),
          Check("throughput_under_kv_pressure", ">=", 1.0, "throughput"))),
@@ -141,6 +144,7 @@ def _s(v: float | None) -> str:
 
 def _measured(key: str, rows: dict[str, dict[str, Any] | None], cfg: e2e.E2EConfig, setup: dict[str, Any]) -> str:
     """The figures a win's ratios come from, as one line (empty when rows are missing)."""
+    engine_order = rows.pop("engine-order", None)  # reported beside, not judged
     if any(r is None for r in rows.values()):
         return ""
     d, s = (r for r in (rows["direct"], list(rows.values())[-1]) if r is not None)
@@ -152,7 +156,13 @@ def _measured(key: str, rows: dict[str, dict[str, Any] | None], cfg: e2e.E2EConf
         bound = setup.get("ordering_bound_at_95pct_load")
         floor = "" if bound is None else (f"; direct's mean TTFT is {1 - bound:.0%} of its mean E2E, so an order that "
                                           f"removed all its waiting would reach {bound:.2f}")  # fmt: skip
-        return (f"{both('queueing (TTFT p50)', 'ttft_p50_s')}; {both('decoding (TPOT p50)', 'tpot_p50_s')}{floor}")
+        there = setup.get("engine_order_at_95pct_load")
+        beside = "" if engine_order is None or there is None else (
+            f"; the order in the engine (batch.order EnginePriority, vLLM --scheduling-policy priority): mean E2E "
+            f"{there['e2e_mean']:.3f}x, p99 {there['e2e_p99']:.3f}x direct's, queueing (TTFT p50) "
+            f"{_ms(engine_order['ttft_p50_s'])}")  # fmt: skip
+        return (f"{both('queueing (TTFT p50)', 'ttft_p50_s')}; {both('decoding (TPOT p50)', 'tpot_p50_s')}{floor}"
+                f"{beside}")  # fmt: skip
     if key == "goodput":
         meet = [r["goodput_per_s"] / r["requests_per_s"] if r["requests_per_s"] else math.nan for r in (d, s)]
         every = " (direct meets it at every load measured)" if meet[0] >= 0.9 else ""
@@ -160,6 +170,9 @@ def _measured(key: str, rows: dict[str, dict[str, Any] | None], cfg: e2e.E2EConf
         most = "" if ceiling is None else f", so no admission could reach more than {ceiling:.2f}x here"
         by_load = ", ".join(f"{x}: {v:.2f}x" for x, v in setup.get("goodput_ratio_by_load", {}).items() if v is not None)
         others = f"; sidecar/direct goodput at each load {by_load}" if by_load else ""
+        there = ", ".join(f"{x}: {v:.2f}x" for x, v in setup.get("goodput_ratio_by_load_engine_order", {}).items()
+                          if v is not None)  # fmt: skip
+        others += f"; with the order in the engine {there}" if there else ""
         return (f"share of requests meeting the SLO at load {d['load']:g}: direct {meet[0]:.0%}, sidecar "
                 f"{meet[1]:.0%}{every}{most}{others}; {both('TPOT p99', 'tpot_p99_s')} (SLO {cfg.slo_tpot_s * 1e3:g} ms)")
     rate = both("requests/s", "requests_per_s", lambda v: f"{v:.2f}")

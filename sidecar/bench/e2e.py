@@ -392,10 +392,11 @@ def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[d
         notes["goodput_ceiling"] = goodput_ceiling(loads[pick])
         if (warning := slo_warning(loads, cfg)) is not None:
             notes["slo_warning"] = warning
-        notes["goodput_ratio_by_load"] = {
-            f"{x:g}": _ratio(rows[f"chat@{x:g}", "hint"]["goodput_per_s"], d["goodput_per_s"])
-            for x, d in sorted(loads.items()) if (f"chat@{x:g}", "hint") in rows
-        }  # fmt: skip
+        for client, note in (("hint", "goodput_ratio_by_load"), ("engine-order", "goodput_ratio_by_load_engine_order")):
+            by_load = {f"{x:g}": _ratio(rows[f"chat@{x:g}", client]["goodput_per_s"], d["goodput_per_s"])
+                       for x, d in sorted(loads.items()) if (f"chat@{x:g}", client) in rows}  # fmt: skip
+            if by_load:
+                notes[note] = by_load
     def pair(num: tuple[str, str], den: tuple[str, str], key: str) -> float | None:
         return _ratio(rows[num][key], rows[den][key]) if num in rows and den in rows else None
 
@@ -580,8 +581,10 @@ def print_tables(doc: dict[str, Any]) -> None:
         print(f"  WARNING: {setup['slo_warning']}")
     if setup.get("goodput_ceiling") is not None:
         by_load = ", ".join(f"{x} {_fmt(v, 1, 3)}" for x, v in setup.get("goodput_ratio_by_load", {}).items())
+        there = ", ".join(f"{x} {_fmt(v, 1, 3)}" for x, v in setup.get("goodput_ratio_by_load_engine_order", {}).items())
+        there = f"; with the order in the engine: {there}" if there else ""
         print(f"  (the highest goodput_at_slo any admission could reach there, every request within the SLO: "
-              f"{setup['goodput_ceiling']:.3f}; goodput ratio at each load: {by_load})")  # fmt: skip
+              f"{setup['goodput_ceiling']:.3f}; goodput ratio at each load: {by_load}{there})")  # fmt: skip
 
 
 def goodput_note(setup: dict[str, Any]) -> str:

@@ -38,7 +38,9 @@ def _doc(cfg: e2e.E2EConfig, ratios: dict[str, float | None]) -> dict:
             })  # fmt: skip
     return {"runs": runs, "ratios": ratios, "_setup": {"goodput_load": 0.95, "ordering_bound_at_95pct_load": 0.9,
                                                      "goodput_ceiling": 1.11,
-                                                     "goodput_ratio_by_load": {"0.8": 1.0, "0.95": 1.02, "1.1": 1.5}}}
+                                                     "goodput_ratio_by_load": {"0.8": 1.0, "0.95": 1.02, "1.1": 1.5},
+                                                     "engine_order_at_95pct_load": {"e2e_mean": 0.75, "e2e_p99": 1.29},
+                                                     "goodput_ratio_by_load_engine_order": {"0.8": 1.1}}}
 
 
 def test_a_missed_target_is_judged_missed_with_the_figures_it_came_from():
@@ -51,6 +53,9 @@ def test_a_missed_target_is_judged_missed_with_the_figures_it_came_from():
     assert latency == {"e2e_mean_at_95pct_load": False, "e2e_p99_at_95pct_load": True}
     assert "direct 15 ms" in wins["latency"]["measured"]
     assert "mean TTFT is 10% of its mean E2E" in wins["latency"]["measured"] and "reach 0.90" in wins["latency"]["measured"]
+    # the sidecar handing its order to vLLM is reported beside, not judged: the checks are the hinted sidecar's
+    assert "EnginePriority" in wins["latency"]["measured"] and "mean E2E 0.750x, p99 1.290x" in wins["latency"]["measured"]
+    assert "with the order in the engine 0.8: 1.10x" in wins["goodput"]["measured"]
     assert [c["met"] for c in wins["kv"]["checks"]] == [True, True]  # the bounds are inclusive
     assert "direct 40, sidecar 4" in wins["kv"]["measured"]
     assert "the default drain order (ShortestFirst): 5.00 req/s, E2E p50 0.60 s" in wins["kv"]["measured"]
