@@ -7,6 +7,7 @@ sidecar's held requests plus the engine's own waiting), and the bounded
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -202,3 +203,32 @@ async def test_a_requeued_request_counts_as_waiting_again():
     assert not call.future.done()
     assert d.waiting_by_model() == {"m": 1} and sum(d.core.former.bin_depths()) + d.pending_requests() == 1
     assert waiting(metrics)["m"] == 1
+
+
+async def test_with_the_order_in_the_engine_each_request_carries_its_ideal_end_at_the_engines_pace():
+    """batch.order EnginePriority: the dispatcher sets vLLM's priority from the
+    time per token of the last fresh snapshot, in ms since it started."""
+    from dataclasses import replace
+
+    from binbatch_sidecar.core.admission import AdmissionOrder
+    from binbatch_sidecar.core.sizer import EngineSnapshot
+
+    d, engine, clock, _ = make(mode="continuous", size=4)
+    d.scheduler.core = replace(d.scheduler.core, admission=AdmissionOrder("shortest_first", engine_priority=True))
+    d.on_snapshot(EngineSnapshot(tpot_seconds=0.01, fresh=True))
+    clock.advance(0.5)
+    _, first = submit(d, 1)  # no hint: its max_tokens (10) is its prediction
+    d.on_snapshot(EngineSnapshot(tpot_seconds=0.5, fresh=False))  # stale: not the engine's pace now
+    d._step()
+    await settle()
+    assert engine.calls[0][0][0].params.priority == 600  # (0.5 s + 10 x 10 ms) in ms
+    assert '"priority": 600' in json.dumps(engine.calls[0][0][0].params.body())
+    engine.answer(0)
+    await first.future
+    make_fifo, fifo_engine, _, _ = make(mode="continuous")
+    _, call = submit(make_fifo, 2)
+    make_fifo._step()
+    await settle()
+    assert fifo_engine.calls[0][0][0].params.priority is None  # the default order sends none
+    fifo_engine.answer(0)
+    await call.future
