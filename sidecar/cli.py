@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.set_defaults(func=_bench_sim)
 
     e2 = bench_sub.add_parser(
-        "e2e", help="the sidecar against calling the engine directly, same workload, same run (~9 min; --quick < 1 min)"
+        "e2e", help="the sidecar against calling the engine directly, same workload, same run (~14 min; --quick < 1 min)"
     )  # fmt: skip
     e2.add_argument("--engine", metavar="URL", help="an OpenAI-compatible server (e.g. vLLM); default: the embedded engine")
     e2.add_argument("--priority-engine", metavar="URL",

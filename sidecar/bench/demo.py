@@ -220,11 +220,11 @@ def print_report(doc: dict[str, Any]) -> None:
     met = [c["met"] for w in doc["wins"] for c in w["checks"]]
     for n, win in enumerate(doc["wins"], 1):
         print(f"\n{n}. {win['label']}")
-        print(f"   {'':40} {'req/s':>7} {'TTFT p50':>9} {'TPOT p50':>9} {'E2E p50/p99 s':>14} {'goodput':>7} "
+        print(f"   {'':50} {'req/s':>7} {'TTFT p50':>9} {'TPOT p50':>9} {'E2E p50/p99 s':>14} {'goodput':>7} "
               f"{'preempt':>7}")  # fmt: skip
         for name in win["rows"]:
             r = runs[name]
-            print(f"   {name.split(' | ', 1)[1][:40]:40} {r['requests_per_s']:7.2f} {_fmt(r['ttft_p50_s'], 1e3):>6} ms "
+            print(f"   {name.split(' | ', 1)[1][:50]:50} {r['requests_per_s']:7.2f} {_fmt(r['ttft_p50_s'], 1e3):>6} ms "
                   f"{_fmt(r['tpot_p50_s'], 1e3, 1):>6} ms {_fmt(r['e2e_p50_s'], 1, 2):>6}/{_fmt(r['e2e_p99_s'], 1, 2):<7} "
                   f"{r['goodput_per_s']:7.2f} {_fmt(r['preemptions'], 1, 1):>7}")  # fmt: skip
         for c in win["checks"]:
