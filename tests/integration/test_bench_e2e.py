@@ -28,8 +28,10 @@ async def _bench(tmp_path, *args: str, timeout: float = BENCH_TIMEOUT) -> dict:
     return json.loads(out)  # exactly one JSON document on stdout
 
 
-def _row(runs: list[dict], *, mode: str, load: float | None, k: int = 1, name_has: str = "") -> dict:
-    (row,) = [r for r in runs if r["mode"] == mode and r["load"] == load and r["k"] == k and name_has in r["name"]]
+def _row(runs: list[dict], *, mode: str, load: float | None, k: int = 1, name_has: str = "", client: str = "") -> dict:
+    """The one row of ``mode`` at ``load`` (``client``: exactly this client label)."""
+    (row,) = [r for r in runs if r["mode"] == mode and r["load"] == load and r["k"] == k and name_has in r["name"]
+              and (not client or r["name"].split(" | ", 1)[1] == client)]  # fmt: skip
     return row
 
 
@@ -52,14 +54,17 @@ async def test_quick_e2e_bench_prints_runs_direct_first_and_ratios_from_the_same
     for i, row in enumerate(runs):
         if i == 0 or scenarios[i] != scenarios[i - 1]:
             assert row["mode"] == "direct", row["name"]
-    assert {"direct", "continuous", "gang", "ideal-gang"} == {r["mode"] for r in runs}
+    assert {"direct", "engine-priority", "continuous", "gang", "ideal-gang"} == {r["mode"] for r in runs}
 
     ratios = doc["ratios"]
     assert tuple(ratios) == RATIO_KEYS
     for key, value in ratios.items():
         assert value is None or (type(value) is float and math.isfinite(value)), key
     direct, sidecar = _row(runs, mode="direct", load=0.95), _row(runs, mode="continuous", load=0.95, k=4,
-                                                                  name_has="hint")  # fmt: skip
+                                                                  client="sidecar continuous k=4 hint")  # fmt: skip
+    # vLLM's priority scheduling (the embedded engine's twin) and the sidecar handing its order to it both answered
+    assert _row(runs, mode="engine-priority", load=0.95)["requests_per_s"] > 0
+    assert _row(runs, mode="continuous", load=0.95, k=4, name_has="order in engine")["requests_per_s"] > 0
     assert ratios["e2e_p99_at_95pct_load"] == pytest.approx(sidecar["e2e_p99_s"] / direct["e2e_p99_s"])
     # the KV-pressure ratios are the packing sidecar's (drainOrder LongestFitFirst), the hinted one's row beside it
     burst = {name: _row(runs, mode=mode, load=None, k=k, name_has=name)

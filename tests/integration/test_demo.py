@@ -79,8 +79,11 @@ def test_demo_judges_each_win_with_ratios_from_its_own_rows(demo_run):
     assert direct["preemptions"] is not None and sidecar["preemptions"] is not None  # read from the engine
     preempted = doc["ratios"]["preemptions_under_kv_pressure"]
     assert preempted == (pytest.approx(sidecar["preemptions"] / direct["preemptions"]) if direct["preemptions"] else None)
-    direct, sidecar = (runs[n] for n in wins["latency"]["rows"])
+    direct, sidecar, in_engine = (runs[n] for n in wins["latency"]["rows"])
     assert doc["ratios"]["e2e_p99_at_95pct_load"] == pytest.approx(sidecar["e2e_p99_s"] / direct["e2e_p99_s"])
+    # the sidecar handing its order to the engine's priority twin: reported beside, from its own row
+    assert "order in engine" in in_engine["name"] and "order in engine" not in sidecar["name"]
+    assert doc["setup"]["engine_order_at_95pct_load"]["e2e_p99"] == pytest.approx(in_engine["e2e_p99_s"] / direct["e2e_p99_s"])
     gang = {runs[n]["mode"] + str(runs[n]["k"]): runs[n]["requests_per_s"] for n in wins["gang"]["rows"]}
     assert doc["ratios"]["gang_k4_gain_vs_ideal"] == pytest.approx(
         (gang["gang4"] / gang["gang1"]) / (gang["ideal-gang4"] / gang["ideal-gang1"])
