@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Iterator, Literal, TypeVar, get_args
 
-from .request import Request
+from .request import Request, expected_tokens
 
 Order = Literal["fifo", "shortest_first"]
 ORDERS: tuple[Order, ...] = get_args(Order)
@@ -114,10 +114,7 @@ def engine_priority(req: Request, tpot: float | None, epoch: float) -> int:
     p99 1.17x direct's; without the aging (priority = length) p99 is 1.9x.
     The key never changes once sent: vLLM compares it as it was."""
     step = tpot if tpot and tpot > 0 else DEFAULT_TPOT_S
-    predicted = req.predicted_tokens if req.predicted_tokens is not None else float(req.max_tokens or 1)
-    if req.max_tokens:
-        predicted = min(predicted, float(req.max_tokens))
-    end_ms = (req.arrival - epoch + predicted * step) * 1000.0
+    end_ms = (req.arrival - epoch + expected_tokens(req) * step) * 1000.0
     return round(end_ms) - req.priority * CLASS_STRIDE_MS
 
 

@@ -39,3 +39,9 @@ class Request:
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
+
+
+def expected_tokens(req: Request) -> float:
+    """The output tokens ``req`` is expected to generate: its prediction, within its max_tokens."""
+    predicted = req.predicted_tokens if req.predicted_tokens is not None else float(req.max_tokens or 1)
+    return min(predicted, float(req.max_tokens)) if req.max_tokens else predicted

@@ -38,7 +38,7 @@ from .inflight import InflightLedger, Slot
 from .kv_plan import KvPlan, Seq
 from .predictor import AccuracyTracker, LengthPredictor
 from .queue_wait import ServiceRate, refusal
-from .request import Request
+from .request import Request, expected_tokens
 from .sizer import BatchSizer, EngineSnapshot, SizeDecision
 
 Mode = Literal["gang", "continuous"]
@@ -310,10 +310,10 @@ class Scheduler:
         it went in; without a plan its whole predicted length."""
         plan = self.core.kv_plan
         return [
-            plan.held(r.prompt_tokens, _expected(r), now - slot.acquired_at, generated=r.engine_generated,
+            plan.held(r.prompt_tokens, expected_tokens(r), now - slot.acquired_at, generated=r.engine_generated,
                       engine_prompt=r.engine_prompt_tokens)  # fmt: skip
             if plan is not None
-            else Seq(float(r.prompt_tokens), _expected(r))
+            else Seq(float(r.prompt_tokens), expected_tokens(r))
             for slot in self.ledger.held()
             for r in slot.requests
             if r in self._open
@@ -342,7 +342,7 @@ class Scheduler:
         if plan is None or not self._kv_planned():
             return True
         return plan.fits(self._inflight_left(now) if left is None else left,
-                         plan.held(req.prompt_tokens, _expected(req), 0.0))  # fmt: skip
+                         plan.held(req.prompt_tokens, expected_tokens(req), 0.0))  # fmt: skip
 
     def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than
@@ -533,12 +533,6 @@ class Scheduler:
     def held(self) -> list[Slot]:
         """Slots of engine calls not yet ended."""
         return self.ledger.held()
-
-
-def _expected(req: Request) -> float:
-    """The output tokens ``req`` is expected to generate: its prediction, within its max_tokens."""
-    predicted = req.predicted_tokens if req.predicted_tokens is not None else float(req.max_tokens or 1)
-    return min(predicted, float(req.max_tokens)) if req.max_tokens else predicted
 
 
 def fmt(values) -> str:
