@@ -222,12 +222,12 @@ def parse_request(body: Any, config: EmulatorConfig, chat: bool) -> ParsedReques
     sampling = parse_sampling(body, chat)
     for prompt in prompts:
         _check_context(prompt, sampling, config, "messages" if chat else "prompt")
-    return ParsedRequest(chat=chat, prompts=prompts, sampling=sampling, priority=_priority(body, config))
+    return ParsedRequest(chat=chat, prompts=prompts, sampling=sampling, priority=_priority(body))
 
 
-def _priority(body: dict[str, Any], config: EmulatorConfig) -> int:
+def _priority(body: dict[str, Any]) -> int:
     """``priority`` (lower first).  Under "fcfs" it is accepted and has no effect,
-    as in vLLM 0.32 (before 0.11 vLLM refused anything but 0 there)."""
+    as in vLLM 0.32 (older vLLM refused anything but 0 there)."""
     return _int(body, "priority", 0, -(2**63)) or 0
 
 
