@@ -196,7 +196,7 @@ def resources_schema() -> dict[str, Any]:
             "description": f"{what} per resource name (cpu, memory, ephemeral-storage, hugepages-<size>, domain/name).",
             "additionalProperties": _str('A quantity, quoted: "500m", "2", "1Gi".', maxLength=64, pattern=f"^{k8s_rules.QUANTITY}$"),
             "x-kubernetes-validations": [
-                {"rule": "self.all(k, !isQuantity(self[k]) || quantity(self[k]).sign() >= 0)",
+                {"rule": "self.all(k, !isQuantity(self[k]) || sign(quantity(self[k])) >= 0)",
                  "message": "quantities must not be negative"},
                 {"rule": f"self.all(k, k in {list(k8s_rules.STANDARD_CONTAINER_RESOURCES)} "
                          f"|| k.startsWith('{k8s_rules.HUGEPAGES_PREFIX}') || (k.matches(r'^{k8s_rules.LABEL_KEY}$') "

@@ -114,6 +114,30 @@ def _compare(a: Any, b: Any) -> int:
     return (x > y) - (x < y)
 
 
+# How Kubernetes declares each library function (k8s.io/apiserver/pkg/cel/library): a
+# global function is called ``f(x)``, a member overload ``x.f()``.  The python ``cel``
+# package accepts either spelling for any function it is given, so the spelling is
+# checked here; the API server refuses the other one at CRD creation ("found no
+# matching overload for 'sign' applied to 'kubernetes.Quantity.()'").
+GLOBAL_ONLY = frozenset({"quantity", "isQuantity", "sign"})  # quantity.go: cel.Overload
+MEMBER_ONLY = frozenset({  # quantity.go and lists.go: cel.MemberOverload
+    "isSorted", "sum", "min", "max", "indexOf", "lastIndexOf",
+    "compareTo", "isLessThan", "isGreaterThan", "add", "sub", "asInteger", "asApproximateFloat", "isInteger",
+})  # fmt: skip
+
+
+def call_style_errors(rule: str) -> list[str]:
+    """What the API server's CEL compiler would refuse: a library function called in the wrong style."""
+    out = []
+    for match in re.finditer(r"(\.\s*)?\b([A-Za-z_]\w*)\s*\(", rule):
+        member, name = bool(match.group(1)), match.group(2)
+        if member and name in GLOBAL_ONLY:
+            out.append(f"found no matching overload for '{name}': a function, write {name}(x), not x.{name}()")
+        elif not member and name in MEMBER_ONLY:
+            out.append(f"found no matching overload for '{name}': a method, write x.{name}(...), not {name}(x)")
+    return out
+
+
 K8S_FUNCTIONS = {
     "isSorted": lambda xs: list(xs) == sorted(xs),
     "isQuantity": _is_quantity,
@@ -137,6 +161,9 @@ def evaluate_rules(schema: dict[str, Any], value: Any, path: str) -> list[Findin
     """The CEL validator: each node's rules with ``self`` = its value, then its children (items 2, 3)."""
     out = []
     for rule in schema.get("x-kubernetes-validations", []):
+        if compile_errors := call_style_errors(rule["rule"]):
+            out += [Finding(path, "error", f"{text} in rule: {rule['message']}") for text in compile_errors]
+            continue
         try:
             result = cel.evaluate(rule["rule"], cel.Context(variables={"self": value}, functions=K8S_FUNCTIONS))
         except Exception as exc:  # noqa: BLE001 - every evaluation error is a finding
@@ -499,7 +526,24 @@ def test_harness_quantity_library_compares_values_not_text() -> None:
     assert cel.evaluate("quantity('1500m').compareTo(quantity('2')) < 0", ctx) is True
     assert cel.evaluate("quantity('1Gi').compareTo(quantity('1000Mi')) > 0", ctx) is True
     assert cel.evaluate("isQuantity('lots') || isQuantity('1e3x')", ctx) is False
-    assert cel.evaluate("quantity('-1').sign() < 0 && quantity('0').sign() == 0", ctx) is True
+    assert cel.evaluate("sign(quantity('-1')) < 0 && sign(quantity('0')) == 0", ctx) is True
+
+
+def test_harness_refuses_what_the_api_server_cannot_compile() -> None:
+    # A real kube-apiserver refused ``quantity(x).sign()``; the cel package had evaluated it.
+    assert call_style_errors("self.all(k, quantity(self[k]).sign() >= 0)")
+    assert call_style_errors("compareTo(quantity(self.a), quantity(self.b)) <= 0")
+    assert call_style_errors("self.x.isQuantity()")
+    assert not call_style_errors("sign(quantity(self[k])) >= 0 && quantity(self.a).compareTo(quantity(self.b)) < 0")
+    assert not call_style_errors("self.boundaries.isSorted() && size(self.b) > 0 && self.s.matches('^a$')")
+    schema = {"type": "object", "x-kubernetes-validations": [{"rule": "quantity(self.q).sign() >= 0", "message": "m"}]}
+    assert [f.kind for f in evaluate_rules(schema, {"q": "1"}, "spec")] == ["error"]
+
+
+def test_every_rule_calls_the_library_as_kubernetes_declares_it() -> None:
+    for path, node in rule_nodes(SCHEMA):
+        for rule in node["x-kubernetes-validations"]:
+            assert not call_style_errors(rule["rule"]), (path, rule["rule"])
 
 
 @pytest.mark.parametrize("version", ["1.30", kubernetes_validate.latest_version()])
