@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .length_dist import LengthDist
+
 
 @dataclass(eq=False, slots=True)
 class Request:
@@ -28,7 +30,10 @@ class Request:
     send_by: float | None = None  # leave the bin by this clock time (a TTFT SLO's queue share)
     tpot_slo: float | None = None  # x-slo-tpot-ms in seconds; a tight one waits for the engine (TpotGate)
     request_class: str = ""
-    predicted_tokens: float | None = None  # set by the length predictor
+    # what the request asks, for a predictor that reads it; kept only while the request is in flight
+    prompt_text: str = ""
+    predicted_tokens: float | None = None  # set by the length predictor: the median of ``length``
+    length: LengthDist | None = None  # set by the length predictor: the whole predicted distribution
     prediction_source: str = ""  # set by the length predictor: hint | online | max_tokens | default
     actual_tokens: float | None = None  # set when the engine reports completion
     bin: int | None = None  # set by the batch former
