@@ -96,6 +96,11 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
         _rule(("countMode", "boundaries"), "self.countMode != 'Auto' || size(self.boundaries) == 0",
               "boundaries must be empty when countMode is Auto", ".boundaries"),
     ],
+    "predictor.external": [
+        _rule(("feedbackUrl", "url"), "self.feedbackUrl == '' || self.url != ''",
+              "feedbackUrl needs url: completions are reported only for requests the service was asked about",
+              ".feedbackUrl"),
+    ],
     "metrics": [
         _rule(("staleAfterMilliseconds", "intervalMilliseconds"),
               "self.staleAfterMilliseconds >= 2 * self.intervalMilliseconds",
@@ -160,17 +165,21 @@ def _openapi(node: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def section_schema(name: str, model: type[BaseModel]) -> dict[str, Any]:
+def section_schema(name: str, model: type[BaseModel], description: str | None = None) -> dict[str, Any]:
+    """The object schema of the config section (or nested section, e.g. ``predictor.external``) ``name``."""
     schema = model.model_json_schema(by_alias=True)
     props = {key: _openapi(prop) for key, prop in schema["properties"].items()}
-    for key, field in model.model_fields.items():  # a default_factory is not in pydantic's JSON schema
-        prop = props[field.alias or key]
-        if "default" not in prop and not field.is_required():
-            prop["default"] = field.get_default(call_default_factory=True)
+    for key, field in model.model_fields.items():
+        alias = field.alias or key
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):  # inlined: a CRD has no $ref
+            props[alias] = section_schema(f"{name}.{alias}", field.annotation, field.description)
+        elif "default" not in props[alias] and not field.is_required():  # a default_factory is not in pydantic's JSON schema
+            props[alias]["default"] = field.get_default(call_default_factory=True)
     if name == "bins":  # pydantic checks entries in a validator; the API server needs the bounds here
         props["boundaries"]["items"] |= {"minimum": 1, "maximum": 1_000_000}
         props["boundaries"]["x-kubernetes-list-type"] = "set"  # with isSorted(): strictly increasing
-    out: dict[str, Any] = {"type": "object", "description": SECTION_DESCRIPTIONS[name], "default": {}, "properties": props}
+    out: dict[str, Any] = {"type": "object", "description": description or SECTION_DESCRIPTIONS[name], "default": {},
+                           "properties": props}  # fmt: skip
     if name in SECTION_RULES:
         out["x-kubernetes-validations"] = SECTION_RULES[name]
     return out

@@ -31,6 +31,7 @@ from ..core.smdp_policy import ServiceTimeFit, solve_bucket
 from ..core.throughput import ThroughputWindow
 from ..engine.dispatcher import Adjustment, Dispatcher
 from ..engine.engine_client import EngineClient
+from ..engine.external_predictor import ExternalPredictor
 from ..engine.metrics_feed import MetricsFeed
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs, ports
@@ -117,6 +118,7 @@ class Sidecar:
             mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds, wall_time=time.time,
         )  # fmt: skip
+        self.external = ExternalPredictor(lambda: self.config.predictor.external, self.clock, self.metrics)
         self.feed = MetricsFeed(
             metrics_source(cfg), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
             clock=self.clock, on_snapshot=self._on_snapshot,
@@ -138,6 +140,7 @@ class Sidecar:
         inference = InferenceServicer(
             self.dispatcher, self.clock, config=lambda: self.config, default_model=self.default_model,
             context_length=lambda model: self.client.context_lengths.get(model), on_completion=self.on_completion,
+            external=self.external,
         )  # fmt: skip
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=ports.GRPC_SERVER_OPTIONS)
@@ -162,7 +165,7 @@ class Sidecar:
             raise
         self.metrics.config_generation.set(self.loaded.generation)
         await self._check_engine()
-        loops = (self.dispatcher.run(), self.feed.run(), self._health_loop(), self._solve_smdp())
+        loops = (self.dispatcher.run(), self.feed.run(), self._health_loop(), self._solve_smdp(), self.external.run())
         self._tasks = [asyncio.create_task(t) for t in loops]
         if self.watcher:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
@@ -195,6 +198,7 @@ class Sidecar:
         for old in list(self._retiring):
             await old.close()
         await self.client.close()
+        await self.external.close()
         log.info("sidecar stopped (%d requests cut off by the grace period)", cut)
         return cut
 

@@ -401,6 +401,9 @@ CASES: dict[str, tuple[dict[str, Any], bool]] = {
     "take-over with a look-alike host": ({"sidecar": {"takeOverServingPort": {"enabled": True}}, "engine": {"url": "http://127.0.0.1.example.com:8000"}}, True),
     "remote engine, take-over off": ({"engine": {"url": "http://vllm.llm.svc:8000"}}, False),
     "headless Service": ({"service": {"headless": True}}, False),
+    "external predictor with feedback": ({"predictor": {"external": {"url": "http://p:9000/predict", "feedbackUrl": "http://p:9000/completions"}}}, False),
+    "external predictor feedback without its url": ({"predictor": {"external": {"feedbackUrl": "http://p:9000/completions"}}}, True),
+    "external predictor timeout of 0": ({"predictor": {"external": {"url": "http://p:9000/predict", "timeoutMilliseconds": 0}}}, True),
 }  # fmt: skip
 
 
