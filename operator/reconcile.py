@@ -24,7 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_sidecar.config import ConfigError
 
-from . import takeover
+from . import opt_in, takeover
 from .builders import (
     CONFLICT_ANNOTATION,
     INJECTED_ANNOTATION,
@@ -61,6 +61,7 @@ class Context:
     kube: KubeApi
     sidecar_image: str
     stats: StatsFn = get_stats
+    webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
     # Policies (namespace, name) known to have no headless Service: checked once per process, not every tick.
     no_headless: set[tuple[str, str]] = field(default_factory=set)
 
@@ -243,8 +244,9 @@ async def observe(
         else:
             report.error = f"pod is {state.get('phase', 'Pending')}"
     await asyncio.gather(*asks)
+    unreached = await _not_reached(ctx, namespace) if any(r.missing for r in reports) else ""
 
-    conditions, fields = aggregate(None if pods is None else reports, problems, children_ready, failures)
+    conditions, fields = aggregate(None if pods is None else reports, problems, children_ready, failures, unreached)
     status = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions"), conditions, generation, now_iso()),
@@ -253,6 +255,19 @@ async def observe(
     if pods is not None:
         status["adjustments"] = adjustments(reports, old.get("adjustments"))
     return Outcome(status, failures)
+
+
+async def _not_reached(ctx: Context, namespace: str) -> str:
+    """Why the webhook never sees this namespace's pods; "" when it does, or when that cannot be told
+    (then the usual advice, recreate the pods, stands)."""
+    if not ctx.webhook_config:
+        return ""
+    try:
+        selector = await ctx.kube.webhook_namespace_selector(ctx.webhook_config)
+        labels = await ctx.kube.namespace_labels(namespace)
+    except API_ERRORS:
+        return ""
+    return "" if selector is None else opt_in.not_reached(namespace, labels, selector)
 
 
 def _take_over_refusal(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> str:

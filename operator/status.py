@@ -65,6 +65,11 @@ class PodReport:
     sidecar_of: str | None = None  # a sidecar container it runs: the injecting policy ("" unknown); None: none
     refused: str = ""  # why the port take-over cannot rewrite it (field: message); "" when it can or is not asked
 
+    @property
+    def missing(self) -> bool:
+        """It has no sidecar and nothing but the moment it was created explains why."""
+        return not self.injected and self.sidecar_of is None and not self.conflict and not self.refused and not self.opted_out
+
 
 @dataclass(frozen=True)
 class ApiFailure:
@@ -106,12 +111,14 @@ def aggregate(
     problems: Sequence[tuple[str, str]],
     children_ready: bool,
     failures: Sequence[ApiFailure] = (),
+    not_reached: str = "",
 ) -> tuple[list[Condition], dict[str, Any]]:
     """Conditions and the status fields for a policy from what its pods report.
 
     ``pods`` is None when they could not be listed (the failure is in
     ``failures``): what they would say is then Unknown, and the pod fields are
-    left as they were.
+    left as they were.  ``not_reached`` is why the webhook never sees the
+    namespace's pods (``opt_in.not_reached``), "" when it does or cannot be told.
     """
     valid = valid_condition(problems, [f for f in failures if f.rejected])
     if pods is None:
@@ -122,7 +129,7 @@ def aggregate(
     pods = [p for p in pods if not p.opted_out]
     injected = [p for p in pods if p.injected]
     refused = sorted(f"{p.name}: {p.refused}" for p in pods if not p.injected and p.refused)
-    missing = sorted(p.name for p in pods if not p.injected and p.sidecar_of is None and not p.conflict and not p.refused)
+    missing = sorted(p.name for p in pods if p.missing)
     conflicts = sorted(_conflict_entry(p) for p in pods if p.conflict)
     outdated = sorted(p.name for p in injected if p.outdated)
 
@@ -135,6 +142,9 @@ def aggregate(
                              f"{len(refused)} selected pod(s) cannot have their serving port taken over "
                              "(spec.sidecar.takeOverServingPort) and run without a sidecar; change the named field "
                              "and recreate them: " + "; ".join(refused[:10]))  # fmt: skip
+    elif missing and not_reached:
+        sidecars = Condition("SidecarsInjected", "False", "NamespaceNotOptedIn",
+                             f"{len(missing)} selected pod(s) have no sidecar: {not_reached}: {', '.join(missing[:10])}")
     elif missing:
         sidecars = Condition("SidecarsInjected", "False", "PodsNeedRestart",
                              f"{len(missing)} selected pod(s) have no sidecar: none was injected when they were "
