@@ -7,7 +7,9 @@ their side:
 
 - vLLM's arguments get ``--host 127.0.0.1 --port <enginePort>``: an existing
   ``--port``/``--host`` (``--port 8000`` or ``--port=8000``, in ``command`` or in
-  ``args``) is rewritten where it stands, an absent one is appended;
+  ``args``) is rewritten where it stands, an absent one is appended; with
+  ``batch.order: EnginePriority``, ``--scheduling-policy priority`` is appended
+  unless the pod gives one (vllm_args.py);
 - the sidecar's HTTP door listens on the serving port as well
   (``--take-over-port``), beside its own ``httpPort`` (``bb-http``, which the
   policy's Service targets); vLLM's own entries for the serving port move to
@@ -41,12 +43,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 from binbatch_sidecar.config import EngineConfig, MetricsConfig
 
+from . import vllm_args
 from .crd import LOOPBACK_URL, SIDECAR_DEFAULTS, TAKEOVER_DEFAULTS
+from .vllm_args import SHELLS
 
 VLLM_DEFAULT_PORT = 8000  # vLLM's --port default
 LOOPBACK = "127.0.0.1"
 POLICY_FIELD = "spec.sidecar.takeOverServingPort"
-SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "ksh", "busybox"})
 # Flags that make the serving port something the sidecar's plain-HTTP door cannot stand in for.
 UNSUPPORTED_FLAGS = {
     "--uds": "vLLM serves on a unix socket (--uds), not on a TCP port",
@@ -301,6 +304,8 @@ def plan(pod: Mapping[str, Any], spec: Mapping[str, Any], reserved: Mapping[str,
     if extra:
         target = "args" if c.get("args") else "command"
         c[target] = [*c[target], *extra]
+    if vllm_args.wanted(spec):  # batch.order EnginePriority: vLLM ignores request priorities without it
+        vllm_args.add_priority(c, base)
 
     own = list(c.get("ports") or [])
     served = [p for p in own if p.get("containerPort") == serving and p.get("protocol", "TCP") == "TCP"]
