@@ -199,8 +199,8 @@ def _engine_priority(injected: Sequence[PodReport]) -> Condition:
     if lacking:
         return Condition("EnginePriorityEnabled", "False", "SchedulingPolicyNotPriority",
                          f"batch.order EnginePriority hands vLLM each request's priority, which vLLM ignores unless it "
-                         f"runs with --scheduling-policy priority (the order is then lost); add it to vLLM's arguments "
-                         f"(with spec.sidecar.takeOverServingPort the webhook adds it to new pods that give no "
+                         f"runs with --scheduling-policy priority (the order is then lost); give vLLM that flag "
+                         f"(with spec.sidecar.takeOverServingPort the webhook appends it to new pods that state no "
                          f"--scheduling-policy) and recreate {len(lacking)} pod(s): " + "; ".join(lacking[:10]))  # fmt: skip
     if unsure:
         return Condition("EnginePriorityEnabled", "Unknown", "SchedulingPolicyUnknown",
