@@ -9,15 +9,18 @@ API clients made from it.
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
 T = TypeVar("T")
+FIELD_MANAGER = "binbatch-tests"  # server-side apply's owner of what the tests apply
 
 
 def run(*cmd: str, timeout: float, stdin: str | None = None) -> str:
@@ -64,9 +67,16 @@ class Cluster:
         self.core = client.CoreV1Api(self.api)
         self.apps = client.AppsV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
+        self.admission = client.AdmissionregistrationV1Api(self.api)
 
     def kubectl(self, *args: str, timeout: float = 120, stdin: str | None = None) -> str:
         return run("kubectl", "--kubeconfig", str(self.kubeconfig), *args, timeout=timeout, stdin=stdin)
+
+    def apply(self, manifest: str | Path, *extra: str) -> str:
+        """``kubectl apply --server-side`` of a file or folder (a Path) or of YAML text."""
+        source, stdin = (str(manifest), None) if isinstance(manifest, Path) else ("-", manifest)
+        return self.kubectl("apply", "--server-side", f"--field-manager={FIELD_MANAGER}", *extra, "-f", source,
+                            stdin=stdin)  # fmt: skip
 
     def diagnostics(self) -> str:
         """What the cluster looks like, for a failure message (never fails itself)."""
@@ -88,3 +98,15 @@ class Cluster:
             raise
         return False
 
+
+@contextlib.contextmanager
+def temporary_namespace(cluster: Cluster, labels: dict[str, str] | None = None) -> Iterator[str]:
+    """A fresh namespace ``bbt-<random>``, deleted at the end (the controller manager then removes what it holds)."""
+    from kubernetes import client
+
+    name = f"bbt-{secrets.token_hex(4)}"
+    cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels)))
+    try:
+        yield name
+    finally:
+        cluster.core.delete_namespace(name)
