@@ -184,7 +184,8 @@ def resources_schema() -> dict[str, Any]:
     """``spec.sidecar.resources``: requests and limits as a Pod's container has them.
 
     A quantity is a string (``"500m"``, ``"1Gi"``) or a whole number (``cpu: 1``),
-    as in a Pod: ``x-kubernetes-int-or-string``.  CEL sees such a value as
+    as in a Pod: ``x-kubernetes-int-or-string`` (``minimum`` bounds the numbers,
+    ``pattern`` and ``maxLength`` the strings).  CEL sees such a value as
     ``dyn``, so each rule asks ``type(v) == int`` before treating it as a
     string, and turns a number into text with ``string(v)`` for ``quantity()``.
     The rules' cost is estimated from the values' size: ``maxLength`` bounds it
