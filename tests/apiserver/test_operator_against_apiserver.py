@@ -221,12 +221,15 @@ def operator(cluster: Cluster, helm_release: str, tmp_path_factory: pytest.TempP
     kubeconfig = service_account_kubeconfig(cluster, namespace, account, folder / "kubeconfig")
     process = Operator(cluster, deployment, kubeconfig, webhook.metadata.name, folder / "operator.log")
     cluster.diagnose.append(("--namespace", namespace, "get", "events"))
+    peering = [a.removeprefix("--peering=") for a in process.command if a.startswith("--peering=")]
     with ServiceProxy(service.spec.cluster_ip, service_ref.port, process.webhook_port):
         try:
             process.start()
             yield process
         finally:
             process.stop()
+            for name in peering:  # the operator creates its ClusterKopfPeering; helm uninstall leaves it
+                cluster.kubectl("delete", "clusterkopfpeering", name, "--ignore-not-found")
 
 
 @pytest.fixture
