@@ -33,7 +33,7 @@ IMAGE = "registry.example/binbatch:test"
 SPEC = {
     "selector": {"matchLabels": {"app": "vllm"}},
     "sidecar": {"grpcPort": 50061, "httpPort": 8181, "metricsPort": 9191, "drainGraceSeconds": 40,
-                "resources": {"requests": {"cpu": "100m"}}},
+                "resources": {"requests": {"cpu": "100m"}, "limits": {"cpu": 1}}},  # cpu: 1 as a Pod takes it
     "bins": {"mode": "Fixed", "count": 3, "boundaries": [64, 256]},
     "batch": {"maxBatchSize": 64},
 }  # fmt: skip
@@ -84,7 +84,7 @@ def test_pod_patch_appends_a_locked_down_sidecar_and_keeps_the_pods_own_parts():
     assert side["readinessProbe"]["grpc"]["port"] == 50061
     sec = side["securityContext"]
     assert sec["runAsNonRoot"] and sec["readOnlyRootFilesystem"] and not sec["allowPrivilegeEscalation"]
-    assert side["resources"] == {"requests": {"cpu": "100m"}}
+    assert side["resources"] == {"requests": {"cpu": "100m"}, "limits": {"cpu": 1}}
     volumes = {v["name"]: v for v in patch["spec"]["volumes"]}
     assert set(volumes) == {"cache", builders.CONFIG_VOLUME, builders.TMP_VOLUME}
     assert volumes[builders.CONFIG_VOLUME]["configMap"] == {"name": "fast-binbatch", "optional": True}
