@@ -96,6 +96,10 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
         _rule(("countMode", "boundaries"), "self.countMode != 'Auto' || size(self.boundaries) == 0",
               "boundaries must be empty when countMode is Auto", ".boundaries"),
     ],
+    "predictor": [
+        _rule(("warmStart", "kind"), "self.warmStart == '' || self.kind == 'Learned'",
+              "warmStart is only read with kind Learned", ".warmStart"),
+    ],
     "metrics": [
         _rule(("staleAfterMilliseconds", "intervalMilliseconds"),
               "self.staleAfterMilliseconds >= 2 * self.intervalMilliseconds",

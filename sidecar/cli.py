@@ -162,7 +162,11 @@ def _sidecar(args: argparse.Namespace) -> int:
         print(f"binbatch sidecar: cannot read config {path}: {(exc.strerror or str(exc)).lower()}", file=sys.stderr)
         return EXIT_CANNOT_START
     logs.setup(str(loaded.config.logging.level))
-    return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port, args.http_port))
+    try:
+        return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port, args.http_port))
+    except ConfigError as exc:  # valid YAML the sidecar cannot apply: a predictor.warmStart that is no model
+        print(f"binbatch sidecar: invalid config {path or '<defaults>'}:\n{exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -235,6 +235,7 @@ class Front:
             send_by=None if budget is None else now + budget,
             tpot_slo=f.slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in f.slo else None,  # TpotGate
             request_class=f.request_class,
+            prompt_text=text,  # for predictor.kind Learned; min_tokens, stop and ignore_eos are never handed on
         )
         call = Call(engine_request, asyncio.get_running_loop().create_future(), asyncio.Queue() if stream else None)
         ticket = Ticket(req, call, f.trace.trace_id if f.trace else "")
