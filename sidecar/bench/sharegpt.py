@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..engine.training_records import Record
+
 EVAL_SHARE = 0.25
 _TOKEN = re.compile(r"[A-Za-z]+|\d|[^\sA-Za-z\d]")
 
@@ -102,3 +104,8 @@ def split(name: str) -> list[Turn]:
     if name not in ("train", "eval"):
         raise ValueError(f"split: 'train' or 'eval', got {name!r}")
     return [t for t in first_turns() if t.split == name]
+
+
+def records(name: str) -> list[Record]:
+    """A split as training records for ``binbatch predictor train``."""
+    return [Record(t.prompt, t.output_tokens) for t in split(name)]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ..config import CLASS_PRIORITY_LIMIT, SidecarConfig
 from ..core.clock import Clock
-from ..core.request import Request
+from ..core.request import Request, chat_text
 from ..core.stages import RequestDispatcher
 from ..engine.dispatcher import Call, Completion
 from ..engine.engine_client import EngineRequest, SamplingParams
@@ -208,7 +208,7 @@ class Front:
                 shown = f.request_class if len(f.request_class) <= 64 else f.request_class[:64] + "..."
                 raise bad("request_class", f"unknown class {shown!r} (the policy's classes.classes defines: {names_})")
             class_priority = found
-        text = f.prompt if f.prompt is not None else "".join(c for _, c in f.messages or ())
+        text = f.prompt if f.prompt is not None else chat_text(f.messages or ())
         params = SamplingParams(
             model=model,
             # never unset: bins.maxOutputTokens is the cap the docs promise, within the engine's context
