@@ -1,9 +1,11 @@
 """``binbatch bench predictor``: how well each length predictor knows an answer's length.
 
 On the ShareGPT workload (``sharegpt.py``: first turns, fixed disjoint splits),
-every predictor learns from the training split only and is judged on the
-evaluation split, through the same ``predict`` the sidecar calls (features
-included), with no ``max_tokens`` cap so the model itself is measured:
+every predictor learns from the training records only (``sharegpt.records("train")``:
+the training split's first turns and the later turns of its conversations, what
+``binbatch predictor records`` writes) and is judged on the evaluation split's
+first turns, through the same ``predict`` the sidecar calls (features included),
+with no ``max_tokens`` cap so the model itself is measured:
 
 * ``online``: today's ``Online``, a mean per prompt-length bucket (the prompt's
   tokens estimated as the front door does, from its bytes);
@@ -26,7 +28,8 @@ Measures (the seed's Table 1 and more):
   (the wall clock counts the time other processes on this machine's cores take);
 * the model's memory;
 * a learning curve: tau and 4-bin accuracy after the first 250 / 1,000 / 4,000
-  training records (in a fixed shuffled order).
+  training records (in a fixed shuffled order), and after the training split's
+  first turns alone.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from ..core import length_model
 from ..core.length_dist import PLAN_LEVEL, LengthDist
 from ..core.predictor import LearnedPredictor, LengthPredictor, OnlinePredictor
 from ..core.request import Request
+from ..engine.training_records import Record
+from ..engine.training_records import train as train_model
 from ..server.front import estimate_prompt_tokens
 from . import sharegpt
 
@@ -69,7 +74,7 @@ def _bins(values: np.ndarray, cuts: Sequence[float]) -> np.ndarray:
     return np.searchsorted(np.asarray(cuts), values, side="right")  # bisect_right, as AccuracyTracker does
 
 
-def _request(turn: sharegpt.Turn, i: int) -> Request:
+def _request(turn: sharegpt.Turn | Record, i: int) -> Request:
     return Request(id=f"t{i}", arrival=0.0, prompt_tokens=estimate_prompt_tokens(turn.prompt), prompt_text=turn.prompt)
 
 
@@ -89,16 +94,15 @@ class _Oracle:
         pass
 
 
-def _online(train: Sequence[sharegpt.Turn]) -> OnlinePredictor:
+def _online(train: Sequence[Record]) -> OnlinePredictor:
     p = OnlinePredictor()
     for i, t in enumerate(train):
         p.observe(_request(t, i), t.output_tokens)
     return p
 
 
-def _learned(train: Sequence[sharegpt.Turn]) -> LearnedPredictor:
-    features = [length_model.featurize(t.prompt) for t in train]
-    return LearnedPredictor(model=length_model.fit(features, [t.output_tokens for t in train]))
+def _learned(train: Sequence[Record]) -> LearnedPredictor:
+    return LearnedPredictor(model=train_model(train))
 
 
 def score(predictor: LengthPredictor, turns: Sequence[sharegpt.Turn], cuts: dict[int, list[float]],
@@ -137,15 +141,16 @@ def _memory(predictor: LengthPredictor) -> int:
 
 
 def run(cfg: PredictorBenchConfig = PredictorBenchConfig(), say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    train, evaluation = sharegpt.split("train"), sharegpt.split("eval")
+    first, evaluation = sharegpt.split("train"), sharegpt.split("eval")
+    train = sharegpt.records("train")
     if cfg.eval_limit is not None:
         evaluation = evaluation[: cfg.eval_limit]
-    cuts = {k: boundaries([t.output_tokens for t in train], k) for k in KS}
+    cuts = {k: boundaries([t.output_tokens for t in first], k) for k in KS}
     truth = {f"t{i}": float(t.output_tokens) for i, t in enumerate(evaluation)}
     shuffled = list(train)
     random.Random(cfg.seed).shuffle(shuffled)
     predictors: dict[str, LengthPredictor] = {}
-    say(f"fitting on {len(train)} training turns")
+    say(f"fitting on {len(train)} training records")
     t0 = time.perf_counter()
     predictors["online"] = _online(train)
     predictors["learned"] = _learned(train)
@@ -163,6 +168,9 @@ def run(cfg: PredictorBenchConfig = PredictorBenchConfig(), say: Callable[[str],
             say(f"learning curve: {name} after {n} records")
             row = score(make(shuffled[:n]), evaluation, cuts, timed=False)
             curve[str(n)] = {"kendall_tau": row["kendall_tau"], "bin_accuracy_k4": row["bin_accuracy_k4"]}
+        say(f"learning curve: {name} on the {len(first)} first turns alone")
+        row = score(make(sharegpt.records_of(first)), evaluation, cuts, timed=False)
+        curve["first_turns"] = {"kendall_tau": row["kendall_tau"], "bin_accuracy_k4": row["bin_accuracy_k4"]}
         doc["predictors"][name]["learning_curve"] = curve
     learned = doc["predictors"]["learned"]
     doc["targets"] = {
@@ -172,7 +180,8 @@ def run(cfg: PredictorBenchConfig = PredictorBenchConfig(), say: Callable[[str],
         for key, target in TARGETS.items()
     }  # fmt: skip
     doc["setup"] = {
-        "train_turns": len(train), "eval_turns": len(evaluation), "plan_level": PLAN_LEVEL,
+        "train_records": len(train), "train_first_turns": len(first), "eval_turns": len(evaluation),
+        "plan_level": PLAN_LEVEL,
         "boundaries": {str(k): cuts[k] for k in KS}, "fit_seconds": fit_seconds,
         "bins": "equal-mass quantiles of the training split's true lengths; a prediction's bin is its median's",
     }  # fmt: skip
@@ -181,8 +190,9 @@ def run(cfg: PredictorBenchConfig = PredictorBenchConfig(), say: Callable[[str],
 
 def print_tables(doc: dict[str, Any]) -> None:
     s = doc["setup"]
-    print(f"binbatch bench predictor: ShareGPT first turns, trained on {s['train_turns']}, judged on "
-          f"{s['eval_turns']} held-out (bins: equal-mass quantiles of the training lengths, 4 bins cut at "
+    print(f"binbatch bench predictor: ShareGPT, trained on {s['train_records']} records ({s['train_first_turns']} "
+          f"first turns and the later turns of their conversations), judged on {s['eval_turns']} held-out first turns "
+          f"(bins: equal-mass quantiles of the training first turns' lengths, 4 bins cut at "
           f"{', '.join(f'{b:.0f}' for b in s['boundaries']['4'])})")  # fmt: skip
     cols = [("tau", "kendall_tau", "{:.3f}"), ("k=2", "bin_accuracy_k2", "{:.3f}"), ("k=4", "bin_accuracy_k4", "{:.3f}"),
             ("k=8", "bin_accuracy_k8", "{:.3f}"), ("±1 k4", "within_one_k4", "{:.3f}"),
@@ -194,7 +204,7 @@ def print_tables(doc: dict[str, Any]) -> None:
     for name, row in doc["predictors"].items():
         cells = [c[2].format(row[c[1]] / 2**20 if c[1] == "model_bytes" else row[c[1]]) for c in cols]
         print(f"{name:10}" + "".join(f"{x:>10}" for x in cells))
-    print("learning curve (tau / 4-bin accuracy after N training records):")
+    print("learning curve (tau / 4-bin accuracy after N training records; first_turns: the first turns alone):")
     for name, row in doc["predictors"].items():
         if "learning_curve" in row:
             pts = "  ".join(f"{n}: {v['kendall_tau']:.3f} / {v['bin_accuracy_k4']:.3f}" for n, v in row["learning_curve"].items())

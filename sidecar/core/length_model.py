@@ -14,13 +14,18 @@ keeps to go on learning is numbers, never text:
   an explicit length ask ("in 500 words", "list 10"), a question mark at the end;
 * the request class and the ``max_tokens`` cap (log2 bucket), as tokens.
 
-Model (``LengthModel``): ridge regression of log(1 + output tokens) on those
-features; the predicted distribution is exp(score) times the quantiles of the
-held-out residual ratios at ``LEVELS`` (``LengthDist.scaled``), so the median
-is calibrated and the KV plan's upper quantile has a measured coverage.
-``fit`` takes an optional prior model: it fits the ridge to what the prior
-leaves unexplained (a ridge centred on the prior's weights), so a warm-started
-model keeps what it knew while it learns the sidecar's own traffic.
+Model (``LengthModel``): ridge regression on those features of each answer's
+length as a normal score, z = Phi^-1(F(length)), F the training lengths'
+distribution (kept as ``KNOTS`` quantiles).  Ranks, not log lengths: what
+ordering needs is the order, and the normal score does not let a handful of
+one-token or ten-thousand-token answers pull the fit (on ShareGPT it ranked
+held-out answers at Kendall tau 0.38 where log length reached 0.36).  The
+predicted distribution is the score plus the held-out residuals' quantiles at
+``LEVELS``, mapped back to tokens through F^-1: the median is calibrated and the
+KV plan's upper quantile has a measured coverage.  ``fit`` takes an optional
+prior model: it keeps the prior's F and fits the ridge to what the prior leaves
+unexplained (a ridge centred on the prior's weights), so a warm-started model
+keeps what it knew while it learns the sidecar's own traffic.
 
 Pure: no I/O and no clock.  A model travels as plain arrays (``to_arrays`` /
 ``from_arrays``; engine/model_file.py writes them as an .npz without pickle).
@@ -32,6 +37,7 @@ import math
 import re
 import zlib
 from collections import Counter
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -39,10 +45,11 @@ import numpy as np
 
 from .length_dist import LEVELS, LengthDist
 
-FORMAT = "binbatch-length-model/1"
+FORMAT = "binbatch-length-model/2"
 DIM = 1 << 20  # hashed feature slots (the weights: 4 MiB of float32)
 HEAD_CHARS = 1000  # the prompt's head that is read
 TAIL_CHARS = 400  # and its tail (a long prompt's middle is skipped: bounded cost)
+SLOT_CACHE = 1 << 16  # grams whose slot is remembered (about 13 MB when full)
 EDGE_TOKENS = 24  # words tagged by position at each end
 MAX_TOKENS_FEATURE = 1 << 20  # max_tokens buckets stop here
 _TOKEN = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]|[^\W\d_]+|\d+|[^\w\s]")
@@ -68,14 +75,20 @@ class Features:
     values: np.ndarray  # float32
 
 
+@lru_cache(maxsize=SLOT_CACHE)
+def _slot(gram: str) -> int:
+    """A gram's slot: CRC-32 (stable across processes, unlike ``hash``), cached for the common ones."""
+    return zlib.crc32(gram.encode("utf-8", "surrogatepass")) & (DIM - 1)
+
+
 def _block(grams: Iterable[str], weight: float) -> tuple[np.ndarray, np.ndarray]:
     """Slots and values of one block: sublinear counts (1 + log c), scaled to L2 norm ``weight``."""
     counts = Counter(grams)
     if not counts:
         return np.zeros(0, np.int32), np.zeros(0, np.float32)
-    slots = np.fromiter((zlib.crc32(g.encode("utf-8", "surrogatepass")) for g in counts), np.int64, len(counts))
+    slots = np.fromiter(map(_slot, counts), np.int32, len(counts))
     tf = 1.0 + np.log(np.fromiter(counts.values(), np.float64, len(counts)))
-    return (slots & (DIM - 1)).astype(np.int32), (tf * (weight / np.sqrt(tf @ tf))).astype(np.float32)
+    return slots, (tf * (weight / np.sqrt(tf @ tf))).astype(np.float32)
 
 
 def read_span(text: str) -> str:
@@ -121,45 +134,56 @@ def featurize(text: str, request_class: str = "", max_tokens: int = 0) -> Featur
     return Features(idx, np.concatenate([grams_val, edges_val, fixed_val, meta]))
 
 
-def target(output_tokens: float) -> float:
-    """What the ridge regresses: log(1 + tokens)."""
-    return math.log1p(max(0.0, float(output_tokens)))
+KNOTS = 256  # the training lengths' quantiles that map tokens to normal scores and back
+_PROBS = (np.arange(KNOTS) + 0.5) / KNOTS
+
+
+def _z_grid() -> np.ndarray:
+    from scipy.special import ndtri
+
+    return ndtri(_PROBS)
+
+
+_Z = _z_grid()
 
 
 @dataclass(frozen=True)
 class LengthModel:
-    """Ridge weights over ``N_FEATURES`` slots, an intercept, and the residual ratios at ``LEVELS``."""
+    """Ridge weights over ``N_FEATURES`` slots and an intercept (a normal score), the
+    held-out residuals' quantiles at ``LEVELS``, and the ``KNOTS`` length quantiles."""
 
     weights: np.ndarray  # float32, N_FEATURES
     intercept: float
-    ratios: tuple[float, ...]  # exp(quantiles of held-out log residuals) at LEVELS
+    offsets: tuple[float, ...]  # quantiles of held-out residuals (normal-score units) at LEVELS
+    knots: np.ndarray  # float64, KNOTS: the training lengths' quantiles at _PROBS
     records: int  # training records it has seen (prior's included)
     version: int = 1  # counts fits: a refit model is its prior's version + 1
 
     def __post_init__(self) -> None:
         if self.weights.shape != (N_FEATURES,):
             raise ValueError(f"weights: {N_FEATURES} expected, got shape {self.weights.shape}")
-        if len(self.ratios) != len(LEVELS) or any(not (math.isfinite(r) and r > 0) for r in self.ratios):
-            raise ValueError(f"ratios: {len(LEVELS)} finite positive values expected, got {self.ratios}")
-        if any(b < a for a, b in zip(self.ratios, self.ratios[1:])):
-            raise ValueError("ratios: must not decrease")
+        if len(self.offsets) != len(LEVELS) or any(not math.isfinite(r) for r in self.offsets):
+            raise ValueError(f"offsets: {len(LEVELS)} finite values expected, got {self.offsets}")
+        if any(b < a for a, b in zip(self.offsets, self.offsets[1:])):
+            raise ValueError("offsets: must not decrease")
+        k = self.knots
+        if k.shape != (KNOTS,) or not np.all(np.isfinite(k)) or np.any(np.diff(k) < 0) or k[0] < 0:
+            raise ValueError(f"knots: {KNOTS} finite, non-negative, non-decreasing lengths expected")
         if not math.isfinite(self.intercept):
             raise ValueError(f"intercept: must be finite, got {self.intercept}")
 
     def score(self, f: Features) -> float:
-        """The predicted log(1 + tokens) before the residual's median."""
+        """The predicted normal score, before the residual's median."""
         return self.intercept + float(np.dot(self.weights[f.indices], f.values))
 
-    def center(self, f: Features) -> float:
-        """exp(score) - 1 as the scale the residual ratios multiply (at least 1 token)."""
-        return max(1.0, math.expm1(self.score(f)))
-
     def dist(self, f: Features, cap: float = math.inf) -> LengthDist:
-        return LengthDist.scaled(self.center(f), self.ratios, cap)
+        tokens = np.interp(self.score(f) + np.asarray(self.offsets), _Z, self.knots)
+        top = cap if math.isfinite(cap) else math.inf
+        return LengthDist(tuple(min(top, max(1.0, float(t))) for t in tokens), cap)
 
     @property
     def nbytes(self) -> int:
-        return int(self.weights.nbytes)
+        return int(self.weights.nbytes + self.knots.nbytes)
 
     # -- as plain arrays (no pickle) -------------------------------------------------
 
@@ -167,15 +191,16 @@ class LengthModel:
         return {
             "format": np.array(FORMAT), "dim": np.array(DIM), "meta": np.array(META),
             "weights": self.weights.astype(np.float32), "intercept": np.array(self.intercept, dtype=np.float64),
-            "levels": np.array(LEVELS), "ratios": np.array(self.ratios, dtype=np.float64),
-            "records": np.array(self.records, dtype=np.int64), "version": np.array(self.version, dtype=np.int64),
+            "levels": np.array(LEVELS), "offsets": np.array(self.offsets, dtype=np.float64),
+            "knots": self.knots.astype(np.float64), "records": np.array(self.records, dtype=np.int64),
+            "version": np.array(self.version, dtype=np.int64),
         }  # fmt: skip
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> LengthModel:
         """The model those arrays hold; ValueError naming the array that is wrong."""
-        missing = [k for k in ("format", "dim", "meta", "weights", "intercept", "levels", "ratios", "records")
-                   if k not in arrays]  # fmt: skip
+        names = ("format", "dim", "meta", "weights", "intercept", "levels", "offsets", "knots", "records", "version")
+        missing = [k for k in names if k not in arrays]
         if missing:
             raise ValueError(f"{missing[0]}: missing (not a binbatch length model)")
         if str(arrays["format"]) != FORMAT:
@@ -187,15 +212,25 @@ class LengthModel:
         weights = np.asarray(arrays["weights"])
         if weights.dtype.kind != "f" or not np.all(np.isfinite(weights)):
             raise ValueError("weights: must be finite floats")
-        version = int(arrays["version"]) if "version" in arrays else 1
-        return cls(weights.astype(np.float32), float(arrays["intercept"]),
-                   tuple(float(r) for r in arrays["ratios"]), int(arrays["records"]), version)  # fmt: skip
+        return cls(weights.astype(np.float32), float(arrays["intercept"]), tuple(float(r) for r in arrays["offsets"]),
+                   np.asarray(arrays["knots"], dtype=np.float64), int(arrays["records"]), int(arrays["version"]))  # fmt: skip
+
+
+def normal_scores(tokens: np.ndarray, knots: np.ndarray) -> np.ndarray:
+    """Phi^-1(F(tokens)), F the distribution ``knots`` hold; a length several knots share
+    gets the middle of their scores (so a tie is one score)."""
+    lo = np.searchsorted(knots, tokens, side="left")
+    hi = np.searchsorted(knots, tokens, side="right")
+    below = np.interp(tokens, knots, _Z)  # strictly between knots: linear
+    tied = hi > lo
+    mid = (_Z[np.minimum(lo, KNOTS - 1)] + _Z[np.maximum(hi - 1, 0)]) / 2
+    return np.where(tied, mid, below)
 
 
 # -- fitting --------------------------------------------------------------------------
 
 FOLDS = 5  # held-out residuals come from this many folds
-ALPHA = 2.0  # the ridge's L2 penalty (chosen on folds of the ShareGPT training split)
+ALPHA = 1.0  # the ridge's L2 penalty (of 0.5, 1, 2 and 4 on ShareGPT, 1 ranked best)
 MIN_RECORDS = 2 * FOLDS
 
 
@@ -228,9 +263,11 @@ def fit(
     if n < MIN_RECORDS:
         raise ValueError(f"records: at least {MIN_RECORDS} are needed to fit, got {n}")
     x = design(features)
-    y = np.array([target(t) for t in output_tokens])
+    tokens = np.maximum(0.0, np.asarray(output_tokens, dtype=np.float64))
+    knots = prior.knots if prior is not None else np.quantile(tokens, _PROBS)
+    z = normal_scores(tokens, knots)
     base = np.zeros(n) if prior is None else x @ prior.weights.astype(np.float64) + prior.intercept
-    resid = y - base
+    resid = z - base
     held_out = np.empty(n)
     folds = np.arange(n) % FOLDS
     for k in range(FOLDS):
@@ -239,10 +276,7 @@ def fit(
     w, b = _ridge(x, resid, alpha)
     if prior is not None:
         w, b = w + prior.weights, b + prior.intercept
-    # the median and upper quantiles of exp(y - score), on the scale center = expm1(score)
-    score = y - held_out
-    ratios = np.quantile(np.expm1(y) / np.maximum(1.0, np.expm1(score)), LEVELS)
-    ratios = np.maximum.accumulate(np.maximum(ratios, 1e-3))
+    offsets = np.maximum.accumulate(np.quantile(held_out, LEVELS))
     records = n + (prior.records if prior is not None else 0)
     version = prior.version + 1 if prior is not None else 1
-    return LengthModel(w.astype(np.float32), b, tuple(float(r) for r in ratios), records, version)
+    return LengthModel(w.astype(np.float32), b, tuple(float(r) for r in offsets), knots, records, version)

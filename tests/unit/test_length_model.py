@@ -74,7 +74,7 @@ def test_fit_ranks_long_asks_above_short_ones(model):
 def test_the_plan_quantile_is_above_the_median_and_the_cap_holds(model):
     d = model.dist(lm.featurize("write a detailed story about topic5"), cap=300)
     assert d.median <= d.plan <= 300
-    assert len(model.ratios) == len(LEVELS)
+    assert len(model.offsets) == len(LEVELS)
 
 
 def test_a_refit_centred_on_a_prior_keeps_what_the_prior_knew(model):
