@@ -140,7 +140,8 @@ def _memory(predictor: LengthPredictor) -> int:
     return 0
 
 
-def run(cfg: PredictorBenchConfig = PredictorBenchConfig(), say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+def run(cfg: PredictorBenchConfig = PredictorBenchConfig(),
+        say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:  # fmt: skip
     first, evaluation = sharegpt.split("train"), sharegpt.split("eval")
     train = sharegpt.records("train")
     if cfg.eval_limit is not None:
@@ -207,7 +208,8 @@ def print_tables(doc: dict[str, Any]) -> None:
     print("learning curve (tau / 4-bin accuracy after N training records; first_turns: the first turns alone):")
     for name, row in doc["predictors"].items():
         if "learning_curve" in row:
-            pts = "  ".join(f"{n}: {v['kendall_tau']:.3f} / {v['bin_accuracy_k4']:.3f}" for n, v in row["learning_curve"].items())
+            curve = row["learning_curve"].items()
+            pts = "  ".join(f"{n}: {v['kendall_tau']:.3f} / {v['bin_accuracy_k4']:.3f}" for n, v in curve)
             print(f"  {name:8} {pts}")
     for key, t in doc["targets"].items():
         verdict = "met" if t["met"] else "MISSED"

@@ -37,8 +37,8 @@ import math
 import re
 import zlib
 from collections import Counter
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -52,6 +52,7 @@ TAIL_CHARS = 400  # and its tail (a long prompt's middle is skipped: bounded cos
 SLOT_CACHE = 1 << 16  # grams whose slot is remembered (about 13 MB when full)
 EDGE_TOKENS = 24  # words tagged by position at each end
 MAX_TOKENS_FEATURE = 1 << 20  # max_tokens buckets stop here
+# a word: one kana, CJK or Hangul character, a run of other letters, a run of digits, or one other symbol
 _TOKEN = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]|[^\W\d_]+|\d+|[^\w\s]")
 _LENGTH_ASK = re.compile(
     r"\b(\d{1,5})\s*(?:-\s*\d{1,5}\s*)?(words?|sentences?|paragraphs?|lines?|points?|bullets?|items?|examples?|"
@@ -103,7 +104,8 @@ _SCRIPTS = tuple(re.compile(r) for r in (
 
 
 def meta_features(text: str, span: str, words: Sequence[str]) -> list[float]:
-    """The ``META`` values of a prompt (``text`` whole, ``span`` what is read, ``words`` its tokens)."""
+    """The ``META`` values of a prompt (``text`` whole: only its length and lines are counted;
+    ``span`` what is read; ``words`` its tokens)."""
     n = max(1, len(span))
     cjk, hangul, kana, cyrillic, non_ascii = (len(r.findall(span)) for r in _SCRIPTS)
     other = non_ascii - cjk - hangul - kana - cyrillic
@@ -115,7 +117,7 @@ def meta_features(text: str, span: str, words: Sequence[str]) -> list[float]:
         math.log1p(len(text)) / 8, math.log1p(text.count("\n")) / 4,
         2 * cjk / n, 2 * hangul / n, 2 * kana / n, 2 * cyrillic / n, 2 * other / n, min(code, 2.0),
         math.log1p(biggest) / 6, min(len(asks), 4) / 4, math.log1p(words_asked) / 6,
-        float(text.rstrip().endswith("?")), math.log1p(len(set(words))) / 6,
+        float(span.rstrip().endswith("?")), math.log1p(len(set(words))) / 6,
     ]  # fmt: skip
 
 
@@ -128,7 +130,9 @@ def featurize(text: str, request_class: str = "", max_tokens: int = 0) -> Featur
     edges = [*("^" + w for w in head), *("^" + a + " " + b for a, b in zip(head, head[1:])), *("$" + w for w in tail)]
     edges_idx, edges_val = _block(edges, 0.7)
     cap_bucket = min(max(0, int(max_tokens)), MAX_TOKENS_FEATURE).bit_length()
-    fixed_idx, fixed_val = _block((f"#class {request_class}", f"#cap {cap_bucket}", "#first " + (words[0] if words else "")), 3 ** 0.5)
+    first = words[0] if words else ""
+    fixed = (f"#class {request_class}", f"#cap {cap_bucket}", f"#first {first}")
+    fixed_idx, fixed_val = _block(fixed, math.sqrt(len(fixed)))  # each 1
     meta = np.array(meta_features(text, span, words), np.float32)
     idx = np.concatenate([grams_idx, edges_idx, fixed_idx, np.arange(DIM, N_FEATURES, dtype=np.int32)])
     return Features(idx, np.concatenate([grams_val, edges_val, fixed_val, meta]))
@@ -157,7 +161,7 @@ class LengthModel:
     offsets: tuple[float, ...]  # quantiles of held-out residuals (normal-score units) at LEVELS
     knots: np.ndarray  # float64, KNOTS: the training lengths' quantiles at _PROBS
     records: int  # training records it has seen (prior's included)
-    version: int = 1  # counts fits: a refit model is its prior's version + 1
+    version: int = 1  # the predictor running it numbers the models it installs
 
     def __post_init__(self) -> None:
         if self.weights.shape != (N_FEATURES,):
@@ -278,5 +282,4 @@ def fit(
         w, b = w + prior.weights, b + prior.intercept
     offsets = np.maximum.accumulate(np.quantile(held_out, LEVELS))
     records = n + (prior.records if prior is not None else 0)
-    version = prior.version + 1 if prior is not None else 1
-    return LengthModel(w.astype(np.float32), b, tuple(float(r) for r in offsets), knots, records, version)
+    return LengthModel(w.astype(np.float32), b, tuple(float(r) for r in offsets), knots, records)

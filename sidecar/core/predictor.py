@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .length_dist import LengthDist
@@ -202,6 +202,11 @@ class OnlinePredictor:
             self._keys.popitem(last=False)  # LRU eviction
 
 
+def _features(req: Request) -> Features:
+    """What the learned model reads of a request: its prompt's text, its class, its cap."""
+    return featurize(req.prompt_text, req.request_class, req.max_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class _Record:
     """One completion kept to learn from: the prompt's hashed features, never its text."""
@@ -217,7 +222,8 @@ class LearnedPredictor:
     predictor answers (``fallback``, which it keeps feeding).  Every completion's
     hashed features and length go into a bounded buffer (the last ``buffer``
     records); ``refit_due`` says when enough new ones came (after ``first_fit``
-    records, then each time as many as the last fit had, up to ``refit_every``),
+    records, then each time as many as the last fit had, up to ``refit_every``;
+    with a warm start, every ``refit_every``),
     ``training_set`` hands a copy to whoever fits off the request path
     (``length_model.fit``, given ``prior``: the warm start), and ``install`` swaps
     the new model in whole.  Pure: the engine layer runs the fit in a thread.
@@ -267,17 +273,22 @@ class LearnedPredictor:
         model = self.model
         if model is None:
             return self.fallback.predict(req)
-        return _set(req, model.dist(featurize(req.prompt_text, req.request_class, req.max_tokens), _cap(req)), "learned")
+        return _set(req, model.dist(_features(req), _cap(req)), "learned")
 
     def observe(self, req: Request, actual_tokens: float) -> None:
         self.fallback.observe(req, actual_tokens)  # validates actual_tokens
-        self._records.append(_Record(featurize(req.prompt_text, req.request_class, req.max_tokens), float(actual_tokens)))
+        self._records.append(_Record(_features(req), float(actual_tokens)))
         self._new += 1
 
     def refit_due(self) -> bool:
-        if self.fitting or len(self._records) < self.first_fit:
+        # with a warm start, a fit on a few records would replace the prior's residual
+        # quantiles (its KV plan's coverage) with noisy ones: wait for refit_every
+        first = self.first_fit
+        if self.prior is not None:
+            first = max(first, min(self.refit_every, self._records.maxlen or first))
+        if self.fitting or len(self._records) < first:
             return False
-        return self._new >= min(self.refit_every, max(self.first_fit, self._last_fit))
+        return self._new >= min(self.refit_every, max(first, self._last_fit))
 
     def training_set(self) -> tuple[list[Features], list[float]]:
         """The buffered records to fit on (a copy: observing goes on meanwhile); marks a fit as running."""
@@ -289,7 +300,8 @@ class LearnedPredictor:
         """Swap in a fitted model (None: the fit failed; keep the old one)."""
         self.fitting = False
         if model is not None:
-            self.model, self.installed_at = model, now
+            version = (self.model.version if self.model is not None else 0) + 1  # models this predictor has run
+            self.model, self.installed_at = replace(model, version=version), now
 
 
 class AccuracyTracker:

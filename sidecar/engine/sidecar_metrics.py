@@ -198,8 +198,8 @@ class SidecarMetrics:
             "(installed|failed)", ["outcome"], registry=r,
         )  # fmt: skip
         self.predictor_model_version = Gauge(
-            "binbatch_predictor_model_version", "Learned predictor: fits behind the running model (0: no model yet; "
-            "1: the warm start or the first fit)", registry=r,
+            "binbatch_predictor_model_version", "Learned predictor: the running model's number, counting the "
+            "models installed since start (0: none yet; 1: the warm start or the first fit)", registry=r,
         )  # fmt: skip
         self.predictor_model_age = Gauge(
             "binbatch_predictor_model_age_seconds", "Learned predictor: seconds since the running model was "

@@ -80,7 +80,7 @@ def test_the_plan_quantile_is_above_the_median_and_the_cap_holds(model):
 def test_a_refit_centred_on_a_prior_keeps_what_the_prior_knew(model):
     new_prompts = ["list the planets of topic1"] * 20
     refit = lm.fit([lm.featurize(p) for p in new_prompts], [80.0] * 20, prior=model)
-    assert refit.version == 2 and refit.records == 140
+    assert refit.records == 140
     short = refit.dist(lm.featurize("one word for topic2")).median
     long = refit.dist(lm.featurize("write a 1000 word essay on topic2")).median
     assert long > 5 * short

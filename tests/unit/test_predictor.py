@@ -405,7 +405,25 @@ def test_learned_refits_after_first_fit_records_then_as_records_double():
             due.append(i + 1)
             _fitted(p)
     assert due == [16, 32, 64]
-    assert p.model is not None and p.model.version == 1 and p.installed_at == 5.0
+    assert p.model is not None and p.model.version == 3 and p.installed_at == 5.0
+
+
+def test_a_warm_started_learned_predictor_refits_every_refit_every_records():
+    prior = LearnedPredictor(first_fit=16)
+    for i in range(40):
+        r, y = _learned_req(i)
+        prior.observe(r, y)
+    _fitted(prior)
+    p = LearnedPredictor(model=prior.model, first_fit=16, refit_every=50)
+    due = []
+    for i in range(120):
+        r, y = _learned_req(i)
+        p.observe(r, y)
+        if p.refit_due():
+            due.append(i + 1)
+            _fitted(p)
+    assert due == [50, 100]  # not after 16: a few records would replace the prior's residual quantiles
+    assert p.model.version == 3 and p.model.records == 40 + 100  # the warm start, two refits each centred on it
 
 
 def test_learned_reads_the_prompt_once_fitted():
