@@ -314,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     oh.set_defaults(func=_bench_overhead)
 
     bp = bench_sub.add_parser(
-        "predictor", help="length predictors on ShareGPT's held-out split: bin accuracy (k = 2/4/8), Kendall tau, "
-                          "MAE, the KV plan quantile's coverage, predict latency, learning curve (~1 min)"
+        "predictor", help="length predictors on ShareGPT's held-out split: bin accuracy with 2, 4 and 8 bins, rank "
+                          "correlation, mean error, the KV plan quantile's coverage, predict latency, learning curve "
+                          "(~1 min)"
     )  # fmt: skip
     bp.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bp.add_argument("--seed", type=int, default=1, help="the order of the learning curve's training records (default 1)")

@@ -227,7 +227,7 @@ class LatencyConfig(_Section):
 class PredictorConfig(_Section):
     kind: PredictorKind = Field("Online", description="Hint: the client's hint only. Online: learn the mean output length per request class and prompt-length bucket from observed completions. Learned: a model that reads the prompt (what is asked, its class, max_tokens) predicts a distribution of the length; refitted off the request path from the completions the sidecar sees (their prompts kept only as hashed features), warm-started from warmStart; Online answers until it has a model. The client's hint always wins.")  # fmt: skip
     default_output_tokens: int = Field(256, ge=1, le=1_000_000, description="Expected output length with no hint, no max_tokens and no history.")  # fmt: skip
-    warm_start: str = Field("", max_length=4096, description="Learned: path, in the sidecar's filesystem, of a model written by `binbatch predictor train` to start from (a file that cannot be read as one refuses the config); empty: start with none and learn from completions.")  # fmt: skip
+    warm_start: str = Field("", max_length=4096, description="Learned: path, in the sidecar's filesystem, of a model written by the command binbatch predictor train to start from (a file that cannot be read as one refuses the config); empty: start with none and learn from completions.")  # fmt: skip
     refit_every_records: int = Field(1024, ge=16, le=1_000_000, description="Learned: refit the model after this many new completions (the first fits come sooner: after 64, then each time the records double).")  # fmt: skip
     training_buffer_records: int = Field(4096, ge=64, le=100_000, description="Learned: the latest completions kept to refit on (hashed features, about 5 KiB each).")  # fmt: skip
 
