@@ -38,7 +38,6 @@ import re
 import zlib
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -49,7 +48,7 @@ FORMAT = "binbatch-length-model/2"
 DIM = 1 << 20  # hashed feature slots (the weights: 4 MiB of float32)
 HEAD_CHARS = 1000  # the prompt's head that is read
 TAIL_CHARS = 400  # and its tail (a long prompt's middle is skipped: bounded cost)
-SLOT_CACHE = 1 << 16  # grams whose slot is remembered (about 13 MB when full)
+HEAD_WORDS, TAIL_WORDS = 200, 100  # and of those, at most this many words from each end
 EDGE_TOKENS = 24  # words tagged by position at each end
 MAX_TOKENS_FEATURE = 1 << 20  # max_tokens buckets stop here
 # a word: one kana, CJK or Hangul character, a run of other letters, a run of digits, or one other symbol
@@ -76,9 +75,8 @@ class Features:
     values: np.ndarray  # float32
 
 
-@lru_cache(maxsize=SLOT_CACHE)
 def _slot(gram: str) -> int:
-    """A gram's slot: CRC-32 (stable across processes, unlike ``hash``), cached for the common ones."""
+    """A gram's slot: CRC-32 (stable across processes, unlike ``hash``)."""
     return zlib.crc32(gram.encode("utf-8", "surrogatepass")) & (DIM - 1)
 
 
@@ -125,6 +123,8 @@ def featurize(text: str, request_class: str = "", max_tokens: int = 0) -> Featur
     """The feature vector of a request: what its prompt asks, its class and its cap."""
     span = read_span(text)
     words = _TOKEN.findall(span.lower())
+    if len(words) > HEAD_WORDS + TAIL_WORDS:  # code, tables and CJK run to many words per character
+        words = words[:HEAD_WORDS] + words[-TAIL_WORDS:]
     grams_idx, grams_val = _block([*words, *map(" ".join, zip(words, words[1:]))], 1.0)
     head, tail = words[:EDGE_TOKENS], words[-EDGE_TOKENS:]
     edges = [*("^" + w for w in head), *("^" + a + " " + b for a, b in zip(head, head[1:])), *("$" + w for w in tail)]
