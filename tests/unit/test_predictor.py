@@ -387,6 +387,19 @@ def _fitted(p: LearnedPredictor) -> None:
     p.install(lm.fit(*p.training_set(), prior=p.prior), now=5.0)
 
 
+def _feed(p: LearnedPredictor, n: int) -> list[int]:
+    """Predict and observe ``n`` completions, fitting whenever one is due; after which ones it was."""
+    due = []
+    for i in range(n):
+        r, y = _learned_req(i)
+        p.predict(r)
+        p.observe(r, y)
+        if p.refit_due():
+            due.append(i + 1)
+            _fitted(p)
+    return due
+
+
 def test_learned_answers_with_the_online_fallback_until_it_has_a_model():
     p = LearnedPredictor(first_fit=16)
     r, _ = _learned_req(0)
@@ -396,42 +409,21 @@ def test_learned_answers_with_the_online_fallback_until_it_has_a_model():
 
 def test_learned_refits_after_first_fit_records_then_as_records_double():
     p = LearnedPredictor(first_fit=16, refit_every=100)
-    due = []
-    for i in range(80):
-        r, y = _learned_req(i)
-        p.predict(r)
-        p.observe(r, y)
-        if p.refit_due():
-            due.append(i + 1)
-            _fitted(p)
-    assert due == [16, 32, 64]
+    assert _feed(p, 80) == [16, 32, 64]
     assert p.model is not None and p.model.version == 3 and p.installed_at == 5.0
 
 
 def test_a_warm_started_learned_predictor_refits_every_refit_every_records():
-    prior = LearnedPredictor(first_fit=16)
-    for i in range(40):
-        r, y = _learned_req(i)
-        prior.observe(r, y)
-    _fitted(prior)
+    prior = LearnedPredictor(first_fit=40)
+    assert _feed(prior, 40) == [40]
     p = LearnedPredictor(model=prior.model, first_fit=16, refit_every=50)
-    due = []
-    for i in range(120):
-        r, y = _learned_req(i)
-        p.observe(r, y)
-        if p.refit_due():
-            due.append(i + 1)
-            _fitted(p)
-    assert due == [50, 100]  # not after 16: a few records would replace the prior's residual quantiles
+    assert _feed(p, 120) == [50, 100]  # not after 16: a few records would replace the prior's residual quantiles
     assert p.model.version == 3 and p.model.records == 40 + 100  # the warm start, two refits each centred on it
 
 
 def test_learned_reads_the_prompt_once_fitted():
-    p = LearnedPredictor(first_fit=16)
-    for i in range(40):
-        r, y = _learned_req(i)
-        p.observe(r, y)
-    _fitted(p)
+    p = LearnedPredictor(first_fit=40)
+    assert _feed(p, 40) == [40]
     short, _ = _learned_req(1)
     long, _ = _learned_req(2)
     assert p.predict(long) > 10 * p.predict(short)
