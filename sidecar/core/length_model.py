@@ -12,7 +12,9 @@ keeps to go on learning is numbers, never text:
 * a few dense meta-features (``META``): the prompt's length, its lines, its
   script (CJK, Hangul, kana, Cyrillic, other non-ASCII), how code-like it is,
   an explicit length ask ("in 500 words", "list 10"), a question mark at the end;
-* the request class and the ``max_tokens`` cap (log2 bucket), as tokens.
+* the ``max_tokens`` cap (its log, a meta-feature: a cap no training record had
+  weighs nothing) and the request class (hashed into ``CLASS_SLOTS`` slots of
+  its own, so an unseen class takes no n-gram's weight).
 
 Model (``LengthModel``): ridge regression on those features of each answer's
 length as a normal score, z = Phi^-1(F(length)), F the training lengths'
@@ -44,13 +46,13 @@ import numpy as np
 
 from .length_dist import LEVELS, LengthDist
 
-FORMAT = "binbatch-length-model/2"
+FORMAT = "binbatch-length-model/3"
 DIM = 1 << 20  # hashed feature slots (the weights: 4 MiB of float32)
 HEAD_CHARS = 1000  # the prompt's head that is read
 TAIL_CHARS = 400  # and its tail (a long prompt's middle is skipped: bounded cost)
-HEAD_WORDS, TAIL_WORDS = 200, 100  # and of those, at most this many words from each end
+HEAD_WORDS, TAIL_WORDS = 128, 64  # and of those, at most this many words from each end
 EDGE_TOKENS = 24  # words tagged by position at each end
-MAX_TOKENS_FEATURE = 1 << 20  # max_tokens buckets stop here
+CLASS_SLOTS = 64  # the request class hashes into slots of its own, after the meta-features
 # a word: one kana, CJK or Hangul character, a run of other letters, a run of digits, or one other symbol
 _TOKEN = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]|[^\W\d_]+|\d+|[^\w\s]")
 _LENGTH_ASK = re.compile(
@@ -63,8 +65,8 @@ _CODE_MARKS = ("{", "}", ";", "()", "=", "def ", "import ", "return", "</", "#in
 
 # the dense meta-features, each at its own slot after the hashed ones (names for the docs and tests)
 META = ("log_chars", "log_lines", "cjk", "hangul", "kana", "cyrillic", "other_non_ascii", "code", "log_length_ask",
-        "length_asks", "asks_words", "ends_with_question", "log_distinct_words")  # fmt: skip
-N_FEATURES = DIM + len(META)
+        "length_asks", "asks_words", "ends_with_question", "log_distinct_words", "log_max_tokens")  # fmt: skip
+N_FEATURES = DIM + len(META) + CLASS_SLOTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +104,8 @@ _SCRIPTS = tuple(re.compile(r) for r in (
 
 
 def meta_features(text: str, span: str, words: Sequence[str]) -> list[float]:
-    """The ``META`` values of a prompt (``text`` whole: only its length and lines are counted;
-    ``span`` what is read; ``words`` its tokens)."""
+    """The ``META`` values a prompt gives (all but ``log_max_tokens``): ``text`` whole
+    (only its length and lines are counted), ``span`` what is read, ``words`` its tokens."""
     n = max(1, len(span))
     cjk, hangul, kana, cyrillic, non_ascii = (len(r.findall(span)) for r in _SCRIPTS)
     other = non_ascii - cjk - hangul - kana - cyrillic
@@ -129,13 +131,14 @@ def featurize(text: str, request_class: str = "", max_tokens: int = 0) -> Featur
     head, tail = words[:EDGE_TOKENS], words[-EDGE_TOKENS:]
     edges = [*("^" + w for w in head), *("^" + a + " " + b for a, b in zip(head, head[1:])), *("$" + w for w in tail)]
     edges_idx, edges_val = _block(edges, 0.7)
-    cap_bucket = min(max(0, int(max_tokens)), MAX_TOKENS_FEATURE).bit_length()
-    first = words[0] if words else ""
-    fixed = (f"#class {request_class}", f"#cap {cap_bucket}", f"#first {first}")
-    fixed_idx, fixed_val = _block(fixed, math.sqrt(len(fixed)))  # each 1
-    meta = np.array(meta_features(text, span, words), np.float32)
-    idx = np.concatenate([grams_idx, edges_idx, fixed_idx, np.arange(DIM, N_FEATURES, dtype=np.int32)])
-    return Features(idx, np.concatenate([grams_val, edges_val, fixed_val, meta]))
+    first_idx, first_val = _block(["#first " + (words[0] if words else "")], 1.0)
+    meta = np.array([*meta_features(text, span, words), math.log2(1 + max(0, max_tokens)) / 20], np.float32)
+    idx = [grams_idx, edges_idx, first_idx, np.arange(DIM, DIM + len(META), dtype=np.int32)]
+    val = [grams_val, edges_val, first_val, meta]
+    if request_class:  # its own slots: an n-gram's weight never leaks into a class the training never saw
+        idx.append(np.array([DIM + len(META) + zlib.crc32(request_class.encode()) % CLASS_SLOTS], np.int32))
+        val.append(np.ones(1, np.float32))
+    return Features(np.concatenate(idx), np.concatenate(val))
 
 
 KNOTS = 256  # the training lengths' quantiles that map tokens to normal scores and back

@@ -42,10 +42,21 @@ def test_features_read_what_is_asked_not_only_the_length():
     assert int(a.indices.max()) < lm.N_FEATURES
 
 
-def test_class_and_cap_are_features():
-    base = set(lm.featurize("hello").indices.tolist())
-    assert set(lm.featurize("hello", request_class="batch").indices.tolist()) != base
-    assert set(lm.featurize("hello", max_tokens=64).indices.tolist()) != base
+def _dense(f: lm.Features) -> np.ndarray:
+    return lm.design([f]).toarray()[0]
+
+
+def test_class_and_cap_are_features_in_slots_of_their_own():
+    base = _dense(lm.featurize("hello"))
+    with_class, with_cap = _dense(lm.featurize("hello", request_class="batch")), _dense(lm.featurize("hello", max_tokens=64))
+    assert np.flatnonzero(with_class != base).tolist() and min(np.flatnonzero(with_class != base)) >= lm.DIM + len(lm.META)
+    assert np.flatnonzero(with_cap != base).tolist() == [lm.DIM + lm.META.index("log_max_tokens")]
+
+
+def test_a_cap_or_class_no_training_record_had_changes_no_prediction(model):
+    f = lm.featurize("write a 1000 word essay on topic3")
+    g = lm.featurize("write a 1000 word essay on topic3", request_class="batch", max_tokens=100_000)
+    assert model.dist(g).points == model.dist(f).points
 
 
 def test_a_long_prompt_is_read_at_its_head_and_tail_only():
