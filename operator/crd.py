@@ -101,6 +101,10 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
               "feedbackUrl needs url: completions are reported only for requests the service was asked about",
               ".feedbackUrl"),
     ],
+    "predictor": [
+        _rule(("warmStart", "kind"), "self.warmStart == '' || self.kind == 'Learned'",
+              "warmStart is only read with kind Learned", ".warmStart"),
+    ],
     "metrics": [
         _rule(("staleAfterMilliseconds", "intervalMilliseconds"),
               "self.staleAfterMilliseconds >= 2 * self.intervalMilliseconds",

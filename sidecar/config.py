@@ -25,8 +25,8 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 drainOrder: ShortestFirst|LongestFitFirst}
     memory:    {admission: BatchSize|Projected, overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
-    predictor: {kind: Hint|Online, defaultOutputTokens,
-                external: {url, timeoutMilliseconds, breakerOpenMilliseconds, feedbackUrl}}
+    predictor: {kind: Hint|Online|Learned, defaultOutputTokens, warmStart, refitEveryRecords,
+                trainingBufferRecords, external: {url, timeoutMilliseconds, breakerOpenMilliseconds, feedbackUrl}}
     metrics:   {source: Scrape|PromQL|None, url, intervalMilliseconds,
                 staleAfterMilliseconds, promqlSelector}
     server:    {grpcPort, httpPort, metricsPort, drainGraceSeconds, configPollMilliseconds}
@@ -74,7 +74,7 @@ Dispatch = Literal["MaxWait", "Smdp"]
 AdmissionOrderName = Literal["Fifo", "ShortestFirst", "EnginePriority"]
 DrainOrder = Literal["ShortestFirst", "LongestFitFirst"]
 MemoryAdmission = Literal["BatchSize", "Projected"]
-PredictorKind = Literal["Hint", "Online"]
+PredictorKind = Literal["Hint", "Online", "Learned"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
 LogFormat = Literal["Json", "Text"]
@@ -243,9 +243,18 @@ class ExternalPredictorConfig(_Section):
 
 
 class PredictorConfig(_Section):
-    kind: PredictorKind = Field("Online", description="Hint: the client's hint only. Online: learn from observed output lengths.")  # fmt: skip
+    kind: PredictorKind = Field("Online", description="Hint: the client's hint only. Online: learn the mean output length per request class and prompt-length bucket from observed completions. Learned: a model that reads the prompt (what is asked, its class, max_tokens) predicts a distribution of the length; refitted off the request path from the completions the sidecar sees (their prompts kept only as hashed features), warm-started from warmStart; Online answers until it has a model. The client's hint always wins.")  # fmt: skip
     default_output_tokens: int = Field(256, ge=1, le=1_000_000, description="Expected output length with no hint, no max_tokens and no history.")  # fmt: skip
     external: ExternalPredictorConfig = Field(default_factory=ExternalPredictorConfig, description="An external length-predictor service, asked after the client's hint and before the built-in predictor.")  # fmt: skip
+    warm_start: str = Field("", max_length=4096, description="Learned: path, in the sidecar's filesystem, of a model written by the command binbatch predictor train to start from (a file that cannot be read as one refuses the config); empty: start with none and learn from completions.")  # fmt: skip
+    refit_every_records: int = Field(1024, ge=16, le=1_000_000, description="Learned: refit the model after this many new completions (the first fits come sooner: after 64, then each time the records double).")  # fmt: skip
+    training_buffer_records: int = Field(4096, ge=64, le=100_000, description="Learned: the latest completions kept to refit on (hashed features, about 5 KiB each).")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _warm_start_needs_learned(self) -> PredictorConfig:
+        if self.warm_start and self.kind != "Learned":
+            _broken([("warmStart", f"is only read with kind Learned (kind is {self.kind})")])
+        return self
 
 
 class MetricsConfig(_Section):

@@ -8,6 +8,7 @@ which hashes by identity.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from .length_dist import LengthDist
 
@@ -46,6 +47,11 @@ class Request:
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
+
+
+def chat_text(messages: Iterable[tuple[str, str]]) -> str:
+    """A chat's text as a predictor reads it (``Request.prompt_text``): each message's content, one per line."""
+    return "\n".join(content for _, content in messages)
 
 
 def expected_tokens(req: Request) -> float:

@@ -181,12 +181,38 @@ class SidecarMetrics:
         self.bin_accuracy_by_source = Gauge(
             "binbatch_predictor_source_bin_accuracy_ratio",
             "Share of completions predicted into their true bin, by where the prediction came from "
-            "(hint|external|online|max_tokens|default)", ["source"], registry=r,
+            "(hint|external|learned|online|max_tokens|default)", ["source"], registry=r,
         )  # fmt: skip
         self.within_one_accuracy_by_source = Gauge(
             "binbatch_predictor_source_within_one_bin_accuracy_ratio",
             "Share of completions predicted into their true bin or a neighbour, by prediction source",
             ["source"], registry=r,
+        )  # fmt: skip
+        self.kendall_tau_by_source = Gauge(
+            "binbatch_predictor_source_kendall_tau",
+            "Kendall rank correlation of predicted and actual output lengths over the accuracy window, by "
+            "prediction source (how well the order of the predictions matches the order of the answers)",
+            ["source"], registry=r,
+        )  # fmt: skip
+        self.predictor_refits = Counter(
+            "binbatch_predictor_refits", "Learned predictor: model refits off the request path, by outcome "
+            "(installed|failed)", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.predictor_model_version = Gauge(
+            "binbatch_predictor_model_version", "Learned predictor: the running model's number, counting the "
+            "models installed since start (0: none yet; 1: the warm start or the first fit)", registry=r,
+        )  # fmt: skip
+        self.predictor_model_age = Gauge(
+            "binbatch_predictor_model_age_seconds", "Learned predictor: seconds since the running model was "
+            "installed (-1: no model yet)", registry=r,
+        )  # fmt: skip
+        self.predictor_model_records = Gauge(
+            "binbatch_predictor_model_records", "Learned predictor: training records behind the running model "
+            "(the warm start's included)", registry=r,
+        )  # fmt: skip
+        self.predictor_buffered_records = Gauge(
+            "binbatch_predictor_training_records", "Learned predictor: completions held to refit on "
+            "(hashed features, bounded by predictor.trainingBufferRecords)", registry=r,
         )  # fmt: skip
         self.bins = Gauge("binbatch_bins", "Number of bins k", registry=r)
         self.metrics_fresh = Gauge(

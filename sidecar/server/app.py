@@ -116,13 +116,14 @@ class Sidecar:
 
     async def start(self) -> None:
         cfg = self.config
-        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
-                                   max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
         self.bin_count = build_bin_count(cfg)
         self.smdp = build_smdp(cfg)
+        # first: a config it cannot apply (a predictor.warmStart that is no model) raises ConfigError before anything opens
+        core = build_core(cfg, self.clock, k=self.bin_count and self.bin_count.k, policy=self.smdp)
+        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
+                                   max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
         self.dispatcher = Dispatcher(
-            build_core(cfg, self.clock, k=self.bin_count and self.bin_count.k, policy=self.smdp),
-            self.client, self.clock, self.metrics,
+            core, self.client, self.clock, self.metrics,
             mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds, wall_time=time.time,
         )  # fmt: skip

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ..config import CLASS_PRIORITY_LIMIT, SidecarConfig
 from ..core.clock import Clock
-from ..core.request import Request
+from ..core.request import Request, chat_text
 from ..core.stages import RequestDispatcher
 from ..engine.dispatcher import Call, Completion
 from ..engine.engine_client import EngineRequest, SamplingParams
@@ -213,7 +213,7 @@ class Front:
                 shown = f.request_class if len(f.request_class) <= 64 else f.request_class[:64] + "..."
                 raise bad("request_class", f"unknown class {shown!r} (the policy's classes.classes defines: {names_})")
             class_priority = found
-        text = f.prompt if f.prompt is not None else "".join(c for _, c in f.messages or ())
+        text = f.prompt if f.prompt is not None else chat_text(f.messages or ())
         params = SamplingParams(
             model=model,
             # never unset: bins.maxOutputTokens is the cap the docs promise, within the engine's context
@@ -240,6 +240,7 @@ class Front:
             send_by=None if budget is None else now + budget,
             tpot_slo=f.slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in f.slo else None,  # TpotGate
             request_class=f.request_class,
+            prompt_text=text,  # for predictor.kind Learned; min_tokens, stop and ignore_eos are never handed on
         )
         call = Call(engine_request, asyncio.get_running_loop().create_future(), asyncio.Queue() if stream else None)
         ticket = Ticket(req, call, f.trace.trace_id if f.trace else "")

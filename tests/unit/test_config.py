@@ -63,8 +63,11 @@ latency:
   queueSharePercent: 25
   tolerancePercent: 20
 predictor:
-  kind: Hint
+  kind: Learned
   defaultOutputTokens: 128
+  warmStart: /models/length.npz
+  refitEveryRecords: 512
+  trainingBufferRecords: 2048
   external:
     url: http://length-predictor.ml.svc:9000/predict
     timeoutMilliseconds: 30
