@@ -21,12 +21,27 @@ from typing import Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from .builders import covers, selector_matches
+from .builders import covers
 from .crd import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 RESTART_ANNOTATION = f"{GROUP}/restartedAt"
+
+
+def namespace_is_terminating(exc: BaseException) -> bool:
+    """The API server refused to create an object because its namespace is being deleted.
+
+    Its 403 carries the cause ``NamespaceTerminating`` ("unable to create new
+    content in namespace ... because it is being terminated").
+    """
+    if not isinstance(exc, ApiException) or exc.status != 403:
+        return False
+    try:
+        causes = (json.loads(exc.body or "{}").get("details") or {}).get("causes") or []
+    except (ValueError, AttributeError):
+        return False
+    return any(c.get("type") == "NamespaceTerminating" for c in causes)
 
 
 def api_error_message(exc: ApiException) -> str:
@@ -73,31 +88,37 @@ class KubeApi:
 
     # -- the policy's children -------------------------------------------------
 
-    async def ensure(self, obj: Mapping[str, Any]) -> str:
+    async def ensure(self, obj: Mapping[str, Any], current: Mapping[str, Any] | None) -> str:
         """Make the ConfigMap or Service ``obj`` exist as built: ``"created"``, ``"updated"`` or ``"unchanged"``.
 
-        One read; a write only when the object is missing or differs from what
-        the builder says (``covers``).  Server-side apply would spend the same
-        one request, but a full apply (admission, managed-fields merge) on every
-        tick for every policy; a read is served cheaply and tells us what drifted.
-        A merge patch replaces lists whole (a Service's ports), so after an
-        update the object is exactly what the builder said.
+        ``current`` is the object as the operator's watch last saw it (None:
+        not there), so nothing is read: a write is sent only when it is missing
+        or differs from what the builder says (``covers``).  The watch may lag
+        a write by a moment: a create that meets the object (409) patches it,
+        a patch that misses it (404) creates it.  A merge patch replaces lists
+        whole (a Service's ports), so after an update the object is exactly what
+        the builder said.
         """
+        if current is not None and covers(current, obj):
+            return "unchanged"
         kind, meta = obj["kind"], obj["metadata"]
         create, patch = {
             "ConfigMap": (self.core.create_namespaced_config_map, self.core.patch_namespaced_config_map),
             "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service),
         }[kind]
-        current = await self.read(kind, meta["name"], meta["namespace"])
-        if current is None:
+        if current is not None:
             try:
-                await self._call(create, meta["namespace"], dict(obj))
-                return "created"
+                await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
+                return "updated"
             except ApiException as exc:
-                if exc.status != 409:  # 409: created meanwhile; patch it below
+                if exc.status != 404:  # 404: deleted meanwhile; create it below
                     raise
-        elif covers(current, obj):
-            return "unchanged"
+        try:
+            await self._call(create, meta["namespace"], dict(obj))
+            return "created"
+        except ApiException as exc:
+            if exc.status != 409:  # 409: it exists after all; patch it
+                raise
         await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
         return "updated"
 
@@ -112,24 +133,22 @@ class KubeApi:
             raise
         return True
 
-    async def read(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-        read = {"ConfigMap": self.core.read_namespaced_config_map, "Service": self.core.read_namespaced_service}[kind]
+    async def patch_policy_status(self, name: str, namespace: str, fields: Mapping[str, Any]) -> None:
+        """Merge ``fields`` into a policy's status (``None`` deletes a field)."""
+        await self._call(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, PLURAL, name,
+                         {"status": dict(fields)}, _content_type=MERGE_PATCH)  # fmt: skip
+
+    async def namespace_terminating(self, name: str) -> bool:
+        """Whether the namespace is being deleted: its workloads go with it."""
         try:
-            return await self._call(read, name, namespace)  # type: ignore[no-any-return]
+            found = await self._call(self.core.read_namespace, name)
         except ApiException as exc:
-            if exc.status == 404:
-                return None
+            if exc.status == 404:  # not to be seen (a namespace holding a policy exists)
+                return False
             raise
+        return bool(found["metadata"].get("deletionTimestamp")) or (found.get("status") or {}).get("phase") == "Terminating"
 
-    # -- pods and policies -----------------------------------------------------
-
-    async def list_pods(self, namespace: str, match_labels: Mapping[str, str]) -> list[dict[str, Any]]:
-        """Pods of ``namespace`` that carry every label of ``match_labels``."""
-        selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
-        found = await self._call(self.core.list_namespaced_pod, namespace, label_selector=selector)
-        # The server filters by the selector; filtering again costs nothing and
-        # keeps the meaning exact even behind an API that ignores it.
-        return [p for p in found["items"] if selector_matches(match_labels, p["metadata"].get("labels"))]
+    # -- policies ----------------------------------------------------------------
 
     async def list_policies(self, namespace: str) -> list[dict[str, Any]]:
         """The namespace's BatchingPolicies as the API server has them now (the webhook's view, see main)."""

@@ -16,6 +16,7 @@ from kubernetes.client.exceptions import ApiException
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_operator import builders
+from binbatch_operator.indexes import Seen
 from binbatch_operator.reconcile import Context, admit, reconcile
 from binbatch_operator.status import (
     ApiFailure,
@@ -369,11 +370,11 @@ def test_a_request_the_api_server_rejects_makes_the_policy_invalid_with_its_mess
 
 
 class FakeKube:
-    """The API seam with canned answers: children by (kind, name), pods, and errors to raise."""
+    """The API seam with canned answers: children by (kind, name), and errors to raise."""
 
-    def __init__(self, pods=(), errors=None):
+    def __init__(self, errors=None):
         self.children: dict[tuple[str, str], dict] = {}
-        self.pods, self.errors, self.calls = list(pods), dict(errors or {}), []
+        self.errors, self.calls = dict(errors or {}), []
         self.policies: list[dict] = []
 
     def _maybe_fail(self, key):
@@ -381,12 +382,10 @@ class FakeKube:
         if key in self.errors:
             raise _api_exception(*self.errors[key])
 
-    async def read(self, kind, name, namespace):
-        self._maybe_fail(("read", kind))
-        return self.children.get((kind, name))
-
-    async def ensure(self, obj):
+    async def ensure(self, obj, current):
         self._maybe_fail(("ensure", obj["kind"]))
+        if current is not None and builders.covers(current, obj):
+            return "unchanged"
         self.children[(obj["kind"], obj["metadata"]["name"])] = obj
         return "created"
 
@@ -394,18 +393,14 @@ class FakeKube:
         self._maybe_fail(("delete", kind))
         return self.children.pop((kind, name), None) is not None
 
-    async def list_pods(self, namespace, match_labels):
-        self._maybe_fail(("list", "Pod"))
-        return self.pods
-
     async def list_policies(self, namespace):
         self._maybe_fail(("list", "BatchingPolicy"))
         return [p for p in self.policies if p["metadata"]["namespace"] == namespace]
 
 
-def _api_exception(code, message):
+def _api_exception(code, message, causes=()):
     exc = ApiException(status=code, reason="Err")
-    exc.body = json.dumps({"kind": "Status", "code": code, "message": message})
+    exc.body = json.dumps({"kind": "Status", "code": code, "message": message, "details": {"causes": list(causes)}})
     return exc
 
 
@@ -415,24 +410,22 @@ def policy_body(name="fast", spec=SPEC, status=None):
             "spec": spec, "status": status or {}}  # fmt: skip
 
 
-async def test_reconcile_reports_a_refused_child_and_a_failed_pod_list_in_status():
-    errors = {("ensure", "Service"): (422, 'Service "x" is invalid: metadata.name: Invalid value'),
-              ("list", "Pod"): (400, "unable to parse requirement")}  # fmt: skip
+async def test_reconcile_reports_a_refused_child_in_status():
+    errors = {("ensure", "Service"): (422, 'Service "x" is invalid: metadata.name: Invalid value')}
     kube = FakeKube(errors=errors)
-    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(), [], logging.getLogger("t"))
-    assert [f.what for f in outcome.failures] == ["Service fast-binbatch", "listing pods"]
+    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(), Seen(), logging.getLogger("t"))
+    assert [f.what for f in outcome.failures] == ["Service fast-binbatch"]
     valid = next(c for c in outcome.status["conditions"] if c["type"] == "Valid")
     assert valid["status"] == "False" and valid["reason"] == "RejectedByApiServer"
     assert "Service fast-binbatch: 422 Service \"x\" is invalid" in valid["message"]
-    assert "listing pods: 400 unable to parse requirement" in valid["message"]
     assert ("ConfigMap", "fast-binbatch") in kube.children  # the other child is still made
 
 
 async def test_an_unchanged_status_is_not_written_again():
     kube = FakeKube()
     ctx, log = Context(kube=kube, sidecar_image=IMAGE), logging.getLogger("t")
-    first = (await reconcile(ctx, policy_body(), [], log)).status
-    again = (await reconcile(ctx, policy_body(status=first), [], log)).status
+    first = (await reconcile(ctx, policy_body(), Seen(), log)).status
+    again = (await reconcile(ctx, policy_body(status=first), Seen(children=kube.children), log)).status
     assert changed_fields(first, again) == {}
     assert changed_fields({"pods": 1}, {"pods": 2, "bins": None}) == {"pods": 2}
 
@@ -472,6 +465,6 @@ async def test_an_invalid_spec_is_warned_about_once_not_on_every_tick(caplog):
     bad = {**SPEC, "batch": {"maxBatchSize": 0}}
     ctx, log = Context(kube=FakeKube(), sidecar_image=IMAGE), logging.getLogger("t")
     with caplog.at_level(logging.WARNING, logger="t"):
-        first = (await reconcile(ctx, policy_body(spec=bad), [], log)).status
-        await reconcile(ctx, policy_body(spec=bad, status=first), [], log)
+        first = (await reconcile(ctx, policy_body(spec=bad), Seen(), log)).status
+        await reconcile(ctx, policy_body(spec=bad, status=first), Seen(), log)
     assert len(caplog.records) == 1 and "spec.batch.maxBatchSize" in caplog.records[0].getMessage()
