@@ -1,28 +1,33 @@
 """What the operator keeps of the cluster from its watches, and the look-ups a reconcile makes.
 
-kopf feeds every pod, and every ConfigMap and Service the operator made, into
-in-memory indexes (``main.py`` declares them; the functions here are their
-bodies), so a policy's reconcile reads its children and its pods without one
-API request: idle policies cost nothing, and the API is asked only to write
-what differs.  Each entry is a trimmed copy (what the reconcile reads), so a
-large cluster's pods do not sit in memory whole.
+Every pod, every policy, and the ConfigMaps and Services the operator made are
+listed once and then watched (``kube.Informer``), into the ``Watched`` store
+here, so a policy's reconcile reads its children and its pods without one API
+request: idle policies cost nothing, and the API is asked only to write what
+differs.  Each entry is a trimmed copy (what the reconcile reads), so a large
+cluster's pods do not sit in memory whole.
 
-Pods are indexed once per label, under ``(namespace, key, value)``: a policy
-finds its candidates under the first pair of its selector, not by scanning its
-namespace.  Children are indexed under ``(namespace, name)``, one index per kind.
+Not kopf's indexes: kopf holds every handler back until each indexed object has
+been indexed, and wakes every waiting object at each step, which took minutes
+for a few thousand pods at every start and failover.  And not paused with kopf:
+a follower's store stays current, so it takes over without stale entries.
+
+Pods are kept once per label, under ``(namespace, key, value)``: a policy finds
+its candidates under the first pair of its selector, not by scanning its
+namespace.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .builders import SIDECAR_CONTAINER, selector_matches
+from .builders import POLICY_LABEL, SIDECAR_CONTAINER, selector_matches
 from .crd import GROUP
 
-PodKey = tuple[str, str, str]  # (namespace, label key, label value)
-ChildKey = tuple[str, str]  # (namespace, name), one index per kind
+KINDS = ("Pod", "ConfigMap", "Service", "BatchingPolicy")
 
 
 def pod_entry(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -46,10 +51,6 @@ def pod_entry(body: Mapping[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def pod_keys(namespace: str, labels: Mapping[str, str]) -> list[PodKey]:
-    return [(namespace, key, value) for key, value in labels.items()]
-
-
 def child_entry(body: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """A ConfigMap or Service as ``covers`` compares it with what the builders say (no managed fields)."""
     meta = body.get("metadata") or {}
@@ -66,17 +67,81 @@ class Seen:
     others: list[dict[str, Any]] = field(default_factory=list)  # the namespace's policies (``candidate()``)
 
 
-def selected_pods(pods: Mapping[PodKey, Any], namespace: str, match_labels: Mapping[str, str]) -> list[dict[str, Any]]:
-    """The indexed pods of ``namespace`` that carry every label of ``match_labels``, by name."""
-    if not match_labels:
-        return []
-    first = next(iter(match_labels.items()))
-    found = [p for p in pods.get((namespace, *first), ()) if selector_matches(match_labels, p["metadata"]["labels"])]
-    return sorted(found, key=lambda p: p["metadata"]["name"])
+class Watched:
+    """The store the informers fill: pods by label, children by name, policies by namespace.
+
+    ``replace`` takes a kind's full list (the first, and each relist after a
+    watch broke off: whatever vanished meanwhile leaves with it), ``apply`` one
+    watch event.  Policies are stored as ``candidate()`` makes them (given).
+    """
+
+    def __init__(self, candidate: Any) -> None:
+        self._candidate = candidate
+        self._entries: dict[str, dict[str, dict[str, Any]]] = {kind: {} for kind in KINDS}  # kind → uid → entry
+        self._by: dict[str, dict[Any, dict[str, dict[str, Any]]]] = {kind: {} for kind in KINDS}  # kind → key → uid → entry
+        self._listed = {kind: asyncio.Event() for kind in KINDS}
+
+    async def synced(self) -> None:
+        """Wait until every kind was listed once."""
+        for listed in self._listed.values():
+            await listed.wait()
+
+    def replace(self, kind: str, bodies: Iterable[Mapping[str, Any]]) -> None:
+        for uid in list(self._entries[kind]):
+            self._drop(kind, uid)
+        for body in bodies:
+            self.apply(kind, "ADDED", body)
+        self._listed[kind].set()
+
+    def apply(self, kind: str, event: str, body: Mapping[str, Any]) -> None:
+        uid = body["metadata"]["uid"]
+        self._drop(kind, uid)
+        if event == "DELETED":
+            return
+        if kind in ("ConfigMap", "Service") and POLICY_LABEL not in (body["metadata"].get("labels") or {}):
+            return  # not ours (the server filters by this label; a fake one may not)
+        if kind == "Pod":
+            entry = pod_entry(body)
+        elif kind == "BatchingPolicy":
+            entry = {**self._candidate(body), "namespace": body["metadata"]["namespace"]}
+        else:
+            entry = child_entry(body, kind)
+        self._entries[kind][uid] = entry
+        for key in _keys(kind, entry):
+            self._by[kind].setdefault(key, {})[uid] = entry
+
+    def _drop(self, kind: str, uid: str) -> None:
+        entry = self._entries[kind].pop(uid, None)
+        for key in _keys(kind, entry) if entry is not None else ():
+            bucket = self._by[kind][key]
+            del bucket[uid]
+            if not bucket:
+                del self._by[kind][key]
+
+    def pods(self, namespace: str, match_labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """The pods of ``namespace`` that carry every label of ``match_labels``, by name."""
+        if not match_labels:
+            return []
+        first = next(iter(match_labels.items()))
+        found = [p for p in self._by["Pod"].get((namespace, *first), {}).values()
+                 if selector_matches(match_labels, p["metadata"]["labels"])]  # fmt: skip
+        return sorted(found, key=lambda p: p["metadata"]["name"])
+
+    def children(self, namespace: str, wanted: Iterable[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
+        """The watched children among ``wanted`` (kind, name) that exist."""
+        return {(kind, name): entry for kind, name in wanted
+                for entry in self._by[kind].get((namespace, name), {}).values()}  # fmt: skip
+
+    def policies(self, namespace: str) -> list[dict[str, Any]]:
+        """The namespace's policies (``candidate()``), those being deleted left out."""
+        return [p for p in self._by["BatchingPolicy"].get(namespace, {}).values() if not p.get("deletionTimestamp")]
 
 
-def children_of(
-    children: Mapping[ChildKey, Any], namespace: str, kind: str, names: Iterable[str]
-) -> dict[tuple[str, str], dict[str, Any]]:
-    """The watched children of one kind among ``names`` that exist, by (kind, name)."""
-    return {(kind, name): entry for name in names for entry in children.get((namespace, name), ())}
+def _keys(kind: str, entry: Mapping[str, Any]) -> list[Any]:
+    """Where an entry is looked up: a pod under each label, a child by name, a policy by namespace."""
+    if kind == "BatchingPolicy":
+        return [entry["namespace"]]
+    meta = entry["metadata"]
+    if kind == "Pod":
+        return [(meta["namespace"], key, value) for key, value in meta["labels"].items()]
+    return [(meta["namespace"], meta["name"])]

@@ -14,8 +14,10 @@ import asyncio
 import base64
 import datetime
 import json
+import logging
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kubernetes
@@ -133,6 +135,7 @@ class KubeApi:
             raise
         return True
 
+
     async def patch_policy_status(self, name: str, namespace: str, fields: Mapping[str, Any]) -> None:
         """Merge ``fields`` into a policy's status (``None`` deletes a field)."""
         await self._call(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, PLURAL, name,
@@ -244,3 +247,80 @@ class KubeApi:
                 return False
             raise
         return True
+
+    # -- watches -------------------------------------------------------------------
+
+    def informers(self, on_list: Callable[[str, list[Any]], None], on_event: Callable[[str, str, Any], None],
+                  children: str) -> list[Informer]:  # fmt: skip
+        """One informer per kind the operator reads: pods, policies, and its children (label selector ``children``)."""
+        return [
+            Informer("Pod", self.core.list_pod_for_all_namespaces, (), "", on_list, on_event),
+            Informer("BatchingPolicy", self.custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL), "", on_list, on_event),
+            Informer("ConfigMap", self.core.list_config_map_for_all_namespaces, (), children, on_list, on_event),
+            Informer("Service", self.core.list_service_for_all_namespaces, (), children, on_list, on_event),
+        ]  # fmt: skip
+
+
+
+class Informer:
+    """List one kind across all namespaces, then watch it, in a thread of its own.
+
+    The list goes to ``on_list(kind, items)`` and each change to
+    ``on_event(kind, type, object)``, both called in the event loop that
+    ``start`` ran in.  A watch that times out resumes from the last
+    resourceVersion it saw; one that breaks (410 Gone, an error) lists again,
+    so nothing deleted meanwhile stays behind.  Objects arrive as plain JSON.
+    """
+
+    PAGE = 500
+    WATCH_SECONDS = 300  # the server ends each watch after this long; it is resumed at once
+    RETRY_SECONDS = 2.0
+
+    def __init__(
+        self, kind: str, list_fn: Any, args: tuple[str, ...], label_selector: str,
+        on_list: Callable[[str, list[Any]], None], on_event: Callable[[str, str, Any], None],
+    ) -> None:  # fmt: skip
+        self.kind, self._list_fn, self._args, self._selector = kind, list_fn, args, label_selector
+        self._on_list, self._on_event = on_list, on_event
+        self._stopped = threading.Event()
+        self._log = logging.getLogger(__name__)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        threading.Thread(target=self._run, args=(loop,), name=f"watch {self.kind}", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _list(self) -> tuple[list[Any], str]:
+        items: list[Any] = []
+        token = None
+        while True:
+            resp = self._list_fn(*self._args, label_selector=self._selector, limit=self.PAGE, _continue=token,
+                                 _preload_content=False)  # fmt: skip
+            page = json.loads(resp.data)
+            items += page["items"]
+            token = page["metadata"].get("continue")
+            if not token:
+                return items, page["metadata"]["resourceVersion"]
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        while not self._stopped.is_set():
+            try:
+                items, version = self._list()
+                loop.call_soon_threadsafe(self._on_list, self.kind, items)
+                while not self._stopped.is_set():
+                    stream = kubernetes.watch.Watch().stream(
+                        self._list_fn, *self._args, label_selector=self._selector, resource_version=version,
+                        timeout_seconds=self.WATCH_SECONDS, allow_watch_bookmarks=True, deserialize=False,
+                    )  # fmt: skip
+                    for event in stream:
+                        if event["type"] == "ERROR":  # 410 Gone and the like: list again
+                            raise RuntimeError(event["object"].get("message", "watch error"))
+                        version = event["object"]["metadata"]["resourceVersion"]
+                        if event["type"] != "BOOKMARK":
+                            loop.call_soon_threadsafe(self._on_event, self.kind, event["type"], event["object"])
+            except Exception as exc:  # noqa: BLE001 - the watch must outlive any failure; it lists again
+                if loop.is_closed():
+                    return
+                self._log.warning("watching %ss failed (%s); listing them again", self.kind, exc)
+                self._stopped.wait(self.RETRY_SECONDS)

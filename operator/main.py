@@ -16,29 +16,25 @@ environment the Helm chart sets:
   POD_NAMESPACE                    the operator's namespace (the Service's)
   BINBATCH_STATS_INTERVAL_SECONDS  how often each policy re-checks its pods and asks their sidecars (default 15)
 
-The operator watches what it reads: the policies, every pod (indexed by label),
-and the ConfigMaps and Services it made (a server-side label selector).  A
-policy's reconcile reads all of those from the indexes, so an idle policy makes
-no API request; each policy's daemon re-checks it every interval, quietly, and
-writes only what differs.
+The operator watches what it reads, on every replica: the policies, every pod,
+and the ConfigMaps and Services it made (a server-side label selector), into
+``indexes.Watched``.  A policy's reconcile reads all of those from there, so an
+idle policy makes no API request; each policy's daemon re-checks it every
+interval, quietly, and writes only what differs.
 
 With ``kopf run --peering=NAME`` (the chart, replicas > 1) one replica handles
 the policies and the others stay paused, while every replica serves the webhook.
-A paused kopf stops all its watch streams, so its indexes would go stale; the
-webhook therefore reads the pod's namespace's policies from the API on every
-replica (one namespaced list per pod CREATE in an opted-in namespace).  The
-oldest replica leads; one that kopf pauses after it led restarts (see
-``step_down``).  A leader that stops answering is taken for dead after
-``PEERING_LIFETIME`` seconds.
+The webhook reads the pod's namespace's policies from the API on every replica
+(one namespaced list per pod CREATE in an opted-in namespace), so every replica
+answers alike whatever it has seen.  The oldest replica leads; a leader that
+stops answering is taken for dead after ``PEERING_LIFETIME`` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import random
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -48,7 +44,7 @@ import kopf
 
 from .builders import POLICY_LABEL, as_native_sidecar, child_name, headless_name, policy_label
 from .crd import GROUP, PLURAL, VERSION
-from .indexes import Seen, child_entry, children_of, pod_entry, pod_keys, selected_pods
+from .indexes import Seen, Watched
 from .kube import KubeApi
 from .reconcile import Context, Outcome, admit, candidate, cleanup, deleting, reconcile
 from .sidecar_stats import SidecarStats
@@ -75,10 +71,6 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     settings.posting.level = 30  # events for warnings and errors only (logging.WARNING)
     settings.posting.loggers = True  # handlers' log warnings/errors become Events (`kubectl describe bp`)
 
-    # Only the ConfigMaps and Services we made are watched (the server filters them).
-    for plural in ("configmaps", "services"):
-        settings.watching.label_selectors["v1", plural] = POLICY_LABEL
-
     if not settings.peering.standalone:
         settings.peering.priority = peering_priority()
         settings.peering.lifetime = PEERING_LIFETIME
@@ -89,7 +81,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE,
                        stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2)  # fmt: skip
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
-
+    # Pods, policies and our children, listed once and then watched on every replica (see indexes.py).
+    memo.watched = watched = Watched(candidate)
+    memo.informers = kube.informers(watched.replace, watched.apply, children=POLICY_LABEL)
+    for informer in memo.informers:
+        informer.start(asyncio.get_running_loop())
     service = os.environ.get("BINBATCH_WEBHOOK_SERVICE")
     if not service:
         logger.warning("BINBATCH_WEBHOOK_SERVICE is unset: no admission webhook, pods get no sidecar")
@@ -102,8 +98,8 @@ def peering_priority() -> int:
     """A priority unique to this replica that falls as its start time rises: the oldest replica leads.
 
     Equal priorities would pause every replica.  The oldest rather than the
-    newest, so a replica that restarts (after a crash, or ``step_down``) comes
-    back behind the one that took over instead of taking the lead back.
+    newest, so a replica that restarts after a crash comes back behind the one
+    that took over instead of taking the lead back (another hand-over).
     """
     return -(time.time_ns() // 1000)
 
@@ -144,6 +140,8 @@ async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookSer
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    for informer in memo.get("informers", ()):
+        informer.stop()
     if "ctx" in memo:
         memo.ctx.kube.close()
 
@@ -152,40 +150,13 @@ def _not_deleting(meta: kopf.Meta, **_: Any) -> bool:
     return not deleting(meta)
 
 
-# A policy being deleted leaves the index at once (kopf drops an object's entry
-# when the filter stops matching): the rollout restart its deletion starts must
-# bring pods back without its sidecar.
-@kopf.index(*POLICY, when=_not_deleting)
-def policies(namespace: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
-    """Policies by namespace, for the conflict check of ``reconcile`` (which runs where the watch is live)."""
-    return {namespace: candidate(body)}
-
-
-@kopf.index("v1", "pods")
-def pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    """Every pod, trimmed, under each of its labels (a policy looks up its selector's first pair)."""
-    entry = pod_entry(body)
-    return {key: entry for key in pod_keys(namespace, labels)}
-
-
-@kopf.index("v1", "configmaps", labels={POLICY_LABEL: kopf.PRESENT})
-def configmaps(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return {(namespace, name): child_entry(body, "ConfigMap")}
-
-
-@kopf.index("v1", "services", labels={POLICY_LABEL: kopf.PRESENT})
-def services(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return {(namespace, name): child_entry(body, "Service")}
-
-
-def seen(body: kopf.Body, policies: kopf.Index, pods: kopf.Index, configmaps: kopf.Index, services: kopf.Index) -> Seen:
-    """A policy's world from the indexes: its pods, its children, its namespace's policies."""
+def seen(watched: Watched, body: kopf.Body) -> Seen:
+    """A policy's world from the watches: its pods, its children, its namespace's policies."""
     meta, spec = body["metadata"], body.get("spec") or {}
     namespace, name = meta["namespace"], meta["name"]
-    children = {**children_of(configmaps, namespace, "ConfigMap", [child_name(name)]),
-                **children_of(services, namespace, "Service", [child_name(name), headless_name(name)])}  # fmt: skip
+    wanted = [("ConfigMap", child_name(name)), ("Service", child_name(name)), ("Service", headless_name(name))]
     match_labels = (spec.get("selector") or {}).get("matchLabels") or {}
-    return Seen(selected_pods(pods, namespace, match_labels), children, list(policies.get(namespace, [])))
+    return Seen(watched.pods(namespace, match_labels), watched.children(namespace, wanted), watched.policies(namespace))
 
 
 def retry_delay(retry: int) -> float:
@@ -193,15 +164,17 @@ def retry_delay(retry: int) -> float:
     return float(min(MAX_RETRY_DELAY, STATS_INTERVAL * 2 ** min(retry, 16)))
 
 
-async def reconcile_once(memo: kopf.Memo, body: kopf.Body, world: Seen, logger: Any) -> Outcome:
+async def reconcile_once(memo: kopf.Memo, body: kopf.Body, logger: Any) -> Outcome:
     """One reconcile of the policy at a time: its handlers and its daemon share a lock (its memo is its own).
 
-    Once the namespace is seen being deleted, nothing is tried again: the policy goes with it."""
+    It waits for the watches' first lists (at start-up), and once the namespace is
+    seen being deleted, nothing is tried again: the policy goes with it."""
+    await memo.watched.synced()
     lock = memo.setdefault("reconciling", asyncio.Lock())
     async with lock:
         if memo.get("terminating"):
             return Outcome({}, terminating=True)
-        outcome = await reconcile(memo.ctx, body, world, logger)
+        outcome = await reconcile(memo.ctx, body, seen(memo.watched, body), logger)
         memo["terminating"] = outcome.terminating
         return outcome
 
@@ -209,13 +182,10 @@ async def reconcile_once(memo: kopf.Memo, body: kopf.Body, world: Seen, logger: 
 @kopf.on.resume(*POLICY)
 @kopf.on.create(*POLICY)
 @kopf.on.update(*POLICY, field="spec")
-async def reconcile_policy(
-    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, policies: kopf.Index, pods: kopf.Index,
-    configmaps: kopf.Index, services: kopf.Index, retry: int, logger: Any, **_: Any,
-) -> None:  # fmt: skip
+async def reconcile_policy(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, logger: Any, **_: Any) -> None:
     """Writes only the status fields that changed; API failures are in that status and the
     handler is retried with backoff.  In a namespace being deleted it does nothing."""
-    outcome = await reconcile_once(memo, body, seen(body, policies, pods, configmaps, services), logger)
+    outcome = await reconcile_once(memo, body, logger)
     for key, value in changed_fields(body.get("status") or {}, outcome.status).items():
         patch.status[key] = value
     if outcome.failures:
@@ -223,10 +193,7 @@ async def reconcile_policy(
 
 
 @kopf.daemon(*POLICY, when=_not_deleting, cancellation_backoff=5, cancellation_timeout=5)
-async def follow_policy(
-    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, policies: kopf.Index, pods: kopf.Index,
-    configmaps: kopf.Index, services: kopf.Index, logger: Any, **_: Any,
-) -> None:  # fmt: skip
+async def follow_policy(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
     """Re-checks the policy every STATS_INTERVAL: children against their watched copies, status
     from the watched pods and their sidecars' stats, written only where it differs.
 
@@ -237,7 +204,7 @@ async def follow_policy(
     """
     delay, failing = random.uniform(0, STATS_INTERVAL), 0
     while not await stopped.wait(delay):
-        outcome = await reconcile_once(memo, body, seen(body, policies, pods, configmaps, services), logger)
+        outcome = await reconcile_once(memo, body, logger)
         if outcome.terminating:
             return
         changed = changed_fields(body.get("status") or {}, outcome.status)
@@ -245,33 +212,12 @@ async def follow_policy(
             await memo.ctx.kube.patch_policy_status(body["metadata"]["name"], body["metadata"]["namespace"], changed)
         failing = failing + 1 if outcome.failures else 0
         delay = retry_delay(failing - 1) if failing else STATS_INTERVAL * random.uniform(0.9, 1.1)
-    if stopped.reason is not None and stopped.reason & kopf.DaemonStoppingReason.OPERATOR_PAUSING:
-        step_down()
-
-
-_stepping_down = False
-
-
-def step_down() -> None:
-    """kopf paused this replica after it led: another replica leads now.  Restart (a clean exit).
-
-    kopf resumes a paused replica with the indexes it had when it paused, and
-    whatever was deleted meanwhile never leaves them; so a replica that loses
-    the lead exits, comes back with empty indexes, and as the youngest it
-    follows (``peering_priority``).  Every policy's daemon sees the pause; one
-    signal is enough.
-    """
-    global _stepping_down
-    if not _stepping_down:
-        _stepping_down = True
-        logging.getLogger(__name__).info("another replica leads now: restarting, to follow with fresh indexes")
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @kopf.on.delete(*POLICY)
-async def delete_policy(body: kopf.Body, memo: kopf.Memo, pods: kopf.Index, logger: Any, **_: Any) -> None:
+async def delete_policy(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
     meta = body["metadata"]
-    carriers = list(pods.get((meta["namespace"], POLICY_LABEL, policy_label(meta["name"])), []))
+    carriers = memo.watched.pods(meta["namespace"], {POLICY_LABEL: policy_label(meta["name"])})
     restarted = await cleanup(memo.ctx, body, carriers, logger)
     if restarted:
         logger.info("restarted %s so their pods come back without the sidecar", ", ".join(restarted))

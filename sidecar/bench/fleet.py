@@ -7,8 +7,9 @@ replica) and measures:
 
 * **idle API requests per policy per minute** (``idle_requests_per_policy_minute``):
   every request the operator sends while nothing changes, over a window, after
-  the statuses settled.  On kmock they are counted from kmock's request log; on
-  a real API server from its audit log (``--audit-log``), by the operator's user;
+  the statuses settled.  On kmock they are counted as kmock serves them (by the
+  operator's clients' User-Agent); on a real API server from its audit log
+  (``--audit-log``), by the operator's user;
 * **spec change → ConfigMap**: one policy's spec changed at a time, until its
   ConfigMap (watched) carries the change, p50 and p99;
 * **webhook admission**: AdmissionReviews for pod CREATEs posted to the
@@ -80,7 +81,7 @@ def quick() -> FleetConfig:
 # -- the API server ------------------------------------------------------------------
 
 
-def kmock_emulator() -> Any:
+def kmock_emulator(history: int | None = None) -> Any:
     """kmock with the resources the operator uses, and two things a real API server does that kopf relies on.
 
     Each created object gets a uid and a resourceVersion (kopf keys its indexes
@@ -89,11 +90,31 @@ def kmock_emulator() -> Any:
     a test's reaction refuses leaves nothing behind (kmock stores it before the
     reaction answers; the watch then says it is gone), so the operator's watch
     never shows an object the server refused.
+
+    kmock matches each request against every request it has logged, so a fleet's
+    thousands of requests slow it quadratically: with ``history`` it forgets
+    those served once it logged that many (the bench's; tests keep all, to
+    inspect them).  ``operator_requests`` counts the requests of the operator's
+    two clients either way.
     """
     import kmock
 
     class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
+        operator_requests = 0
+        serving: list[Any] = []  # noqa: RUF012 - one emulator per call
+
         async def _handle(self, request: Any) -> Any:
+            if request.headers.get("User-Agent", "").startswith(OPERATOR_USER_AGENT_PREFIXES):
+                self.operator_requests += 1
+            self.serving.append(request)
+            try:
+                if history is not None and len(self._requests) > history:  # kmock's log: keep what is in flight
+                    self._requests[:] = [r for r in self._requests if any(r is f for f in self.serving)]
+                return await self._serve(request)
+            finally:
+                del self.serving[next(i for i, r in enumerate(self.serving) if r is request)]
+
+        async def _serve(self, request: Any) -> Any:
             creating = request.action == kmock.action.CREATE and isinstance(request.data, dict)
             if creating:
                 meta = request.data.setdefault("metadata", {})
@@ -220,6 +241,7 @@ async def make_fleet(api: Api, policies: int, pods_per_policy: int, grpc_port: i
     spaces = namespaces(policies)
     for ns in spaces if real else ():  # kmock serves no namespaces (nor needs them)
         await api.call("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        await until_exists(api, f"/api/v1/namespaces/{ns}/serviceaccounts/default")  # pods are refused before it
     where = [(spaces[i // POLICIES_PER_NAMESPACE], f"p{i}") for i in range(policies)]
     base = f"/apis/{GROUP}/{VERSION}/namespaces"
     await bounded([lambda i=i, ns=ns: api.call("POST", f"{base}/{ns}/{PLURAL}", policy_doc(i, ns, grpc_port))
@@ -233,6 +255,18 @@ async def make_fleet(api: Api, policies: int, pods_per_policy: int, grpc_port: i
 
     await bounded([lambda i=i, r=r, ns=ns: pod(i, r, ns) for i, (ns, _) in enumerate(where) for r in range(pods_per_policy)])
     return where
+
+
+async def until_exists(api: Api, path: str, timeout: float = 60.0) -> None:
+    start = time.monotonic()
+    while True:
+        try:
+            await api.call("GET", path)
+            return
+        except RuntimeError:
+            if time.monotonic() - start > timeout:
+                raise
+            await asyncio.sleep(0.5)  # ok-sleep: waiting for a controller, bounded
 
 
 async def remove_fleet(api: Api, policies: int, timeout: float = 600.0) -> None:
@@ -332,17 +366,16 @@ class RequestCount:
 
     def __init__(self, cfg: FleetConfig, kmock_api: Any) -> None:
         self.cfg, self.kmock = cfg, kmock_api
-        self.source = "kmock request log" if kmock_api is not None else ("audit log" if cfg.audit_log else None)
+        self.source = "kmock requests" if kmock_api is not None else ("audit log" if cfg.audit_log else None)
 
     def mark(self) -> Any:
         if self.kmock is not None:
-            return len(list(self.kmock))
+            return self.kmock.operator_requests
         return os.path.getsize(self.cfg.audit_log) if self.cfg.audit_log else None
 
     def since(self, mark: Any) -> int | None:
         if self.kmock is not None:
-            return sum(1 for r in list(self.kmock)[mark:]
-                       if r.headers.get("User-Agent", "").startswith(OPERATOR_USER_AGENT_PREFIXES))  # fmt: skip
+            return int(self.kmock.operator_requests - mark)
         if not self.cfg.audit_log:
             return None
         ids = set()
@@ -353,6 +386,17 @@ class RequestCount:
                 if (event.get("user") or {}).get("username") == self.cfg.operator_user:
                     ids.add(event["auditID"])  # one per request (a watch logs two stages)
         return len(ids)
+
+
+async def settle(count: RequestCount, quiet: float, tries: int = 20) -> float:
+    """Seconds until the operator sent nothing for ``quiet`` seconds (the first statuses are written once)."""
+    start = time.monotonic()
+    for _ in range(tries):
+        mark = count.mark()
+        await asyncio.sleep(quiet)  # ok-sleep: a window in which the operator should send nothing
+        if not count.since(mark):
+            break
+    return time.monotonic() - start
 
 
 async def idle_window(cfg: FleetConfig, count: RequestCount, proc: Any, sidecar: FakeSidecar, policies: int, pods: int) -> dict[str, Any]:
@@ -466,7 +510,7 @@ async def one_fleet(cfg: FleetConfig, policies: int, say: Callable[[str], None])
             if cfg.kubeconfig is None:
                 import kmock
 
-                kmock_api = kmock_emulator()
+                kmock_api = kmock_emulator(history=0)
                 await stack.enter_async_context(kmock_api)
                 await stack.enter_async_context(kmock.Server(kmock_api))
                 bench_config = kubeconfig_for(str(kmock_api.url).rstrip("/"), folder)
@@ -486,10 +530,10 @@ async def one_fleet(cfg: FleetConfig, policies: int, say: Callable[[str], None])
             if kmock_api is None:  # a real server keeps them: removed while the operator still runs
                 stack.push_async_callback(remove_fleet, api, policies)
             ready = await until_ready(api, where, timeout=max(300.0, policies * 1.0), say=say)
-            say(f"all Ready after {ready:.1f} s; settling for {2 * cfg.stats_interval:.0f} s")
-            await asyncio.sleep(2 * cfg.stats_interval)  # ok-sleep: the first re-checks write their status once
-            say(f"idle window of {cfg.idle_seconds:.0f} s")
-            idle = await idle_window(cfg, RequestCount(cfg, kmock_api), proc, sidecar, policies, pods)
+            count = RequestCount(cfg, kmock_api)
+            settled = await settle(count, 2 * cfg.stats_interval)
+            say(f"all Ready after {ready:.1f} s, quiet after {settled:.0f} s more; idle window of {cfg.idle_seconds:.0f} s")
+            idle = await idle_window(cfg, count, proc, sidecar, policies, pods)
             say(f"{cfg.spec_changes} spec changes")
             changes = await spec_changes(api, where, cfg.spec_changes, grpc_port)
             await until_webhook(webhook_port)

@@ -155,7 +155,7 @@ async def injects(replica: Replica, ca_pem: bytes) -> bool:
     return [c["name"] for c in patched["spec"]["containers"]] == ["vllm", SIDECAR_CONTAINER]
 
 
-async def test_two_chart_replicas_elect_the_oldest_both_inject_a_kill_hands_over_within_15_s_and_a_demoted_leader_restarts(
+async def test_two_chart_replicas_elect_the_oldest_both_inject_and_a_kill_hands_over_within_15_s(
     cluster: Any, tmp_path: Path
 ) -> None:
     """Issue 23: after the leader was killed, the follower took over only when kopf's 60 s peering
@@ -186,12 +186,6 @@ async def test_two_chart_replicas_elect_the_oldest_both_inject_a_kill_hands_over
         print(f"kill -9 of the leader: the follower took over after {took:.1f} s")
         assert took <= 15.0
         assert await injects(second, ca_pem)
-
-        # A replica of higher priority appears: the leader is paused, and restarts rather than resume one
-        # day with the indexes it had when paused.
-        await api.patch(f"{PEERING}/binbatch", json={"status": leader(lifetime=600)})
-        assert await asyncio.wait_for(second.proc.wait(), DEADLINE) == 0
-        assert second.logged("restarting")
     finally:
         for replica in (first, second):
             if replica is not None:

@@ -1,5 +1,5 @@
-"""What lets the operator hold a fleet: its indexes' entries and look-ups, the bounded stats client,
-the namespace-termination refusal, and the leader's priority."""
+"""What lets the operator hold a fleet: its watched store's entries and look-ups, the bounded stats
+client, the namespace-termination refusal, and the leader's priority."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from kubernetes.client.exceptions import ApiException
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_operator import main
 from binbatch_operator.builders import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_CONTAINER
-from binbatch_operator.indexes import child_entry, pod_entry, pod_keys, selected_pods
+from binbatch_operator.indexes import Watched, child_entry, pod_entry
+from binbatch_operator.reconcile import candidate
 from binbatch_operator.kube import namespace_is_terminating
 from binbatch_operator.sidecar_stats import SidecarStats
 
@@ -27,15 +28,6 @@ def pod(name, labels, containers=("vllm",), phase="Running"):
     }  # fmt: skip
 
 
-def index_of(*pods):
-    """The pods index as kopf builds it from ``main.pods``: key → the entries under it."""
-    index: dict = {}
-    for p in pods:
-        for key, entry in main.pods(namespace="llm", labels=p["metadata"]["labels"], body=p).items():
-            index.setdefault(key, []).append(entry)
-    return index
-
-
 def test_a_pod_entry_keeps_what_a_reconcile_reads_and_drops_the_rest():
     with_sidecar = pod_entry(pod("a", {"app": "vllm"}, containers=("vllm", SIDECAR_CONTAINER)))
     assert with_sidecar["metadata"]["annotations"] == {INJECTED_ANNOTATION: "fast@1"}  # ours only
@@ -45,14 +37,40 @@ def test_a_pod_entry_keeps_what_a_reconcile_reads_and_drops_the_rest():
     assert without["spec"]["containers"][0]["env"] == [{"name": "A", "value": "b"}]  # the take-over check reads it
 
 
-def test_a_policy_finds_its_pods_under_its_selectors_first_pair_only():
-    pods = [pod("a", {"app": "vllm", "tier": "gpu"}), pod("b", {"app": "vllm"}), pod("c", {"app": "web", "tier": "gpu"})]
-    index = index_of(*pods)
-    assert sorted(index) == sorted(pod_keys("llm", {"app": "vllm", "tier": "gpu"}) + [("llm", "app", "web")])
-    names = [p["metadata"]["name"] for p in selected_pods(index, "llm", {"app": "vllm", "tier": "gpu"})]
-    assert names == ["a"]
-    assert [p["metadata"]["name"] for p in selected_pods(index, "llm", {"app": "vllm"})] == ["a", "b"]
-    assert selected_pods(index, "other", {"app": "vllm"}) == [] and selected_pods(index, "llm", {}) == []
+def test_the_store_finds_a_policys_pods_children_and_neighbours_and_follows_events_and_relists():
+    watched = Watched(candidate)
+    a, b, c = pod("a", {"app": "vllm", "tier": "gpu"}), pod("b", {"app": "vllm"}), pod("c", {"app": "web", "tier": "gpu"})
+    watched.replace("Pod", [a, b, c])
+    names = lambda found: [p["metadata"]["name"] for p in found]  # noqa: E731
+    assert names(watched.pods("llm", {"app": "vllm", "tier": "gpu"})) == ["a"]
+    assert names(watched.pods("llm", {"app": "vllm"})) == ["a", "b"]
+    assert watched.pods("other", {"app": "vllm"}) == [] and watched.pods("llm", {}) == []
+    watched.apply("Pod", "MODIFIED", {**b, "metadata": {**b["metadata"], "labels": {"app": "web"}}})  # relabelled
+    assert names(watched.pods("llm", {"app": "vllm"})) == ["a"] and names(watched.pods("llm", {"app": "web"})) == ["b", "c"]
+    watched.apply("Pod", "DELETED", a)
+    watched.replace("Pod", [c])  # a relist: what is not listed is gone
+    assert watched.pods("llm", {"app": "web"}) == [pod_entry(c)]
+
+    ours = {"metadata": {"name": "fast-binbatch", "namespace": "llm", "uid": "cm1", "labels": {POLICY_LABEL: "fast"}}, "data": {}}
+    theirs = {"metadata": {"name": "other", "namespace": "llm", "uid": "cm2"}, "data": {}}
+    watched.replace("ConfigMap", [ours, theirs])
+    assert watched.children("llm", [("ConfigMap", "fast-binbatch"), ("ConfigMap", "other"), ("Service", "fast-binbatch")]) == {
+        ("ConfigMap", "fast-binbatch"): child_entry(ours, "ConfigMap")}  # fmt: skip
+    policy = {"metadata": {"name": "fast", "namespace": "llm", "uid": "p1", "generation": 2}, "spec": {}}
+    going = {"metadata": {"name": "slow", "namespace": "llm", "uid": "p2", "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    watched.replace("BatchingPolicy", [policy, going])
+    assert [p["name"] for p in watched.policies("llm")] == ["fast"] and watched.policies("other") == []
+
+
+async def test_the_store_is_synced_once_every_kind_was_listed():
+    watched = Watched(candidate)
+    waiting = asyncio.ensure_future(watched.synced())
+    for kind in ("Pod", "ConfigMap", "Service"):
+        watched.replace(kind, [])
+        await asyncio.sleep(0)
+        assert not waiting.done()
+    watched.replace("BatchingPolicy", [])
+    await asyncio.wait_for(waiting, 1)
 
 
 def test_a_child_entry_compares_as_the_built_child():

@@ -123,6 +123,9 @@ class FakeKube:
         self.listed: list[str] = []
         self.peerings: set[str] = set()
 
+    def informers(self, *_: Any, **__: Any) -> list[Any]:
+        return []  # configure() starts the watches; these tests watch nothing
+
     async def ensure_cluster_peering(self, name: str) -> bool:
         made = name not in self.peerings
         self.peerings.add(name)
