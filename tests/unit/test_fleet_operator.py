@@ -106,6 +106,24 @@ async def test_stats_are_reused_within_max_age_and_asked_again_after():
     assert asked[-1] == "10.0.0.1:1" and len(asked) == 3
 
 
+async def test_in_a_large_fleet_answers_are_reused_longer_to_hold_the_call_rate():
+    clock, asked = Clock(), []
+
+    async def fetch(address):
+        asked.append(address)
+        return pb.Stats()
+
+    stats = SidecarStats(fetch, rate=10.0, clock=clock)
+    fleet = {f"u{i}": f"10.0.0.{i}:1" for i in range(100)}  # 100 pods at 10 calls a second: each every 10 s
+    await stats.ask(fleet, max_age=1)
+    clock.now += 5
+    await stats.ask(fleet, max_age=1)
+    assert len(asked) == 100  # 5 s old: still fresh at this size
+    clock.now += 5
+    await stats.ask(fleet, max_age=1)
+    assert len(asked) == 200
+
+
 async def test_stats_calls_are_bounded_shared_and_failures_reported():
     running, most, gate = 0, 0, asyncio.Event()
 
