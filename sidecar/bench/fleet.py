@@ -275,7 +275,7 @@ async def remove_fleet(api: Api, policies: int, timeout: float = 600.0) -> None:
     for ns in spaces:
         await api.call("DELETE", f"/api/v1/namespaces/{ns}")
     start = time.monotonic()
-    while any(ns in {n["metadata"]["name"] for n in (await api.call("GET", "/api/v1/namespaces"))["items"]} for ns in spaces):
+    while set(spaces) & {n["metadata"]["name"] for n in (await api.call("GET", "/api/v1/namespaces"))["items"]}:
         if time.monotonic() - start > timeout:
             raise RuntimeError(f"namespaces {spaces} not gone after {timeout:.0f} s")
         await asyncio.sleep(2.0)  # ok-sleep: waiting for the namespace controller, bounded
@@ -546,7 +546,11 @@ async def one_fleet(cfg: FleetConfig, policies: int, say: Callable[[str], None])
 
 
 def run(cfg: FleetConfig, say: Callable[[str], None]) -> dict[str, Any]:
-    return {"runs": [asyncio.run(one_fleet(cfg, n, say)) for n in cfg.policies]}
+    runs = []
+    for n in cfg.policies:
+        runs.append(asyncio.run(one_fleet(cfg, n, say)))
+        say(json.dumps(runs[-1]))  # each size's figures as soon as it is done
+    return {"runs": runs}
 
 
 def print_table(doc: dict[str, Any]) -> None:
