@@ -4,8 +4,8 @@ Every pod, every policy, and the ConfigMaps and Services the operator made are
 listed once and then watched (``kube.Informer``), into the ``Watched`` store
 here, so a policy's reconcile reads its children and its pods without one API
 request: idle policies cost nothing, and the API is asked only to write what
-differs.  Each entry is a trimmed copy (what the reconcile reads), so a large
-cluster's pods do not sit in memory whole.
+differs.  Each entry is a trimmed copy (what the reconcile reads: no managed
+fields, status conditions or foreign annotations).
 
 Not kopf's indexes: kopf holds every handler back until each indexed object has
 been indexed, and wakes every waiting object at each step, which took minutes
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .builders import POLICY_LABEL, SIDECAR_CONTAINER, selector_matches
+from .builders import POLICY_LABEL, selector_matches
 from .crd import GROUP
 
 KINDS = ("Pod", "ConfigMap", "Service", "BatchingPolicy")
@@ -33,15 +33,12 @@ KINDS = ("Pod", "ConfigMap", "Service", "BatchingPolicy")
 def pod_entry(body: Mapping[str, Any]) -> dict[str, Any]:
     """The pod as a reconcile reads it: identity, labels, our annotations, its controller, phase and IP, containers.
 
-    A pod that already runs a sidecar keeps only its containers' names (all
-    that is asked of it); the others keep their containers whole, which the
-    port take-over check reads.
+    The containers stay whole: the port take-over check and the engine-order
+    check read vLLM's command line, ports and environment.
     """
     meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
     annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k.startswith(f"{GROUP}/")}
     groups = {group: list(spec.get(group) or []) for group in ("initContainers", "containers")}
-    if any(c.get("name") == SIDECAR_CONTAINER for group in groups.values() for c in group):
-        groups = {group: [{"name": c.get("name")} for c in items] for group, items in groups.items()}
     return {
         "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid"),
                      "labels": dict(meta.get("labels") or {}), "annotations": annotations,
@@ -81,10 +78,10 @@ class Watched:
         self._by: dict[str, dict[Any, dict[str, dict[str, Any]]]] = {kind: {} for kind in KINDS}  # kind → key → uid → entry
         self._listed = {kind: asyncio.Event() for kind in KINDS}
 
-    async def synced(self) -> None:
-        """Wait until every kind was listed once."""
-        for listed in self._listed.values():
-            await listed.wait()
+    async def synced(self, kinds: Iterable[str] = KINDS) -> None:
+        """Wait until every one of ``kinds`` was listed once."""
+        for kind in kinds:
+            await self._listed[kind].wait()
 
     def replace(self, kind: str, bodies: Iterable[Mapping[str, Any]]) -> None:
         for uid in list(self._entries[kind]):

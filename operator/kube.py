@@ -135,6 +135,7 @@ class KubeApi:
             raise
         return True
 
+    # -- policies and namespaces -----------------------------------------------
 
     async def patch_policy_status(self, name: str, namespace: str, fields: Mapping[str, Any]) -> None:
         """Merge ``fields`` into a policy's status (``None`` deletes a field)."""
@@ -151,16 +152,22 @@ class KubeApi:
             raise
         return bool(found["metadata"].get("deletionTimestamp")) or (found.get("status") or {}).get("phase") == "Terminating"
 
-    # -- policies ----------------------------------------------------------------
-
-    async def list_policies(self, namespace: str) -> list[dict[str, Any]]:
-        """The namespace's BatchingPolicies as the API server has them now (the webhook's view, see main)."""
-        found = await self._call(
-            self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, _request_timeout=5
-        )
-        return list(found["items"])
+    async def namespace_labels(self, name: str) -> dict[str, str]:
+        found = await self._call(self.core.read_namespace, name)
+        return dict(found["metadata"].get("labels") or {})
 
     # -- webhook and workloads -------------------------------------------------
+
+    async def webhook_namespace_selector(self, name: str) -> dict[str, Any] | None:
+        """The ``namespaceSelector`` of the named configuration's webhook (the install has one); None if it is gone."""
+        try:
+            current = await self._call(self.admission.read_mutating_webhook_configuration, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        webhooks = current.get("webhooks") or [{}]
+        return dict(webhooks[0].get("namespaceSelector") or {})
 
     async def set_webhook_ca_bundle(self, name: str, ca_pem: bytes) -> None:
         """Put the webhook server's CA into every webhook of the named configuration."""

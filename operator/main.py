@@ -11,7 +11,8 @@ environment the Helm chart sets:
   BINBATCH_WEBHOOK_PORT            port the webhook listens on (default 9443)
   BINBATCH_WEBHOOK_HOSTNAMES       comma-separated names for the certificate (default: the Service's)
   BINBATCH_WEBHOOK_CERT_SECRET     built-in certificate: the Secret all replicas share (unset: one per start)
-  BINBATCH_WEBHOOK_CONFIG          built-in certificate: the MutatingWebhookConfiguration to put our CA into
+  BINBATCH_WEBHOOK_CONFIG          the install's MutatingWebhookConfiguration: its namespaceSelector tells a policy
+                                   whether its namespace is opted in; the built-in certificate's CA goes into it
   BINBATCH_WEBHOOK_CERT_DIR        cert-manager: the mounted Secret (tls.crt, tls.key, ca.crt); no CA patching
   POD_NAMESPACE                    the operator's namespace (the Service's)
   BINBATCH_STATS_INTERVAL_SECONDS  how often each policy re-checks its pods and asks their sidecars (default 15)
@@ -24,10 +25,11 @@ interval, quietly, and writes only what differs.
 
 With ``kopf run --peering=NAME`` (the chart, replicas > 1) one replica handles
 the policies and the others stay paused, while every replica serves the webhook.
-The webhook reads the pod's namespace's policies from the API on every replica
-(one namespaced list per pod CREATE in an opted-in namespace), so every replica
-answers alike whatever it has seen.  The oldest replica leads; a leader that
-stops answering is taken for dead after ``PEERING_LIFETIME`` seconds.
+The watches are the operator's own, not kopf's, so they run on every replica,
+leader or not: every replica's webhook answers from a current view of the
+policies (no API request per pod CREATE), and a follower takes over with one.
+The oldest replica leads; a leader that stops answering is taken for dead after
+``PEERING_LIFETIME`` seconds.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ MAX_RETRY_DELAY = 300.0  # seconds: a failing policy is retried at least every 5
 # failover take up to a minute; Kubernetes' own leader election hands over in about 15 s).  kopf
 # renews it every 1-5 s at this value: a few requests a minute per replica, whatever the fleet.
 PEERING_LIFETIME = 10
+WEBHOOK_WAIT_SECONDS = 5.0  # the API server calls the webhook with a 10 s timeout
 POLICY = (GROUP, VERSION, PLURAL)
 
 
@@ -79,7 +82,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
         if await kube.ensure_cluster_peering(settings.peering.name):
             logger.info("created ClusterKopfPeering %s", settings.peering.name)
     memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE,
-                       stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2)  # fmt: skip
+                       stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
+                       webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""))  # fmt: skip
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
     # Pods, policies and our children, listed once and then watched on every replica (see indexes.py).
     memo.watched = watched = Watched(candidate)
@@ -192,7 +196,7 @@ async def reconcile_policy(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, 
         raise kopf.TemporaryError("; ".join(str(f) for f in outcome.failures), delay=retry_delay(retry))
 
 
-@kopf.daemon(*POLICY, when=_not_deleting, cancellation_backoff=5, cancellation_timeout=5)
+@kopf.daemon(*POLICY, when=_not_deleting, cancellation_backoff=1, cancellation_timeout=2)  # within kopf's 5 s at exit
 async def follow_policy(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
     """Re-checks the policy every STATS_INTERVAL: children against their watched copies, status
     from the watched pods and their sidecars' stats, written only where it differs.
@@ -227,16 +231,16 @@ async def delete_policy(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any)
 async def inject_sidecar(
     body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, logger: Any, **_: Any
 ) -> None:
-    """Decides from the namespace's policies as the API server has them now, not from the
-    index: every replica serves the webhook, but kopf pauses the watch streams of the
-    replicas that do not hold the lead (peering), so their index is empty or frozen (a
-    frozen one would still hold a deleted policy).  One namespaced list per pod CREATE.
+    """Decides from the namespace's policies as this replica's watch has them (every replica
+    watches, leader or not): no API request per pod CREATE.  Until the first list of the
+    policies is in (a few seconds after a start) it waits, at most WEBHOOK_WAIT_SECONDS.
 
     Fails open: kopf would answer an exception with allowed=false and so block the
     pod, which failurePolicy Ignore does not cover; a pod without a sidecar is better."""
     try:
         namespace = body.get("metadata", {}).get("namespace")
-        candidates = [candidate(p) for p in await memo.ctx.kube.list_policies(namespace)]
+        await asyncio.wait_for(memo.watched.synced(["BatchingPolicy"]), WEBHOOK_WAIT_SECONDS)
+        candidates = memo.watched.policies(namespace)
         merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image)
         if memo.get("native_sidecar"):
             merge = as_native_sidecar(merge, body)

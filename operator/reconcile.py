@@ -24,7 +24,7 @@ from kubernetes.client.exceptions import ApiException
 
 from binbatch_sidecar.config import ConfigError
 
-from . import takeover
+from . import opt_in, takeover, vllm_args
 from .builders import (
     CONFLICT_ANNOTATION,
     INJECTED_ANNOTATION,
@@ -62,6 +62,7 @@ class Context:
     sidecar_image: str
     stats: SidecarStats = field(default_factory=SidecarStats)
     stats_max_age: float = 7.5  # seconds an answer of a sidecar is reused (half the re-check interval)
+    webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
 
 
 @dataclass
@@ -150,16 +151,21 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
         if not headless_enabled(spec):
             await _drop_headless(ctx, name, namespace, seen, failures, logger)
     outcome = await observe(ctx, body, seen, problems, children_ready, failures)
-    _warn_take_over_refusals(body, outcome, logger)
+    _warn_once(body, outcome, logger)
     return outcome
 
 
-def _warn_take_over_refusals(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
-    """Pods the take-over refused, as a warning: an Event on the policy (posting.loggers), once per change."""
-    now = next((c for c in outcome.status["conditions"] if c["type"] == "SidecarsInjected"), {})
-    before = _condition(body, "SidecarsInjected") or {}
-    if now.get("reason") == "TakeOverRefused" and now.get("message") != before.get("message"):
-        logger.warning("%s", now["message"])
+# Conditions that are also a warning Event: pods the take-over refused, vLLM ignoring the policy's order.
+WARNED = (("SidecarsInjected", "TakeOverRefused"), ("EnginePriorityEnabled", "SchedulingPolicyNotPriority"))
+
+
+def _warn_once(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
+    """Each ``WARNED`` condition as a warning: an Event on the policy (posting.loggers), once per change."""
+    for kind, reason in WARNED:
+        now = next((c for c in outcome.status["conditions"] if c["type"] == kind), {})
+        before = _condition(body, kind) or {}
+        if now.get("reason") == reason and now.get("message") != before.get("message"):
+            logger.warning("%s", now["message"])
 
 
 async def _drop_headless(
@@ -200,13 +206,14 @@ async def observe(
     failures: list[ApiFailure],
 ) -> Outcome:
     meta, spec = body["metadata"], body.get("spec") or {}
-    name = meta["name"]
+    name, namespace = meta["name"], meta["namespace"]
     generation = int(meta.get("generation") or 0)
     old = body.get("status") or {}
 
     # An invalid selector selects nothing (the API server would not have it either).
     pods = [] if any(path.startswith("spec.selector") for path, _ in problems) else seen.pods
     others = [o for o in seen.others if o["name"] != name]
+    engine_priority = vllm_args.wanted(spec)
     current = sidecar_hash(spec, ctx.sidecar_image)
     port = sidecar_settings(spec)["grpcPort"]
     label = policy_label(name)
@@ -226,15 +233,18 @@ async def observe(
             if report.sidecar_of is None and not report.conflict and not report.opted_out:
                 report.refused = _take_over_refusal(pod, spec)
             continue
+        if engine_priority:
+            report.engine_order = engine_order(pod, spec)
         if state.get("podIP") and state.get("phase") == "Running":
-            asked[pod_meta["uid"]] = (report, f"{state['podIP']}:{port}")
+            asked[f"{namespace}/{pod_meta['name']}"] = (report, f"{state['podIP']}:{port}")
         else:
             report.error = f"pod is {state.get('phase') or 'Pending'}"
-    answers = await ctx.stats.ask({uid: address for uid, (_, address) in asked.items()}, ctx.stats_max_age)
-    for uid, (report, _) in asked.items():
-        report.stats, report.error = answers[uid].stats, answers[uid].error
+    answers = await ctx.stats.ask({key: address for key, (_, address) in asked.items()}, ctx.stats_max_age)
+    for key, (report, _) in asked.items():
+        report.stats, report.error = answers[key].stats, answers[key].error
+    unreached = await _not_reached(ctx, namespace) if any(r.missing for r in reports) else ""
 
-    conditions, fields = aggregate(reports, problems, children_ready, failures)
+    conditions, fields = aggregate(reports, problems, children_ready, failures, unreached, engine_priority)
     status = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions"), conditions, generation, now_iso()),
@@ -242,6 +252,31 @@ async def observe(
         "adjustments": adjustments(reports, old.get("adjustments")),
     }
     return Outcome(status, failures)
+
+
+async def _not_reached(ctx: Context, namespace: str) -> str:
+    """Why the webhook never sees this namespace's pods; "" when it does, or when that cannot be told
+    (then the usual advice, recreate the pods, stands)."""
+    if not ctx.webhook_config:
+        return ""
+    try:
+        selector = await ctx.kube.webhook_namespace_selector(ctx.webhook_config)
+        labels = await ctx.kube.namespace_labels(namespace)
+    except API_ERRORS:
+        return ""
+    return "" if selector is None else opt_in.not_reached(namespace, labels, selector)
+
+
+def engine_order(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> vllm_args.Finding | None:
+    """Why the pod's vLLM may not order by priority (None: it runs --scheduling-policy priority)."""
+    pod_spec = dict(pod.get("spec") or {})
+    # The sidecar goes last (or into initContainers), so the others keep their index without it.
+    pod_spec["containers"] = [c for c in pod_spec.get("containers") or [] if c.get("name") != SIDECAR_CONTAINER]
+    try:
+        index = takeover.find_container(pod_spec, str(takeover.settings(spec)["container"] or ""))
+    except takeover.TakeOverRefused as exc:
+        return vllm_args.Finding(f"{exc.field}: {exc.message}", certain=False)
+    return vllm_args.check(pod_spec, index)
 
 
 def _take_over_refusal(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> str:
@@ -307,4 +342,9 @@ def admit(
         # Never a half-patched pod: it runs as written, without a sidecar, and says why.
         message = f"binbatch: policy {policy['name']} cannot take over this pod's serving port ({exc}); no sidecar"
         return {"metadata": {"annotations": {REFUSED_ANNOTATION: str(exc)[:1024]}}}, [message]
+    if patch and vllm_args.wanted(policy["spec"]):
+        finding = engine_order({"spec": {**(pod.get("spec") or {}), **patch["spec"]}}, policy["spec"])
+        if finding:
+            return patch, [f"binbatch: policy {policy['name']} has batch.order EnginePriority, which vLLM ignores "
+                           f"unless it runs with --scheduling-policy priority: {finding.text}"]  # fmt: skip
     return patch, []

@@ -65,7 +65,7 @@ class SidecarStats:
         self.calls = 0  # GetStats calls made
 
     async def ask(self, addresses: Mapping[str, str], max_age: float) -> dict[str, Answer]:
-        """Answers for ``{pod uid: "ip:port"}``; only those older than ``max_age`` seconds (or, in a
+        """Answers for ``{pod: "ip:port"}`` (pods as "namespace/name"); only those older than ``max_age`` seconds (or, in a
         large fleet, than it takes to renew every known answer at ``rate``) are asked again."""
         now = self._clock()
         max_age = max(max_age, len(self._answers) / self._rate)

@@ -183,7 +183,8 @@ def _sidecar(args: argparse.Namespace) -> int:
         print(f"binbatch sidecar: cannot read config {path}: {(exc.strerror or str(exc)).lower()}", file=sys.stderr)
         return EXIT_CANNOT_START
     logs.setup(str(loaded.config.logging.level))
-    return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port, args.http_port))
+    return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port, args.http_port,
+                             args.take_over_port))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--http-port", type=port_number, default=_env_port("BINBATCH_HTTP_PORT"),
                     help="OpenAI-compatible HTTP port (default $BINBATCH_HTTP_PORT, else server.httpPort; "
                     "fixed until restart)")
+    sc.add_argument("--take-over-port", type=port_number, metavar="PORT",
+                    help="also serve the HTTP door on PORT: vLLM's own serving port, which the operator's port "
+                    "take-over gives the sidecar (the policy's Service keeps reaching --http-port)")
     sc.add_argument("--metrics-port", type=port_number, default=_env_port("BINBATCH_METRICS_PORT"),
                     help="Prometheus metrics port (default $BINBATCH_METRICS_PORT, else server.metricsPort; "
                     "fixed until restart)")

@@ -9,6 +9,9 @@ hint, capped at ``max_tokens``, whenever one is given; the online predictor only
 predicts requests without a hint.  ``predict`` records where its answer came from
 in ``req.prediction_source`` (``SOURCES``), so accuracy is reported per source: a
 good hint and a poor learned estimate must not average into one number.
+* ``ExternalFirst``: an external predictor service's answer (``req.external_length``,
+  asked by the server before the request is queued) for requests without a hint,
+  else the predictor it wraps.
 * ``AccuracyTracker``: how often the prediction lands in the right bin - the
   analogue of multi-bin-batching-v2 Table 1 (bin classification accuracy) and its
   "1 bin accuracy" (predicted bin within one of the actual bin, Appendix C.1).
@@ -26,9 +29,9 @@ from .stages import LengthPredictor  # noqa: F401 - the contract, declared with 
 
 _Key = tuple[str] | tuple[str, int]  # (request_class,) or (request_class, prompt bucket)
 
-# Where a prediction came from: the client's hint, the online estimate, the
-# request's max_tokens, or predictor.defaultOutputTokens.
-SOURCES = ("hint", "online", "max_tokens", "default")
+# Where a prediction came from: the client's hint, an external predictor service,
+# the online estimate, the request's max_tokens, or predictor.defaultOutputTokens.
+SOURCES = ("hint", "external", "online", "max_tokens", "default")
 
 
 def _hinted(req: Request) -> float | None:
@@ -176,6 +179,27 @@ class OnlinePredictor:
         self._global.add(x, self.alpha)
         while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)  # LRU eviction
+
+
+class ExternalFirst:
+    """The sources in order: the client's hint, then the external service's answer, then
+    ``inner``.  ``inner`` keeps learning from every completion; its name is the one reported."""
+
+    name: str
+
+    def __init__(self, inner: LengthPredictor) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def predict(self, req: Request) -> float:
+        if req.external_length is None or _hinted(req) is not None:
+            return self.inner.predict(req)
+        req.length = req.external_length
+        req.prediction_source = "external"
+        return req.length.median
+
+    def observe(self, req: Request, actual_tokens: float) -> None:
+        self.inner.observe(req, actual_tokens)
 
 
 class AccuracyTracker:

@@ -16,7 +16,7 @@ from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock
 from ..core.former import BatchFormer
 from ..core.kv_plan import KvPlan
-from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
+from ..core.predictor import ExternalFirst, HintPredictor, LengthPredictor, OnlinePredictor
 from ..core.sizer import BatchSizer
 from ..core.smdp_policy import SmdpCache, SmdpDispatch, SmdpParams
 from ..core.tpot_gate import TpotGate
@@ -56,7 +56,8 @@ def build_core(
 ) -> Core:  # fmt: skip
     """The scheduling core for ``cfg`` (with ``k`` bins: countMode Auto; ``policy``:
     Smdp dispatch); what an online predictor learned is kept (with the new
-    ``predictor.defaultOutputTokens``)."""
+    ``predictor.defaultOutputTokens``).  With ``predictor.external.url`` the
+    external service's answers come after the hint and before the built-in predictor."""
     bt = cfg.batch
     sizer = BatchSizer(
         mode=bt.sizing.lower(),  # type: ignore[arg-type]
@@ -77,9 +78,13 @@ def build_core(
     )  # fmt: skip
     predictor = build_predictor(cfg)
     learned = previous.predictor if previous is not None else None
+    if isinstance(learned, ExternalFirst):
+        learned = learned.inner
     if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
         learned.fallback = predictor.fallback
         predictor = learned
+    if cfg.predictor.external.url:
+        predictor = ExternalFirst(predictor)
     plan = None
     if projected_kv(cfg):
         # what the plan learned of the engine (capacity, step time, headroom, prompt scale) outlives a reload:

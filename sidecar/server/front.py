@@ -28,6 +28,7 @@ from ..core.request import Request
 from ..core.stages import RequestDispatcher
 from ..engine.dispatcher import Call, Completion
 from ..engine.engine_client import EngineRequest, SamplingParams
+from ..engine.external_predictor import ExternalPredictor
 from .trace_context import TraceContext
 
 log = logging.getLogger("binbatch.api")
@@ -89,6 +90,7 @@ class Ticket:
     req: Request
     call: Call
     trace_id: str = ""
+    asked_external: bool = False  # the external predictor was asked about it (it is told the outcome)
 
     @property
     def log_extra(self) -> dict[str, str]:
@@ -146,12 +148,14 @@ class Front:
     """Given the few things both doors call: the dispatcher, the clock, a getter
     for the running config (a reload replaces it), one for the default model
     (learned from the engine after start-up), the engine's context length per
-    model, and what to tell of each completion (Stats.throughput, the Smdp fit)."""
+    model, what to tell of each completion (Stats.throughput, the Smdp fit), and
+    the external length predictor (``predictor.external``), if any."""
 
     def __init__(
         self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig],
         default_model: Callable[[], str], context_length: Callable[[str], int | None] = lambda model: None,
         on_completion: Callable[[float, int, int], None] = lambda engine_seconds, batch_size, output_tokens: None,
+        external: ExternalPredictor | None = None,
     ) -> None:  # fmt: skip
         self.dispatcher = dispatcher
         self.clock = clock
@@ -159,6 +163,7 @@ class Front:
         self.default_model = default_model
         self.context_length = context_length
         self.on_completion = on_completion
+        self.external = external
 
     def build(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
         """Check ``f`` against the bounds both doors share and make the core request
@@ -242,18 +247,27 @@ class Front:
             prompt_log.info("request %s prompt: %s", req.id, text, extra=ticket.log_extra)
         return ticket
 
-    def submit(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
-        """Build and queue the request; raises ``InvalidRequest`` or ``Rejected``
-        (draining, full queue, engine down) -- logged at DEBUG only, so no client
-        can flood the logs with its input."""
+    async def submit(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
+        """Build the request, ask the external predictor about it (no hint given), and
+        queue it; raises ``InvalidRequest`` or ``Rejected`` (draining, full queue,
+        engine down) -- logged at DEBUG only, so no client can flood the logs with its input."""
         try:
             ticket = self.build(f, stream, names)
+            await self._ask_external(ticket, f.timeout)
             self.dispatcher.submit(ticket.req, ticket.call)
         except Exception as exc:
             log.debug("refused: %s", exc, extra=log_extra(f))
             raise
         log.debug("accepted into bin %s", ticket.req.bin, extra=ticket.log_extra)
         return ticket
+
+    async def _ask_external(self, ticket: Ticket, deadline: float | None) -> None:
+        """The external service's length for a request without a hint (the hint wins: not asked)."""
+        req = ticket.req
+        if self.external is None or not self.external.enabled or req.hint_tokens is not None:
+            return
+        ticket.asked_external = True
+        req.external_length = await self.external.predict(req, ticket.call.engine_request, deadline)
 
     def withdraw(self, ticket: Ticket) -> None:
         """The caller is gone (cancelled, disconnected, past its deadline): a
@@ -266,5 +280,7 @@ class Front:
         """A completion reached its caller: feed the throughput window and the
         batch-time fit; log the text only with ``logging.logPrompts``."""
         self.on_completion(completion.engine_seconds, completion.batch_size, completion.result.completion_tokens)
+        if ticket.asked_external and self.external is not None:
+            self.external.completed(ticket.req.id, completion.result.completion_tokens)
         if self.config().logging.log_prompts:
             prompt_log.info("request %s completion: %s", ticket.req.id, completion.result.text, extra=ticket.log_extra)

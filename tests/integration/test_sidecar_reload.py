@@ -129,6 +129,13 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ("predictor", "default_output_tokens"): (
         {"predictor": {"defaultOutputTokens": 99}}, lambda s: _core(s).predictor.predict(Request(id="p", arrival=0.0)), 99.0,
     ),  # fmt: skip
+    ("predictor", "external"): (  # the core asks the service's answer first; its client reads the keys per call
+        {"predictor": {"external": {"url": OTHER + "/predict", "timeoutMilliseconds": 77, "breakerOpenMilliseconds": 900,
+                                    "feedbackUrl": OTHER + "/completions"}}},
+        lambda s: (type(_core(s).predictor).__name__, s.external.enabled, s.external.config().timeout_milliseconds,
+                   s.external.config().breaker_open_milliseconds, s.external.config().feedback_url),
+        ("ExternalFirst", True, 77, 900, OTHER + "/completions"),
+    ),  # fmt: skip
     ("metrics", "source"): ({"metrics": {"source": "None"}}, lambda s: s.feed.source, None),
     ("metrics", "url"): ({"metrics": {"url": OTHER + "/metrics"}}, lambda s: s.feed.source.url, OTHER + "/metrics"),
     ("metrics", "interval_milliseconds"): ({"metrics": {"intervalMilliseconds": 200}}, lambda s: s.feed.interval, 0.2),

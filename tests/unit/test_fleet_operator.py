@@ -29,12 +29,10 @@ def pod(name, labels, containers=("vllm",), phase="Running"):
 
 
 def test_a_pod_entry_keeps_what_a_reconcile_reads_and_drops_the_rest():
-    with_sidecar = pod_entry(pod("a", {"app": "vllm"}, containers=("vllm", SIDECAR_CONTAINER)))
-    assert with_sidecar["metadata"]["annotations"] == {INJECTED_ANNOTATION: "fast@1"}  # ours only
-    assert "managedFields" not in with_sidecar["metadata"] and with_sidecar["status"] == {"phase": "Running", "podIP": "10.0.0.1"}
-    assert with_sidecar["spec"]["containers"] == [{"name": "vllm"}, {"name": SIDECAR_CONTAINER}]
-    without = pod_entry(pod("b", {"app": "vllm"}))
-    assert without["spec"]["containers"][0]["env"] == [{"name": "A", "value": "b"}]  # the take-over check reads it
+    entry = pod_entry(pod("a", {"app": "vllm"}, containers=("vllm", SIDECAR_CONTAINER)))
+    assert entry["metadata"]["annotations"] == {INJECTED_ANNOTATION: "fast@1"}  # ours only
+    assert "managedFields" not in entry["metadata"] and entry["status"] == {"phase": "Running", "podIP": "10.0.0.1"}
+    assert entry["spec"]["containers"][0]["env"] == [{"name": "A", "value": "b"}]  # the take-over and engine-order checks
 
 
 def test_the_store_finds_a_policys_pods_children_and_neighbours_and_follows_events_and_relists():

@@ -591,10 +591,11 @@ class PredictorSourceStats(_message.Message):
     WITHIN_ONE_BIN_ACCURACY_FIELD_NUMBER: _builtins.int
     source: _builtins.str
     """Where the predictions came from: "hint" (the client's
-    expected_output_tokens), "online" (learned from completions),
+    expected_output_tokens), "external" (the external predictor service,
+    predictor.external.url), "online" (learned from completions),
     "max_tokens" (no hint, nothing learned: the request's max_tokens) or
     "default" (none of those: predictor.defaultOutputTokens).
-    values: "hint" | "online" | "max_tokens" | "default"
+    values: "hint" | "external" | "online" | "max_tokens" | "default"
     """
     samples: _builtins.int
     """Completions scored from this source."""
