@@ -208,7 +208,15 @@ async def follow_policy(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf
     """
     delay, failing = random.uniform(0, STATS_INTERVAL), 0
     while not await stopped.wait(delay):
-        outcome = await reconcile_once(memo, body, logger)
+        # A re-check can wait behind the fleet's stats calls; deleting the policy must not wait for
+        # it (kopf would cancel the daemon after a while and log that as a warning, an Event).
+        checking, stopping = asyncio.ensure_future(reconcile_once(memo, body, logger)), asyncio.ensure_future(stopped.wait())
+        await asyncio.wait([checking, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not checking.done():
+            checking.cancel()
+            return
+        outcome = checking.result()
         if outcome.terminating:
             return
         changed = changed_fields(body.get("status") or {}, outcome.status)

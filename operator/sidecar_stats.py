@@ -75,8 +75,8 @@ class SidecarStats:
             if (known is None or now - known.at >= max_age) and key not in self._asking:
                 self._asking[key] = asyncio.ensure_future(self._call(key, address))
         pending = [self._asking[key] for key in addresses if key in self._asking]
-        if pending:
-            await asyncio.gather(*pending)
+        if pending:  # shielded: an asker that gives up (cancelled) leaves the calls others share
+            await asyncio.shield(asyncio.gather(*pending))
         return {key: self._answers[key] for key in addresses}
 
     def _prune(self, now: float, max_age: float) -> None:
