@@ -34,8 +34,9 @@ RESTART_ANNOTATION = f"{GROUP}/restartedAt"
 def namespace_is_terminating(exc: BaseException) -> bool:
     """The API server refused to create an object because its namespace is being deleted.
 
-    Its 403 carries the cause ``NamespaceTerminating`` ("unable to create new
-    content in namespace ... because it is being terminated").
+    Its 403 carries the cause ``{"reason": "NamespaceTerminating"}`` ("unable to
+    create new content in namespace ... because it is being terminated"), as a
+    real API server answered.
     """
     if not isinstance(exc, ApiException) or exc.status != 403:
         return False
@@ -43,7 +44,7 @@ def namespace_is_terminating(exc: BaseException) -> bool:
         causes = (json.loads(exc.body or "{}").get("details") or {}).get("causes") or []
     except (ValueError, AttributeError):
         return False
-    return any(c.get("type") == "NamespaceTerminating" for c in causes)
+    return any(c.get("reason") == "NamespaceTerminating" for c in causes)  # a StatusCause's type is "reason"
 
 
 def api_error_message(exc: ApiException) -> str:

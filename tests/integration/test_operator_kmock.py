@@ -468,7 +468,7 @@ async def test_a_namespace_being_deleted_is_left_quietly(cluster: Any, operator:
     api = cluster
     message = "unable to create new content in namespace llm because it is being terminated"
     refusal = {"kind": "Status", "code": 403, "reason": "Forbidden", "message": message,
-               "details": {"causes": [{"type": "NamespaceTerminating", "message": "namespace llm is being terminated",
+               "details": {"causes": [{"reason": "NamespaceTerminating", "message": "namespace llm is being terminated",
                                        "field": "metadata.namespace"}]}}  # fmt: skip
     for plural in ("v1/configmaps", "v1/services", "v1/events"):
         api["post", kmock.resource(plural)] << 403 << refusal

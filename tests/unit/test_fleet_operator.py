@@ -154,9 +154,9 @@ def test_the_namespace_terminating_refusal_is_told_from_other_403s():
         exc.body = json.dumps({"kind": "Status", "code": code, "details": {"causes": causes}})
         return exc
 
-    assert namespace_is_terminating(refusal(403, [{"type": "NamespaceTerminating"}]))
+    assert namespace_is_terminating(refusal(403, [{"reason": "NamespaceTerminating"}]))
     assert not namespace_is_terminating(refusal(403, []))  # RBAC, quota: a real failure
-    assert not namespace_is_terminating(refusal(409, [{"type": "NamespaceTerminating"}]))
+    assert not namespace_is_terminating(refusal(409, [{"reason": "NamespaceTerminating"}]))
     assert not namespace_is_terminating(ConnectionError())
 
 
