@@ -3,11 +3,11 @@ webhook answers from the current policies.
 
 First kopf runs in this process with ``--peering`` against kmock, with a live
 peer of higher priority already in the ClusterKopfPeering (the leader).  A
-paused kopf stops all its watch streams, so its ``policies`` index freezes; the
-webhook must still inject the sidecar of a policy created while it was paused.
-Then two replicas run as processes, exactly as the chart's Deployment starts
-them: one leads, the other follows, both serve the one shared certificate and
-inject, and the follower takes over when the leader stops.
+paused kopf stops all its own watch streams; the operator's watches go on, so the
+webhook injects the sidecar of a policy created while it was paused.  Then two
+replicas run as processes, exactly as the chart's Deployment starts them: the
+oldest leads, the other follows, both serve the one shared certificate and
+inject, and the follower takes over within 15 s when the leader is killed.
 """
 
 from __future__ import annotations
