@@ -14,19 +14,37 @@ import asyncio
 import base64
 import datetime
 import json
+import logging
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from .builders import covers, selector_matches
+from .builders import covers
 from .crd import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 RESTART_ANNOTATION = f"{GROUP}/restartedAt"
+
+
+def namespace_is_terminating(exc: BaseException) -> bool:
+    """The API server refused to create an object because its namespace is being deleted.
+
+    Its 403 carries the cause ``{"reason": "NamespaceTerminating"}`` ("unable to
+    create new content in namespace ... because it is being terminated"), as a
+    real API server answered.
+    """
+    if not isinstance(exc, ApiException) or exc.status != 403:
+        return False
+    try:
+        causes = (json.loads(exc.body or "{}").get("details") or {}).get("causes") or []
+    except (ValueError, AttributeError):
+        return False
+    return any(c.get("reason") == "NamespaceTerminating" for c in causes)  # a StatusCause's type is "reason"
 
 
 def api_error_message(exc: ApiException) -> str:
@@ -73,31 +91,37 @@ class KubeApi:
 
     # -- the policy's children -------------------------------------------------
 
-    async def ensure(self, obj: Mapping[str, Any]) -> str:
+    async def ensure(self, obj: Mapping[str, Any], current: Mapping[str, Any] | None) -> str:
         """Make the ConfigMap or Service ``obj`` exist as built: ``"created"``, ``"updated"`` or ``"unchanged"``.
 
-        One read; a write only when the object is missing or differs from what
-        the builder says (``covers``).  Server-side apply would spend the same
-        one request, but a full apply (admission, managed-fields merge) on every
-        tick for every policy; a read is served cheaply and tells us what drifted.
-        A merge patch replaces lists whole (a Service's ports), so after an
-        update the object is exactly what the builder said.
+        ``current`` is the object as the operator's watch last saw it (None:
+        not there), so nothing is read: a write is sent only when it is missing
+        or differs from what the builder says (``covers``).  The watch may lag
+        a write by a moment: a create that meets the object (409) patches it,
+        a patch that misses it (404) creates it.  A merge patch replaces lists
+        whole (a Service's ports), so after an update the object is exactly what
+        the builder said.
         """
+        if current is not None and covers(current, obj):
+            return "unchanged"
         kind, meta = obj["kind"], obj["metadata"]
         create, patch = {
             "ConfigMap": (self.core.create_namespaced_config_map, self.core.patch_namespaced_config_map),
             "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service),
         }[kind]
-        current = await self.read(kind, meta["name"], meta["namespace"])
-        if current is None:
+        if current is not None:
             try:
-                await self._call(create, meta["namespace"], dict(obj))
-                return "created"
+                await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
+                return "updated"
             except ApiException as exc:
-                if exc.status != 409:  # 409: created meanwhile; patch it below
+                if exc.status != 404:  # 404: deleted meanwhile; create it below
                     raise
-        elif covers(current, obj):
-            return "unchanged"
+        try:
+            await self._call(create, meta["namespace"], dict(obj))
+            return "created"
+        except ApiException as exc:
+            if exc.status != 409:  # 409: it exists after all; patch it
+                raise
         await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
         return "updated"
 
@@ -112,31 +136,22 @@ class KubeApi:
             raise
         return True
 
-    async def read(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-        read = {"ConfigMap": self.core.read_namespaced_config_map, "Service": self.core.read_namespaced_service}[kind]
+    # -- policies and namespaces -----------------------------------------------
+
+    async def patch_policy_status(self, name: str, namespace: str, fields: Mapping[str, Any]) -> None:
+        """Merge ``fields`` into a policy's status (``None`` deletes a field)."""
+        await self._call(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, PLURAL, name,
+                         {"status": dict(fields)}, _content_type=MERGE_PATCH)  # fmt: skip
+
+    async def namespace_terminating(self, name: str) -> bool:
+        """Whether the namespace is being deleted: its workloads go with it."""
         try:
-            return await self._call(read, name, namespace)  # type: ignore[no-any-return]
+            found = await self._call(self.core.read_namespace, name)
         except ApiException as exc:
-            if exc.status == 404:
-                return None
+            if exc.status == 404:  # not to be seen (a namespace holding a policy exists)
+                return False
             raise
-
-    # -- pods and policies -----------------------------------------------------
-
-    async def list_pods(self, namespace: str, match_labels: Mapping[str, str]) -> list[dict[str, Any]]:
-        """Pods of ``namespace`` that carry every label of ``match_labels``."""
-        selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
-        found = await self._call(self.core.list_namespaced_pod, namespace, label_selector=selector)
-        # The server filters by the selector; filtering again costs nothing and
-        # keeps the meaning exact even behind an API that ignores it.
-        return [p for p in found["items"] if selector_matches(match_labels, p["metadata"].get("labels"))]
-
-    async def list_policies(self, namespace: str) -> list[dict[str, Any]]:
-        """The namespace's BatchingPolicies as the API server has them now (the webhook's view, see main)."""
-        found = await self._call(
-            self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, _request_timeout=5
-        )
-        return list(found["items"])
+        return bool(found["metadata"].get("deletionTimestamp")) or (found.get("status") or {}).get("phase") == "Terminating"
 
     async def namespace_labels(self, name: str) -> dict[str, str]:
         found = await self._call(self.core.read_namespace, name)
@@ -240,3 +255,80 @@ class KubeApi:
                 return False
             raise
         return True
+
+    # -- watches -------------------------------------------------------------------
+
+    def informers(self, on_list: Callable[[str, list[Any]], None], on_event: Callable[[str, str, Any], None],
+                  children: str) -> list[Informer]:  # fmt: skip
+        """One informer per kind the operator reads: pods, policies, and its children (label selector ``children``)."""
+        return [
+            Informer("Pod", self.core.list_pod_for_all_namespaces, (), "", on_list, on_event),
+            Informer("BatchingPolicy", self.custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL), "", on_list, on_event),
+            Informer("ConfigMap", self.core.list_config_map_for_all_namespaces, (), children, on_list, on_event),
+            Informer("Service", self.core.list_service_for_all_namespaces, (), children, on_list, on_event),
+        ]  # fmt: skip
+
+
+
+class Informer:
+    """List one kind across all namespaces, then watch it, in a thread of its own.
+
+    The list goes to ``on_list(kind, items)`` and each change to
+    ``on_event(kind, type, object)``, both called in the event loop that
+    ``start`` ran in.  A watch that times out resumes from the last
+    resourceVersion it saw; one that breaks (410 Gone, an error) lists again,
+    so nothing deleted meanwhile stays behind.  Objects arrive as plain JSON.
+    """
+
+    PAGE = 500
+    WATCH_SECONDS = 300  # the server ends each watch after this long; it is resumed at once
+    RETRY_SECONDS = 2.0
+
+    def __init__(
+        self, kind: str, list_fn: Any, args: tuple[str, ...], label_selector: str,
+        on_list: Callable[[str, list[Any]], None], on_event: Callable[[str, str, Any], None],
+    ) -> None:  # fmt: skip
+        self.kind, self._list_fn, self._args, self._selector = kind, list_fn, args, label_selector
+        self._on_list, self._on_event = on_list, on_event
+        self._stopped = threading.Event()
+        self._log = logging.getLogger(__name__)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        threading.Thread(target=self._run, args=(loop,), name=f"watch {self.kind}", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _list(self) -> tuple[list[Any], str]:
+        items: list[Any] = []
+        token = None
+        while True:
+            resp = self._list_fn(*self._args, label_selector=self._selector, limit=self.PAGE, _continue=token,
+                                 _preload_content=False)  # fmt: skip
+            page = json.loads(resp.data)
+            items += page["items"]
+            token = page["metadata"].get("continue")
+            if not token:
+                return items, page["metadata"]["resourceVersion"]
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        while not self._stopped.is_set():
+            try:
+                items, version = self._list()
+                loop.call_soon_threadsafe(self._on_list, self.kind, items)
+                while not self._stopped.is_set():
+                    stream = kubernetes.watch.Watch().stream(
+                        self._list_fn, *self._args, label_selector=self._selector, resource_version=version,
+                        timeout_seconds=self.WATCH_SECONDS, allow_watch_bookmarks=True, deserialize=False,
+                    )  # fmt: skip
+                    for event in stream:
+                        if event["type"] == "ERROR":  # 410 Gone and the like: list again
+                            raise RuntimeError(event["object"].get("message", "watch error"))
+                        version = event["object"]["metadata"]["resourceVersion"]
+                        if event["type"] != "BOOKMARK":
+                            loop.call_soon_threadsafe(self._on_event, self.kind, event["type"], event["object"])
+            except Exception as exc:  # noqa: BLE001 - the watch must outlive any failure; it lists again
+                if loop.is_closed():
+                    return
+                self._log.warning("watching %ss failed (%s); listing them again", self.kind, exc)
+                self._stopped.wait(self.RETRY_SECONDS)

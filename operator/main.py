@@ -15,19 +15,28 @@ environment the Helm chart sets:
                                    whether its namespace is opted in; the built-in certificate's CA goes into it
   BINBATCH_WEBHOOK_CERT_DIR        cert-manager: the mounted Secret (tls.crt, tls.key, ca.crt); no CA patching
   POD_NAMESPACE                    the operator's namespace (the Service's)
-  BINBATCH_STATS_INTERVAL_SECONDS  how often status is refreshed from the sidecars (default 15)
+  BINBATCH_STATS_INTERVAL_SECONDS  how often each policy re-checks its pods and asks their sidecars (default 15)
+
+The operator watches what it reads, on every replica: the policies, every pod,
+and the ConfigMaps and Services it made (a server-side label selector), into
+``indexes.Watched``.  A policy's reconcile reads all of those from there, so an
+idle policy makes no API request; each policy's daemon re-checks it every
+interval, quietly, and writes only what differs.
 
 With ``kopf run --peering=NAME`` (the chart, replicas > 1) one replica handles
 the policies and the others stay paused, while every replica serves the webhook.
-A paused kopf stops all its watch streams, so its ``policies`` index would go
-stale; the webhook therefore reads the pod's namespace's policies from the API
-on every replica when peering is on (one namespaced list per pod CREATE in an
-opted-in namespace), and from the index when standalone.
+The watches are the operator's own, not kopf's, so they run on every replica,
+leader or not: every replica's webhook answers from a current view of the
+policies (no API request per pod CREATE), and a follower takes over with one.
+The oldest replica leads; a leader that stops answering is taken for dead after
+``PEERING_LIFETIME`` seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -35,16 +44,23 @@ from typing import Any
 
 import kopf
 
+from .builders import POLICY_LABEL, as_native_sidecar, child_name, headless_name, policy_label
 from .crd import GROUP, PLURAL, VERSION
+from .indexes import Seen, Watched
 from .kube import KubeApi
-from .builders import as_native_sidecar
-from .reconcile import Context, admit, candidate, cleanup, deleting, reconcile
+from .reconcile import Context, Outcome, admit, candidate, cleanup, deleting, reconcile
+from .sidecar_stats import SidecarStats
 from .status import changed_fields
 from .webhook import WEBHOOK_PATH_ID, WebhookServer, service_hostnames, shared_certificate
 
 DEFAULT_IMAGE = "ghcr.io/binbatch/binbatch:0.1.0"
 STATS_INTERVAL = float(os.environ.get("BINBATCH_STATS_INTERVAL_SECONDS", "15"))
 MAX_RETRY_DELAY = 300.0  # seconds: a failing policy is retried at least every 5 minutes
+# A replica whose keep-alive is older than this is taken for dead (kopf's default, 60 s, made a
+# failover take up to a minute; Kubernetes' own leader election hands over in about 15 s).  kopf
+# renews it every 1-5 s at this value: a few requests a minute per replica, whatever the fleet.
+PEERING_LIFETIME = 10
+WEBHOOK_WAIT_SECONDS = 5.0  # the API server calls the webhook with a 10 s timeout
 POLICY = (GROUP, VERSION, PLURAL)
 
 
@@ -59,16 +75,21 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     settings.posting.loggers = True  # handlers' log warnings/errors become Events (`kubectl describe bp`)
 
     if not settings.peering.standalone:
-        # Equal priorities would pause every replica; the newest pod leads (a rollout hands over).
         settings.peering.priority = peering_priority()
+        settings.peering.lifetime = PEERING_LIFETIME
     kube = KubeApi.from_environment()
     if not settings.peering.standalone and settings.peering.name:
         if await kube.ensure_cluster_peering(settings.peering.name):
             logger.info("created ClusterKopfPeering %s", settings.peering.name)
     memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE,
-                       webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""))
+                       stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
+                       webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""))  # fmt: skip
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
-
+    # Pods, policies and our children, listed once and then watched on every replica (see indexes.py).
+    memo.watched = watched = Watched(candidate)
+    memo.informers = kube.informers(watched.replace, watched.apply, children=POLICY_LABEL)
+    for informer in memo.informers:
+        informer.start(asyncio.get_running_loop())
     service = os.environ.get("BINBATCH_WEBHOOK_SERVICE")
     if not service:
         logger.warning("BINBATCH_WEBHOOK_SERVICE is unset: no admission webhook, pods get no sidecar")
@@ -78,8 +99,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
 
 
 def peering_priority() -> int:
-    """A priority unique to this replica: its start time in microseconds."""
-    return time.time_ns() // 1000
+    """A priority unique to this replica that falls as its start time rises: the oldest replica leads.
+
+    Equal priorities would pause every replica.  The oldest rather than the
+    newest, so a replica that restarts after a crash comes back behind the one
+    that took over instead of taking the lead back (another hand-over).
+    """
+    return -(time.time_ns() // 1000)
 
 
 async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookServer:
@@ -118,6 +144,8 @@ async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookSer
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    for informer in memo.get("informers", ()):
+        informer.stop()
     if "ctx" in memo:
         memo.ctx.kube.close()
 
@@ -126,13 +154,13 @@ def _not_deleting(meta: kopf.Meta, **_: Any) -> bool:
     return not deleting(meta)
 
 
-# A policy being deleted leaves the index at once (kopf drops an object's entry
-# when the filter stops matching): the rollout restart its deletion starts must
-# bring pods back without its sidecar.
-@kopf.index(*POLICY, when=_not_deleting)
-def policies(namespace: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
-    """Policies by namespace, for the conflict check of ``reconcile`` (which runs where the watch is live)."""
-    return {namespace: candidate(body)}
+def seen(watched: Watched, body: kopf.Body) -> Seen:
+    """A policy's world from the watches: its pods, its children, its namespace's policies."""
+    meta, spec = body["metadata"], body.get("spec") or {}
+    namespace, name = meta["namespace"], meta["name"]
+    wanted = [("ConfigMap", child_name(name)), ("Service", child_name(name)), ("Service", headless_name(name))]
+    match_labels = (spec.get("selector") or {}).get("matchLabels") or {}
+    return Seen(watched.pods(namespace, match_labels), watched.children(namespace, wanted), watched.policies(namespace))
 
 
 def retry_delay(retry: int) -> float:
@@ -140,26 +168,69 @@ def retry_delay(retry: int) -> float:
     return float(min(MAX_RETRY_DELAY, STATS_INTERVAL * 2 ** min(retry, 16)))
 
 
+async def reconcile_once(memo: kopf.Memo, body: kopf.Body, logger: Any) -> Outcome:
+    """One reconcile of the policy at a time: its handlers and its daemon share a lock (its memo is its own).
+
+    It waits for the watches' first lists (at start-up), and once the namespace is
+    seen being deleted, nothing is tried again: the policy goes with it."""
+    await memo.watched.synced()
+    lock = memo.setdefault("reconciling", asyncio.Lock())
+    async with lock:
+        if memo.get("terminating"):
+            return Outcome({}, terminating=True)
+        outcome = await reconcile(memo.ctx, body, seen(memo.watched, body), logger)
+        memo["terminating"] = outcome.terminating
+        return outcome
+
+
 @kopf.on.resume(*POLICY)
 @kopf.on.create(*POLICY)
 @kopf.on.update(*POLICY, field="spec")
-@kopf.timer(*POLICY, interval=STATS_INTERVAL, initial_delay=STATS_INTERVAL)
-async def reconcile_policy(
-    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, policies: kopf.Index, retry: int, logger: Any, **_: Any
-) -> None:
-    """Writes only the status fields that changed (an idle policy's status is not patched);
-    API failures are in that status and the handler is retried with backoff."""
-    others = list(policies.get(body["metadata"]["namespace"], []))
-    outcome = await reconcile(memo.ctx, body, others, logger)
+async def reconcile_policy(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, logger: Any, **_: Any) -> None:
+    """Writes only the status fields that changed; API failures are in that status and the
+    handler is retried with backoff.  In a namespace being deleted it does nothing."""
+    outcome = await reconcile_once(memo, body, logger)
     for key, value in changed_fields(body.get("status") or {}, outcome.status).items():
         patch.status[key] = value
     if outcome.failures:
         raise kopf.TemporaryError("; ".join(str(f) for f in outcome.failures), delay=retry_delay(retry))
 
 
+@kopf.daemon(*POLICY, when=_not_deleting, cancellation_backoff=1, cancellation_timeout=2)  # within kopf's 5 s at exit
+async def follow_policy(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    """Re-checks the policy every STATS_INTERVAL: children against their watched copies, status
+    from the watched pods and their sidecars' stats, written only where it differs.
+
+    A daemon, not a kopf timer: a timer logs a line per tick, and 1,000 idle
+    policies would fill the log.  The first check falls at a random point of
+    the interval and each next one within 10% of it, so a fleet's policies (and
+    their GetStats calls) spread out instead of ticking together.
+    """
+    delay, failing = random.uniform(0, STATS_INTERVAL), 0
+    while not await stopped.wait(delay):
+        # A re-check can wait behind the fleet's stats calls; deleting the policy must not wait for
+        # it (kopf would cancel the daemon after a while and log that as a warning, an Event).
+        checking, stopping = asyncio.ensure_future(reconcile_once(memo, body, logger)), asyncio.ensure_future(stopped.wait())
+        await asyncio.wait([checking, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not checking.done():
+            checking.cancel()
+            return
+        outcome = checking.result()
+        if outcome.terminating:
+            return
+        changed = changed_fields(body.get("status") or {}, outcome.status)
+        if changed:
+            await memo.ctx.kube.patch_policy_status(body["metadata"]["name"], body["metadata"]["namespace"], changed)
+        failing = failing + 1 if outcome.failures else 0
+        delay = retry_delay(failing - 1) if failing else STATS_INTERVAL * random.uniform(0.9, 1.1)
+
+
 @kopf.on.delete(*POLICY)
 async def delete_policy(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    restarted = await cleanup(memo.ctx, body, logger)
+    meta = body["metadata"]
+    carriers = memo.watched.pods(meta["namespace"], {POLICY_LABEL: policy_label(meta["name"])})
+    restarted = await cleanup(memo.ctx, body, carriers, logger)
     if restarted:
         logger.info("restarted %s so their pods come back without the sidecar", ", ".join(restarted))
 
@@ -168,16 +239,16 @@ async def delete_policy(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any)
 async def inject_sidecar(
     body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, logger: Any, **_: Any
 ) -> None:
-    """Decides from the namespace's policies as the API server has them now, not from the
-    index: every replica serves the webhook, but kopf pauses the watch streams of the
-    replicas that do not hold the lead (peering), so their index is empty or frozen (a
-    frozen one would still hold a deleted policy).  One namespaced list per pod CREATE.
+    """Decides from the namespace's policies as this replica's watch has them (every replica
+    watches, leader or not): no API request per pod CREATE.  Until the first list of the
+    policies is in (a few seconds after a start) it waits, at most WEBHOOK_WAIT_SECONDS.
 
     Fails open: kopf would answer an exception with allowed=false and so block the
     pod, which failurePolicy Ignore does not cover; a pod without a sidecar is better."""
     try:
         namespace = body.get("metadata", {}).get("namespace")
-        candidates = [candidate(p) for p in await memo.ctx.kube.list_policies(namespace)]
+        await asyncio.wait_for(memo.watched.synced(["BatchingPolicy"]), WEBHOOK_WAIT_SECONDS)
+        candidates = memo.watched.policies(namespace)
         merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image)
         if memo.get("native_sidecar"):
             merge = as_native_sidecar(merge, body)

@@ -1,9 +1,11 @@
 """Level-triggered reconciliation of one BatchingPolicy, and the pod admission decision.
 
-``reconcile`` is what create, update, resume and the status timer all run: make
-the world match the spec (ConfigMap + Service, owned by the policy), then look
-at it (selected pods, their sidecars' stats) and return the status to write.
-Running it twice changes nothing the first run did not.
+``reconcile`` is what create, update, resume and each policy's re-check all
+run: make the world match the spec (ConfigMap + Service, owned by the policy),
+then look at it (selected pods, their sidecars' stats) and return the status to
+write.  What it looks at comes from the operator's watches (``Seen``, see
+``indexes.py``), so only a difference costs an API request.  Running it twice
+changes nothing the first run did not.
 
 ``admit`` is the webhook's decision for one new pod.  Both take their
 collaborators (the API seam, the stats client) from a ``Context`` so tests run
@@ -12,8 +14,7 @@ them against a fake API server and real sidecars.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,6 @@ import kopf
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_sidecar.config import ConfigError
 
 from . import opt_in, takeover, vllm_args
@@ -47,12 +47,12 @@ from .builders import (
     sidecar_settings,
     take_over_plan,
 )
+from .indexes import Seen
 from .k8s_rules import policy_problems
-from .kube import KubeApi, api_error_message
-from .sidecar_stats import describe_error, get_stats
+from .kube import KubeApi, api_error_message, namespace_is_terminating
+from .sidecar_stats import SidecarStats
 from .status import ApiFailure, PodReport, adjustments, aggregate, merge_conditions, now_iso
 
-StatsFn = Callable[[str], Awaitable[pb.Stats]]
 CHILD_KINDS = ("ConfigMap", "Service")
 
 
@@ -60,18 +60,22 @@ CHILD_KINDS = ("ConfigMap", "Service")
 class Context:
     kube: KubeApi
     sidecar_image: str
-    stats: StatsFn = get_stats
+    stats: SidecarStats = field(default_factory=SidecarStats)
+    stats_max_age: float = 7.5  # seconds an answer of a sidecar is reused (half the re-check interval)
     webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
-    # Policies (namespace, name) known to have no headless Service: checked once per process, not every tick.
-    no_headless: set[tuple[str, str]] = field(default_factory=set)
 
 
 @dataclass
 class Outcome:
-    """A reconcile's result: the status it saw, and the API calls that failed (to retry)."""
+    """A reconcile's result: the status it saw, and the API calls that failed (to retry).
+
+    ``terminating``: the namespace is being deleted, so nothing was written and
+    the policy goes with it; nothing to report or retry.
+    """
 
     status: dict[str, Any]
     failures: list[ApiFailure] = field(default_factory=list)
+    terminating: bool = False
 
 
 def _spec_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -108,14 +112,12 @@ def _failure(what: str, exc: Exception) -> ApiFailure:
 API_ERRORS = (ApiException, urllib3.exceptions.HTTPError, OSError)
 
 
-async def reconcile(
-    ctx: Context, body: Mapping[str, Any], others: Sequence[Mapping[str, Any]], logger: Any
-) -> Outcome:
+async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: Any) -> Outcome:
     """Bring the policy's children in line with its spec; return its new status.
 
-    ``others`` are the other policies of the namespace (``{"name", "spec"}``,
-    from the operator's index) for the conflict check.  Every API failure is
-    reported in status (the server's message), never only raised.
+    ``seen`` is what the watches show: its children, the pods its selector
+    matches, and the namespace's policies (for the conflict check).  Every API
+    failure is reported in status (the server's message), never only raised.
     """
     meta, spec = body["metadata"], body.get("spec") or {}
     name, namespace = meta["name"], meta["namespace"]
@@ -128,12 +130,7 @@ async def reconcile(
         text = "; ".join(f"{p}: {m}" for p, m in problems)
         if text not in (old_valid or {}).get("message", ""):  # once per change (an Event), not every tick
             logger.warning("invalid spec, keeping the last good config: %s", text)
-        for kind in CHILD_KINDS:
-            try:
-                children_ready &= await ctx.kube.read(kind, child_name(name), namespace) is not None
-            except API_ERRORS as exc:
-                failures.append(_failure(f"reading {kind} {child_name(name)}", exc))
-                children_ready = False
+        children_ready = all((kind, child_name(name)) in seen.children for kind in CHILD_KINDS)
     else:
         children = [build_configmap(name, namespace, spec), build_service(name, namespace, spec)]
         if headless_enabled(spec):
@@ -142,18 +139,18 @@ async def reconcile(
             kopf.adopt(obj, owner=dict(body))  # owner reference: deleted with the policy
             what = f"{obj['kind']} {obj['metadata']['name']}"
             try:
-                done = await ctx.kube.ensure(obj)
+                done = await ctx.kube.ensure(obj, seen.children.get((obj["kind"], obj["metadata"]["name"])))
             except API_ERRORS as exc:
+                if namespace_is_terminating(exc):
+                    return Outcome({}, terminating=True)
                 failures.append(_failure(what, exc))
                 children_ready = False
                 continue
             if done != "unchanged":
                 logger.info("%s %s", what, done)
-        if headless_enabled(spec):
-            ctx.no_headless.discard((namespace, name))
-        elif (namespace, name) not in ctx.no_headless:
-            await _drop_headless(ctx, name, namespace, failures, logger)
-    outcome = await observe(ctx, body, others, problems, children_ready, failures)
+        if not headless_enabled(spec):
+            await _drop_headless(ctx, name, namespace, seen, failures, logger)
+    outcome = await observe(ctx, body, seen, problems, children_ready, failures)
     _warn_once(body, outcome, logger)
     return outcome
 
@@ -171,22 +168,19 @@ def _warn_once(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
             logger.warning("%s", now["message"])
 
 
-async def _drop_headless(ctx: Context, name: str, namespace: str, failures: list[ApiFailure], logger: Any) -> None:
-    """``spec.service.headless`` is off: delete the headless Service if we made it.
-
-    Once per policy and process (a restart or a new leader checks again), so
-    an idle policy's tick costs no extra read.
-    """
+async def _drop_headless(
+    ctx: Context, name: str, namespace: str, seen: Seen, failures: list[ApiFailure], logger: Any
+) -> None:
+    """``spec.service.headless`` is off: delete the headless Service if we made it (and the watch shows it)."""
     headless = headless_name(name)
+    labels = (seen.children.get(("Service", headless), {}).get("metadata") or {}).get("labels") or {}
+    if labels.get(POLICY_LABEL) != policy_label(name):
+        return
     try:
-        current = await ctx.kube.read("Service", headless, namespace)
-        labels = ((current or {}).get("metadata") or {}).get("labels") or {}
-        if current is not None and labels.get(POLICY_LABEL) == policy_label(name) and await ctx.kube.delete("Service", headless, namespace):
+        if await ctx.kube.delete("Service", headless, namespace):
             logger.info("Service %s deleted (spec.service.headless is off)", headless)
     except API_ERRORS as exc:
         failures.append(_failure(f"deleting Service {headless}", exc))
-        return
-    ctx.no_headless.add((namespace, name))
 
 
 def _condition(body: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
@@ -206,7 +200,7 @@ def _sidecar_of(pod: Mapping[str, Any]) -> str | None:
 async def observe(
     ctx: Context,
     body: Mapping[str, Any],
-    others: Sequence[Mapping[str, Any]],
+    seen: Seen,
     problems: Sequence[tuple[str, str]],
     children_ready: bool,
     failures: list[ApiFailure],
@@ -216,21 +210,15 @@ async def observe(
     generation = int(meta.get("generation") or 0)
     old = body.get("status") or {}
 
-    match_labels = (spec.get("selector") or {}).get("matchLabels") or {}
-    pods: list[dict[str, Any]] | None = []
-    if not any(path.startswith("spec.selector") for path, _ in problems):  # else the API server would answer 400
-        try:
-            pods = await ctx.kube.list_pods(namespace, match_labels)
-        except API_ERRORS as exc:
-            failures.append(_failure("listing pods", exc))
-            pods = None
-    others = [o for o in others if o["name"] != name]
+    # An invalid selector selects nothing (the API server would not have it either).
+    pods = [] if any(path.startswith("spec.selector") for path, _ in problems) else seen.pods
+    others = [o for o in seen.others if o["name"] != name]
     engine_priority = vllm_args.wanted(spec)
     current = sidecar_hash(spec, ctx.sidecar_image)
     port = sidecar_settings(spec)["grpcPort"]
     label = policy_label(name)
-    reports, asks = [], []
-    for pod in pods or []:
+    reports, asked = [], {}
+    for pod in pods:
         pod_meta, state = pod["metadata"], pod.get("status") or {}
         injected = (pod_meta.get("labels") or {}).get(POLICY_LABEL) == label
         digest = (pod_meta.get("annotations") or {}).get(SIDECAR_HASH_ANNOTATION)
@@ -248,21 +236,21 @@ async def observe(
         if engine_priority:
             report.engine_order = engine_order(pod, spec)
         if state.get("podIP") and state.get("phase") == "Running":
-            asks.append(_ask(ctx, report, f"{state['podIP']}:{port}"))
+            asked[f"{namespace}/{pod_meta['name']}"] = (report, f"{state['podIP']}:{port}")
         else:
-            report.error = f"pod is {state.get('phase', 'Pending')}"
-    await asyncio.gather(*asks)
+            report.error = f"pod is {state.get('phase') or 'Pending'}"
+    answers = await ctx.stats.ask({key: address for key, (_, address) in asked.items()}, ctx.stats_max_age)
+    for key, (report, _) in asked.items():
+        report.stats, report.error = answers[key].stats, answers[key].error
     unreached = await _not_reached(ctx, namespace) if any(r.missing for r in reports) else ""
 
-    conditions, fields = aggregate(None if pods is None else reports, problems, children_ready, failures, unreached,
-                                   engine_priority)  # fmt: skip
+    conditions, fields = aggregate(reports, problems, children_ready, failures, unreached, engine_priority)
     status = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions"), conditions, generation, now_iso()),
         **fields,
+        "adjustments": adjustments(reports, old.get("adjustments")),
     }
-    if pods is not None:
-        status["adjustments"] = adjustments(reports, old.get("adjustments"))
     return Outcome(status, failures)
 
 
@@ -300,24 +288,18 @@ def _take_over_refusal(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> str:
     return ""
 
 
-async def _ask(ctx: Context, report: PodReport, address: str) -> None:
-    try:
-        report.stats = await ctx.stats(address)
-    except Exception as exc:  # noqa: BLE001 - any failure is reported in status, never raised
-        report.error = describe_error(exc)
-
-
-async def cleanup(ctx: Context, body: Mapping[str, Any], logger: Any) -> list[str]:
-    """On deletion: roll the workloads whose pods carry this policy's sidecar.
+async def cleanup(ctx: Context, body: Mapping[str, Any], carriers: Sequence[Mapping[str, Any]], logger: Any) -> list[str]:
+    """On deletion: roll the workloads whose pods carry this policy's sidecar (``carriers``).
 
     The ConfigMap and Service go with the policy (owner references).  A running
     pod's containers cannot be removed, so the pods that carry the sidecar are
     recreated through their Deployment or StatefulSet, and come back without it.
+    In a namespace being deleted everything goes anyway: nothing is rolled.
     """
-    meta = body["metadata"]
-    pods = await ctx.kube.list_pods(meta["namespace"], {POLICY_LABEL: policy_label(meta["name"])})
+    if not carriers or await ctx.kube.namespace_terminating(body["metadata"]["namespace"]):
+        return []
     restarted: list[str] = []
-    for pod in pods:
+    for pod in carriers:
         owner = await ctx.kube.restart_owner(pod)
         if owner is not None and owner not in restarted:
             restarted.append(owner)

@@ -143,6 +143,27 @@ def _bench_predictor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_operator(args: argparse.Namespace) -> int:
+    from .bench import fleet
+
+    cfg = fleet.quick() if args.quick else fleet.FleetConfig()
+    cfg = replace(cfg, policies=tuple(args.policies)) if args.policies else cfg
+    cfg = replace(cfg, idle_seconds=args.idle_seconds) if args.idle_seconds else cfg
+    cfg = replace(cfg, stats_interval=args.stats_interval) if args.stats_interval else cfg
+    cfg = replace(cfg, kubeconfig=args.kubeconfig, operator_kubeconfig=args.operator_kubeconfig,
+                  audit_log=args.audit_log) if args.kubeconfig else cfg  # fmt: skip
+    if args.kubeconfig is None and (args.operator_kubeconfig or args.audit_log):
+        raise SystemExit("binbatch bench operator: --operator-kubeconfig and --audit-log need --kubeconfig (a real API server)")
+    say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench operator] {m}", file=sys.stderr, flush=True))
+    doc = fleet.run(cfg, say)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        fleet.print_table(doc)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .bench import demo, e2e
 
@@ -313,6 +334,24 @@ def build_parser() -> argparse.ArgumentParser:
     oh.add_argument("--profile", metavar="FILE.prof", help="run the sidecar under cProfile and write its stats here")
     oh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     oh.set_defaults(func=_bench_overhead)
+    op = bench_sub.add_parser(
+        "operator", help="the operator holding a fleet: idle API requests per policy, spec change to ConfigMap, "
+                         "webhook admission, RSS and CPU at 100 and 1,000 policies (kmock unless --kubeconfig)"
+    )  # fmt: skip
+    op.add_argument("--json", action="store_true", help="print one JSON document {runs} instead of a table")
+    op.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
+    op.add_argument("--policies", type=_positive_int, nargs="+", metavar="N", help="fleet sizes (default 100 1000)")
+    op.add_argument("--idle-seconds", type=_positive_float, help="length of the idle window (default 120)")
+    op.add_argument("--stats-interval", type=_positive_float,
+                    help="the operator's BINBATCH_STATS_INTERVAL_SECONDS (default 15)")
+    op.add_argument("--kubeconfig", metavar="FILE",
+                    help="a real API server with the CRD and the install applied (default: kmock in this process)")
+    op.add_argument("--operator-kubeconfig", metavar="FILE",
+                    help="the operator's own credentials, e.g. the install's ServiceAccount token (default: --kubeconfig's)")
+    op.add_argument("--audit-log", metavar="FILE",
+                    help="the real API server's audit log (JSON lines): the operator's requests are counted there")
+    op.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    op.set_defaults(func=_bench_operator)
 
     bp = bench_sub.add_parser(
         "predictor", help="length predictors on ShareGPT's held-out split: bin accuracy with 2, 4 and 8 bins, rank "

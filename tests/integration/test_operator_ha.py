@@ -3,11 +3,11 @@ webhook answers from the current policies.
 
 First kopf runs in this process with ``--peering`` against kmock, with a live
 peer of higher priority already in the ClusterKopfPeering (the leader).  A
-paused kopf stops all its watch streams, so its ``policies`` index freezes; the
-webhook must still inject the sidecar of a policy created while it was paused.
-Then two replicas run as processes, exactly as the chart's Deployment starts
-them: one leads, the other follows, both serve the one shared certificate and
-inject, and the follower takes over when the leader stops.
+paused kopf stops all its own watch streams; the operator's watches go on, so the
+webhook injects the sidecar of a policy created while it was paused.  Then two
+replicas run as processes, exactly as the chart's Deployment starts them: the
+oldest leads, the other follows, both serve the one shared certificate and
+inject, and the follower takes over within 15 s when the leader is killed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -154,9 +155,11 @@ async def injects(replica: Replica, ca_pem: bytes) -> bool:
     return [c["name"] for c in patched["spec"]["containers"]] == ["vllm", SIDECAR_CONTAINER]
 
 
-async def test_two_chart_replicas_elect_one_leader_both_inject_and_the_follower_takes_over(
+async def test_two_chart_replicas_elect_the_oldest_both_inject_and_a_kill_hands_over_within_15_s(
     cluster: Any, tmp_path: Path
 ) -> None:
+    """Issue 23: after the leader was killed, the follower took over only when kopf's 60 s peering
+    lifetime ran out (38-61 s on a real API server); Kubernetes' own leader election needs about 15 s."""
     api, container = cluster, chart_container()
     first = await start_replica(container, "operator-a", tmp_path)
     second = None
@@ -165,24 +168,25 @@ async def test_two_chart_replicas_elect_one_leader_both_inject_and_the_follower_
         second = await start_replica(container, "operator-b", tmp_path)
         await until(lambda: "operator-b" in peers(api), "the second replica's keep-alive")
         priorities = {pod: info["priority"] for pod, info in peers(api).items()}
-        assert priorities["operator-a"] != priorities["operator-b"]
-        leader, follower = (second, first) if priorities["operator-b"] > priorities["operator-a"] else (first, second)
-        await until(lambda: follower.logged("Pausing operations in favour of"), "the follower to pause")
-        assert not leader.logged("Pausing operations")
+        assert priorities["operator-a"] > priorities["operator-b"]  # the oldest leads
 
         await api.post(POLICIES, json=policy_doc("fast"))
         await until(lambda: obj(api, "configmaps", "fast-binbatch"), "the leader to reconcile")
         # One certificate for both (the shared Secret), and both webhooks inject the new policy.
         ca_pem = await until(lambda: ca_bundle(api), "the CA bundle")
-        assert await injects(leader, ca_pem) and await injects(follower, ca_pem)
+        assert await injects(first, ca_pem) and await injects(second, ca_pem)
+        assert not second.logged("Resuming operations")  # it follows: paused from its start
 
-        assert await leader.stop() == 0
-        await until(lambda: follower.logged("Resuming operations"), "the follower to take over")
+        first.proc.kill()  # kill -9: no goodbye in the peering object
+        killed = time.monotonic()
+        await until(lambda: second.logged("Resuming operations"), "the follower to take over")
+        took = time.monotonic() - killed
         await api.post(POLICIES, json=policy_doc("second", grpc_port=50052, selector={"matchLabels": {"app": "web"}}))
         await until(lambda: obj(api, "configmaps", "second-binbatch"), "the new leader to reconcile")
-        assert await injects(follower, ca_pem)
+        print(f"kill -9 of the leader: the follower took over after {took:.1f} s")
+        assert took <= 15.0
+        assert await injects(second, ca_pem)
     finally:
         for replica in (first, second):
             if replica is not None:
                 await replica.stop()
-    assert first.proc.returncode == 0, "".join(first.lines)[-2000:]

@@ -11,7 +11,9 @@ import pytest
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_operator import builders
+from binbatch_operator.indexes import Seen
 from binbatch_operator.reconcile import Context, admit, reconcile
+from binbatch_operator.sidecar_stats import SidecarStats
 from binbatch_operator.vllm_args import Finding, Given, check, given
 
 IMAGE = "registry.example/binbatch:test"
@@ -118,20 +120,11 @@ def test_the_last_spelling_is_the_one_vllm_takes():
 
 
 class Kube:
-    def __init__(self, pods: list[dict[str, Any]]) -> None:
-        self.pods = pods
-
-    async def ensure(self, obj):
+    async def ensure(self, obj, current):
         return "unchanged"
-
-    async def read(self, kind, name, namespace):
-        return None
 
     async def delete(self, kind, name, namespace):
         return False
-
-    async def list_pods(self, namespace, match_labels):
-        return self.pods
 
 
 def injected(name: str, **vllm: Any) -> dict[str, Any]:
@@ -149,8 +142,8 @@ async def fresh_stats(address: str) -> pb.Stats:
 async def status_of(pods: list[dict[str, Any]], spec: dict[str, Any] = ORDERED, before: dict[str, Any] | None = None) -> dict[str, Any]:
     body = {"apiVersion": "binbatch.io/v1alpha1", "kind": "BatchingPolicy",
             "metadata": {"name": "fast", "namespace": "llm", "uid": "u1", "generation": 1}, "spec": spec, "status": before or {}}  # fmt: skip
-    ctx = Context(kube=Kube(pods), sidecar_image=IMAGE, stats=fresh_stats)
-    outcome = await reconcile(ctx, body, [], logging.getLogger("t"))
+    ctx = Context(kube=Kube(), sidecar_image=IMAGE, stats=SidecarStats(fresh_stats))
+    outcome = await reconcile(ctx, body, Seen(pods=pods), logging.getLogger("t"))
     return outcome.status
 
 

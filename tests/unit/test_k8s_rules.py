@@ -10,6 +10,7 @@ import cel
 import pytest
 
 from binbatch_operator import crd, k8s_rules
+from binbatch_operator.indexes import Seen
 from binbatch_operator.reconcile import Context, admit, reconcile
 
 # -- names (the regexes and lengths of k8s.io/apimachinery pkg/util/validation) --------
@@ -126,24 +127,14 @@ def test_a_policy_with_bad_resources_injects_nothing_and_names_the_field() -> No
 
 
 class FakeKube:
-    """What reconcile() asks of the API; a pod list with a bad selector is the API server's 400."""
+    """What reconcile() asks of the API."""
 
     def __init__(self) -> None:
         self.applied: list[dict[str, Any]] = []
 
-    async def read(self, kind: str, name: str, namespace: str) -> None:
-        return None
-
-    async def apply(self, obj: dict[str, Any]) -> None:
+    async def ensure(self, obj: dict[str, Any], current: dict[str, Any] | None) -> str:
         self.applied.append(obj)
-
-    async def list_pods(self, namespace: str, match_labels: dict[str, str]) -> list[dict[str, Any]]:
-        bad = [k for k in match_labels if k8s_rules.qualified_name_problems(k)]
-        assert not bad, f"400 Bad Request: invalid label selector {bad}"
-        return []
-
-    async def list_policies(self, namespace: str) -> list[dict[str, Any]]:
-        return []
+        return "created"
 
 
 class Logger:
@@ -161,7 +152,7 @@ class Logger:
 async def test_reconcile_reports_valid_false_naming_the_field_and_creates_nothing(spec: dict[str, Any], field: str) -> None:
     kube = FakeKube()
     body = {"metadata": {"name": "fast", "namespace": "llm", "generation": 2, "uid": "u1"}, "spec": spec}
-    outcome = await reconcile(Context(kube=kube, sidecar_image="img"), body, [], Logger())  # type: ignore[arg-type]
+    outcome = await reconcile(Context(kube=kube, sidecar_image="img"), body, Seen(), Logger())  # type: ignore[arg-type]
     valid = next(c for c in outcome.status["conditions"] if c["type"] == "Valid")
     assert valid["status"] == "False" and field in valid["message"]
     assert kube.applied == []

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from binbatch_operator import builders, takeover
-from binbatch_operator.reconcile import Context, admit, reconcile
+from binbatch_operator.indexes import Seen, Watched
+from binbatch_operator.reconcile import Context, admit, candidate, reconcile
 from binbatch_sidecar.config import parse_config
 
 IMAGE = "registry.example/binbatch:test"
@@ -302,34 +303,25 @@ def test_a_refused_pod_is_admitted_untouched_with_an_annotation_and_a_warning():
 
 
 class Kube:
-    def __init__(self, pods):
-        self.pods, self.children = pods, {}
+    def __init__(self):
+        self.children = {}
 
-    async def ensure(self, obj):
+    async def ensure(self, obj, current):
         self.children[(obj["kind"], obj["metadata"]["name"])] = obj
         return "created"
 
-    reads = 0
-
-    async def read(self, kind, name, namespace):
-        self.reads += 1
-        return self.children.get((kind, name))
-
     async def delete(self, kind, name, namespace):
         return self.children.pop((kind, name), None) is not None
-
-    async def list_pods(self, namespace, match_labels):
-        return self.pods
 
 
 async def test_the_policy_status_names_refused_pods_and_warns_once(caplog):
     running = pod(vllm(args=["--port", "$(P)"]))
     running["metadata"] |= {"name": "vllm-0"}
     body = {"metadata": {"name": "fast", "namespace": "llm", "uid": "u", "generation": 1}, "spec": SPEC, "status": {}}
-    ctx, log = Context(kube=Kube([running]), sidecar_image=IMAGE), logging.getLogger("takeover-test")
+    ctx, log = Context(kube=Kube(), sidecar_image=IMAGE), logging.getLogger("takeover-test")
     with caplog.at_level(logging.WARNING, logger="takeover-test"):
-        first = (await reconcile(ctx, body, [], log)).status
-        await reconcile(ctx, {**body, "status": first}, [], log)
+        first = (await reconcile(ctx, body, Seen(pods=[running]), log)).status
+        await reconcile(ctx, {**body, "status": first}, Seen(pods=[running]), log)
     sidecars = next(c for c in first["conditions"] if c["type"] == "SidecarsInjected")
     assert (sidecars["status"], sidecars["reason"]) == ("False", "TakeOverRefused")
     assert "vllm-0: spec.containers[0].args[1]: --port is $(P)" in sidecars["message"]
@@ -343,30 +335,27 @@ async def test_headless_service_follows_spec_service_headless():
     spec = {**SPEC, "service": {"headless": True}}
     body = {"apiVersion": "binbatch.io/v1alpha1", "kind": "BatchingPolicy", "spec": spec, "status": {},
             "metadata": {"name": "fast", "namespace": "llm", "uid": "u", "generation": 1}}
-    kube = Kube([])
-    await reconcile(Context(kube=kube, sidecar_image=IMAGE), body, [], logging.getLogger("t"))
+    kube = Kube()
+    await reconcile(Context(kube=kube, sidecar_image=IMAGE), body, Seen(), logging.getLogger("t"))
     svc = kube.children[("Service", "fast-binbatch-headless")]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == {builders.POLICY_LABEL: "fast"}
     assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"grpc": "bb-grpc", "http": "bb-http", "metrics": "bb-metrics"}
     assert kube.children[("Service", "fast-binbatch")]["spec"].get("clusterIP") is None  # the virtual IP stays
     kubernetes_validate.validate(svc, "1.30", strict=True)
     ctx = Context(kube=kube, sidecar_image=IMAGE)
-    await reconcile(ctx, {**body, "spec": SPEC}, [], logging.getLogger("t"))
+    await reconcile(ctx, {**body, "spec": SPEC}, Seen(children=dict(kube.children)), logging.getLogger("t"))
     assert ("Service", "fast-binbatch-headless") not in kube.children
-    kube.reads = 0
-    await reconcile(ctx, {**body, "spec": SPEC}, [], logging.getLogger("t"))
-    assert kube.reads == 0  # checked once, not on every tick
-    await reconcile(ctx, body, [], logging.getLogger("t"))  # on again, then off again: deleted again
-    await reconcile(ctx, {**body, "spec": SPEC}, [], logging.getLogger("t"))
+    await reconcile(ctx, body, Seen(children=dict(kube.children)), logging.getLogger("t"))  # on again, then off again
+    await reconcile(ctx, {**body, "spec": SPEC}, Seen(children=dict(kube.children)), logging.getLogger("t"))
     assert ("Service", "fast-binbatch-headless") not in kube.children
 
 
 async def test_turning_headless_off_leaves_a_service_we_did_not_make():
-    kube = Kube([])
+    kube = Kube()
     theirs = {"kind": "Service", "metadata": {"name": "fast-binbatch-headless", "labels": {"team": "a"}}}
     kube.children[("Service", "fast-binbatch-headless")] = theirs
     body = {"metadata": {"name": "fast", "namespace": "llm", "uid": "u", "generation": 1}, "spec": SPEC, "status": {}}
-    await reconcile(Context(kube=kube, sidecar_image=IMAGE), body, [], logging.getLogger("t"))
+    await reconcile(Context(kube=kube, sidecar_image=IMAGE), body, Seen(children=dict(kube.children)), logging.getLogger("t"))
     assert kube.children[("Service", "fast-binbatch-headless")] is theirs
 
 
@@ -418,17 +407,16 @@ async def test_the_webhook_handler_admits_a_refused_pod_unchanged_and_patches_a_
 
     from binbatch_operator import main
 
-    class Policies(Kube):
-        async def list_policies(self, namespace):
-            return [{"metadata": {"name": "fast", "namespace": namespace, "generation": 1}, "spec": SPEC}]
-
     memo = kopf.Memo()
-    memo.ctx = Context(kube=Policies([]), sidecar_image=IMAGE)
+    memo.ctx = Context(kube=Kube(), sidecar_image=IMAGE)
+    memo.watched = Watched(candidate)
+    memo.watched.replace("BatchingPolicy", [{"metadata": {"name": "fast", "namespace": "llm", "uid": "u", "generation": 1},
+                                             "spec": SPEC}])  # fmt: skip
 
     async def inject(p):
         patch, warnings = kopf.Patch(), []
         await main.inject_sidecar(body=kopf.Body(p), patch=patch, warnings=warnings, memo=memo,
-                                  logger=logging.getLogger("t"), policies={})  # fmt: skip
+                                  logger=logging.getLogger("t"))  # fmt: skip
         return dict(patch), warnings
 
     patch, warnings = await inject(pod(vllm(args=["--uds", "/run/v.sock"])))

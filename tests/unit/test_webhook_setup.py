@@ -115,22 +115,19 @@ def test_garbage_in_the_secret_is_not_usable():
 
 
 class FakeKube:
-    def __init__(self, store: SecretStore | None = None, policies: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, store: SecretStore | None = None) -> None:
         self.store = store or SecretStore()
         self.read_secret, self.create_secret, self.replace_secret = (
             self.store.read_secret, self.store.create_secret, self.store.replace_secret)
-        self.policies = policies or []
-        self.listed: list[str] = []
         self.peerings: set[str] = set()
+
+    def informers(self, *_: Any, **__: Any) -> list[Any]:
+        return []  # configure() starts the watches; these tests watch nothing
 
     async def ensure_cluster_peering(self, name: str) -> bool:
         made = name not in self.peerings
         self.peerings.add(name)
         return made
-
-    async def list_policies(self, namespace: str) -> list[dict[str, Any]]:
-        self.listed.append(namespace)
-        return [p for p in self.policies if p["metadata"]["namespace"] == namespace]
 
 
 @pytest.fixture
@@ -216,7 +213,13 @@ def test_a_pod_that_already_has_the_native_sidecar_gets_nothing():
 
 def _policy(name: str, namespace: str = "ml") -> dict[str, Any]:
     return {"apiVersion": "binbatch.io/v1alpha1", "kind": "BatchingPolicy",
-            "metadata": {"name": name, "namespace": namespace, "generation": 3}, "spec": POLICY_SPEC}  # fmt: skip
+            "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}", "generation": 3}, "spec": POLICY_SPEC}  # fmt: skip
+
+
+def _watching(*policies: dict[str, Any]) -> main.Watched:
+    watched = main.Watched(main.candidate)
+    watched.replace("BatchingPolicy", policies)
+    return watched
 
 
 async def _inject(memo: kopf.Memo) -> dict[str, Any]:
@@ -229,22 +232,21 @@ async def _inject(memo: kopf.Memo) -> dict[str, Any]:
 
 
 async def test_the_webhook_injects_a_native_sidecar_when_the_chart_asks():
-    memo = kopf.Memo(ctx=main.Context(kube=FakeKube(policies=[_policy("fast")]), sidecar_image="img"),
+    memo = kopf.Memo(ctx=main.Context(kube=FakeKube(), sidecar_image="img"), watched=_watching(_policy("fast")),
                      native_sidecar=True)  # fmt: skip
     patch = await _inject(memo)
     assert [c["name"] for c in patch["spec"]["initContainers"]] == [SIDECAR_CONTAINER]
 
 
-# ------------------------------------------------------------------ paused (non-leader) replicas
+# ------------------------------------------------------------------ the namespace's policies
 
 
-async def test_every_replica_answers_from_the_api_not_from_an_index():
-    """A paused kopf stops every watch, so a non-leader's index would miss a policy created meanwhile."""
-    kube = FakeKube(policies=[_policy("fast"), _policy("other", namespace="web")])
-    memo = kopf.Memo(ctx=main.Context(kube=kube, sidecar_image="img"))
+async def test_the_webhook_answers_from_the_watched_policies_of_the_pods_namespace():
+    """Every replica watches the policies itself (kopf pauses its own watches on a follower)."""
+    memo = kopf.Memo(ctx=main.Context(kube=FakeKube(), sidecar_image="img"),
+                     watched=_watching(_policy("fast"), _policy("other", namespace="web")))  # fmt: skip
     patch = await _inject(memo)
     assert patch["metadata"]["annotations"]["binbatch.io/injected"] == "fast@3"
-    assert kube.listed == ["ml"]
 
 
 async def test_each_peering_replica_gets_its_own_priority(monkeypatch):
