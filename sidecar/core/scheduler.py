@@ -468,6 +468,8 @@ class Scheduler:
             core.kv_plan.on_snapshot(
                 snapshot.kv_capacity_tokens, snapshot.kv_block_tokens, snapshot.tpot_seconds, preempted, certain
             )
+        if snapshot is not None and snapshot.fresh:
+            self._pending.set_tpot(snapshot.tpot_seconds)  # aging at the engine's pace (admission.py)
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
             self.engine_cap = engine_cap(
                 snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio,
