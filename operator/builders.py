@@ -231,17 +231,16 @@ def matching_policies(policies: Iterable[Mapping[str, Any]], pod_labels: Mapping
 def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: TakeOverPlan | None = None) -> dict[str, Any]:
     """The injected container: non-root, read-only root filesystem, gRPC health probes.
 
-    With a port take-over its HTTP door listens on the pod's serving port
-    (``--http-port``, over the config's httpPort) and it carries vLLM's named
-    entries for that port.
+    With a port take-over its HTTP door also listens on the pod's serving port
+    (``--take-over-port``), declared by the entries the plan moved from vLLM;
+    ``bb-http`` stays the config's httpPort, so no port is declared twice.
     """
     side = spec.get("sidecar") or {}
     settings = sidecar_settings(spec)
-    grpc_port, metrics_port = settings["grpcPort"], settings["metricsPort"]
-    http_port = take_over.serving_port if take_over else settings["httpPort"]
+    grpc_port, http_port, metrics_port = settings["grpcPort"], settings["httpPort"], settings["metricsPort"]
     command = ["binbatch", "sidecar", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"]
     if take_over:
-        command += ["--http-port", str(http_port)]
+        command += ["--take-over-port", str(take_over.serving_port)]
     container: dict[str, Any] = {
         "name": SIDECAR_CONTAINER,
         "image": side.get("image") or default_image,
@@ -250,7 +249,7 @@ def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: Ta
             {"name": GRPC_PORT_NAME, "containerPort": grpc_port, "protocol": "TCP"},
             {"name": HTTP_PORT_NAME, "containerPort": http_port, "protocol": "TCP"},
             {"name": METRICS_PORT_NAME, "containerPort": metrics_port, "protocol": "TCP"},
-            *(take_over.moved_ports if take_over else ()),
+            *(take_over.serving_ports if take_over else ()),
         ],
         # The sidecar's grpc.health.v1 follows the engine's /health: not ready
         # until vLLM answers, so the Service only routes to pods that can serve.
@@ -290,7 +289,7 @@ def take_over_plan(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> TakeOverP
     if not takeover.enabled(spec):
         return None
     settings = sidecar_settings(spec)
-    return takeover.plan(pod, spec, {"grpcPort": settings["grpcPort"], "metricsPort": settings["metricsPort"]})
+    return takeover.plan(pod, spec, {name: settings[name] for name in ("grpcPort", "httpPort", "metricsPort")})
 
 
 def build_pod_patch(

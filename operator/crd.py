@@ -96,6 +96,15 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
         _rule(("countMode", "boundaries"), "self.countMode != 'Auto' || size(self.boundaries) == 0",
               "boundaries must be empty when countMode is Auto", ".boundaries"),
     ],
+    "predictor.external": [
+        _rule(("feedbackUrl", "url"), "self.feedbackUrl == '' || self.url != ''",
+              "feedbackUrl needs url: completions are reported only for requests the service was asked about",
+              ".feedbackUrl"),
+    ],
+    "predictor": [
+        _rule(("warmStart", "kind"), "self.warmStart == '' || self.kind == 'Learned'",
+              "warmStart is only read with kind Learned", ".warmStart"),
+    ],
     "metrics": [
         _rule(("staleAfterMilliseconds", "intervalMilliseconds"),
               "self.staleAfterMilliseconds >= 2 * self.intervalMilliseconds",
@@ -160,17 +169,21 @@ def _openapi(node: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def section_schema(name: str, model: type[BaseModel]) -> dict[str, Any]:
+def section_schema(name: str, model: type[BaseModel], description: str | None = None) -> dict[str, Any]:
+    """The object schema of the config section (or nested section, e.g. ``predictor.external``) ``name``."""
     schema = model.model_json_schema(by_alias=True)
     props = {key: _openapi(prop) for key, prop in schema["properties"].items()}
-    for key, field in model.model_fields.items():  # a default_factory is not in pydantic's JSON schema
-        prop = props[field.alias or key]
-        if "default" not in prop and not field.is_required():
-            prop["default"] = field.get_default(call_default_factory=True)
+    for key, field in model.model_fields.items():
+        alias = field.alias or key
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):  # inlined: a CRD has no $ref
+            props[alias] = section_schema(f"{name}.{alias}", field.annotation, field.description)
+        elif "default" not in props[alias] and not field.is_required():  # a default_factory is not in pydantic's JSON schema
+            props[alias]["default"] = field.get_default(call_default_factory=True)
     if name == "bins":  # pydantic checks entries in a validator; the API server needs the bounds here
         props["boundaries"]["items"] |= {"minimum": 1, "maximum": 1_000_000}
         props["boundaries"]["x-kubernetes-list-type"] = "set"  # with isSorted(): strictly increasing
-    out: dict[str, Any] = {"type": "object", "description": SECTION_DESCRIPTIONS[name], "default": {}, "properties": props}
+    out: dict[str, Any] = {"type": "object", "description": description or SECTION_DESCRIPTIONS[name], "default": {},
+                           "properties": props}  # fmt: skip
     if name in SECTION_RULES:
         out["x-kubernetes-validations"] = SECTION_RULES[name]
     return out
@@ -183,21 +196,34 @@ def _str(description: str, **extra: Any) -> dict[str, Any]:
 def resources_schema() -> dict[str, Any]:
     """``spec.sidecar.resources``: requests and limits as a Pod's container has them.
 
-    Quantities are strings with the core types' quantity pattern.  (The core
-    types also take integers, as ``x-kubernetes-int-or-string``; but CEL types
-    such a value as ``dyn`` of up to the request size, 3 MiB, and the quantity
-    rules below would then exceed the API server's cost budget: a string with a
-    ``maxLength`` keeps them cheap.  Write ``cpu: "1"``.)
+    A quantity is a string (``"500m"``, ``"1Gi"``) or a whole number (``cpu: 1``),
+    as in a Pod: ``x-kubernetes-int-or-string`` (``minimum`` bounds the numbers,
+    ``pattern`` and ``maxLength`` the strings).  CEL sees such a value as
+    ``dyn``, so each rule asks ``type(v) == int`` before treating it as a
+    string, and turns a number into text with ``string(v)`` for ``quantity()``.
+    The rules' cost is estimated from the values' size: ``maxLength`` bounds it
+    from Kubernetes 1.34 (kubernetes/kubernetes#132837); older API servers size
+    an int-or-string as the whole request and refuse the comparison of requests
+    with limits as over budget.  A fractional number (``cpu: 1.5``) is not an
+    int-or-string: write ``"1.5"`` or ``1500m``.
     """
+
+    quantity = {
+        "x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "description": 'A quantity: a whole number (1) or a string ("500m", "1.5", "1Gi").',
+        "minimum": 0, "maxLength": 64, "pattern": f"^{k8s_rules.QUANTITY}$",
+        "x-kubernetes-validations": [
+            {"rule": "type(self) == int || !isQuantity(self) || sign(quantity(self)) >= 0",
+             "message": "quantities must not be negative"},
+        ],
+    }  # fmt: skip
 
     def amounts(what: str) -> dict[str, Any]:
         return {
             "type": "object", "maxProperties": MAX_RESOURCES,
             "description": f"{what} per resource name (cpu, memory, ephemeral-storage, hugepages-<size>, domain/name).",
-            "additionalProperties": _str('A quantity, quoted: "500m", "2", "1Gi".', maxLength=64, pattern=f"^{k8s_rules.QUANTITY}$"),
+            "additionalProperties": quantity,
             "x-kubernetes-validations": [
-                {"rule": "self.all(k, !isQuantity(self[k]) || sign(quantity(self[k])) >= 0)",
-                 "message": "quantities must not be negative"},
                 {"rule": f"self.all(k, k in {list(k8s_rules.STANDARD_CONTAINER_RESOURCES)} "
                          f"|| k.startsWith('{k8s_rules.HUGEPAGES_PREFIX}') || (k.matches(r'^{k8s_rules.LABEL_KEY}$') "
                          "&& k.contains('/') && !k.contains('kubernetes.io/')))",
@@ -206,14 +232,15 @@ def resources_schema() -> dict[str, Any]:
             ],
         }  # fmt: skip
 
+    request, limit = "string(self.requests[k])", "string(self.limits[k])"
     return {
         "type": "object",
         "description": "Container resources (requests and limits), as in a Pod spec.",
         "properties": {"requests": amounts("Requested amount"), "limits": amounts("Upper limit")},
         "x-kubernetes-validations": [
             _rule(("requests", "limits"),
-                  "self.requests.all(k, !(k in self.limits) || !isQuantity(self.requests[k]) "
-                  "|| !isQuantity(self.limits[k]) || quantity(self.requests[k]).compareTo(quantity(self.limits[k])) <= 0)",
+                  f"self.requests.all(k, !(k in self.limits) || !isQuantity({request}) || !isQuantity({limit}) "
+                  f"|| quantity({request}).compareTo(quantity({limit})) <= 0)",
                   "every request must be <= its limit", ".requests"),
         ],
     }  # fmt: skip

@@ -129,9 +129,10 @@ def label_value_problems(value: Any) -> list[str]:
 
 
 def parse(value: Any) -> Decimal:
-    """A quantity's value; raises ValueError for what the API server would refuse."""
+    """A quantity's value: a string or a whole number, as the CRD's int-or-string takes it; raises
+    ValueError for what the API server would refuse."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ValueError(f"must be a quantity string such as '500m' or '1Gi', got {value!r}")
+        raise ValueError(f"must be a quantity, a whole number or a string such as '500m', '1.5' or '1Gi', got {value!r}")
     if isinstance(value, str) and not _full(QUANTITY, value):
         raise ValueError(f"must be a quantity such as '500m' or '1Gi' (pattern ^{QUANTITY}$), got {value!r}")
     return Decimal(parse_quantity(value))

@@ -138,7 +138,22 @@ class KubeApi:
         )
         return list(found["items"])
 
+    async def namespace_labels(self, name: str) -> dict[str, str]:
+        found = await self._call(self.core.read_namespace, name)
+        return dict(found["metadata"].get("labels") or {})
+
     # -- webhook and workloads -------------------------------------------------
+
+    async def webhook_namespace_selector(self, name: str) -> dict[str, Any] | None:
+        """The ``namespaceSelector`` of the named configuration's webhook (the install has one); None if it is gone."""
+        try:
+            current = await self._call(self.admission.read_mutating_webhook_configuration, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        webhooks = current.get("webhooks") or [{}]
+        return dict(webhooks[0].get("namespaceSelector") or {})
 
     async def set_webhook_ca_bundle(self, name: str, ca_pem: bytes) -> None:
         """Put the webhook server's CA into every webhook of the named configuration."""

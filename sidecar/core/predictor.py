@@ -1,17 +1,33 @@
-"""Length predictors: the expected output tokens of a request, before it runs.
+"""Length predictors: the output length of a request, before it runs.
 
 * ``HintPredictor``: the client's ``expected_output_tokens`` hint, else ``max_tokens``.
 * ``OnlinePredictor``: learns from the completions the sidecar sees, per
   (request class, prompt-length bucket), with coarser fallbacks.
+* ``LearnedPredictor``: a model that reads the prompt (``length_model``), warm-started
+  from a file and refitted off the request path on the completions it sees; the
+  online predictor answers until it has a model.
+* ``ExternalFirst``: an external predictor service's answer (``req.external_length``,
+  asked by the server before the request is queued) for requests without a hint,
+  else the predictor it wraps.
 
-The client's hint always wins (the API promises it): both predictors return the
-hint, capped at ``max_tokens``, whenever one is given; the online predictor only
-predicts requests without a hint.  ``predict`` records where its answer came from
-in ``req.prediction_source`` (``SOURCES``), so accuracy is reported per source: a
-good hint and a poor learned estimate must not average into one number.
+Each sets ``req.length``, the predicted length as a distribution (``LengthDist``:
+its median orders and bins, its upper quantile plans the KV cache), and returns
+the median.  The client's hint always wins (the API promises it): every predictor
+returns the hint, capped at ``max_tokens``, as an exact length whenever one is
+given; the others only predict requests without a hint.
+
+A predictor reads the prompt's text, its class, its token estimate and
+``max_tokens``, never what could force a length (``min_tokens``, stop strings,
+``ignore_eos``): the core ``Request`` does not carry them.
+
+``predict`` records where its answer came from in ``req.prediction_source``
+(``SOURCES``), so accuracy is reported per source: a good hint and a poor learned
+estimate must not average into one number.
+
 * ``AccuracyTracker``: how often the prediction lands in the right bin - the
   analogue of multi-bin-batching-v2 Table 1 (bin classification accuracy) and its
-  "1 bin accuracy" (predicted bin within one of the actual bin, Appendix C.1).
+  "1 bin accuracy" (predicted bin within one of the actual bin, Appendix C.1) -
+  and how well predictions rank the answers (Kendall's tau).
 """
 
 from __future__ import annotations
@@ -19,16 +35,30 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, replace
 from typing import Sequence
 
+from .length_dist import LengthDist
+from .length_model import Features, LengthModel, featurize
 from .request import Request
 from .stages import LengthPredictor  # noqa: F401 - the contract, declared with the other stages
 
 _Key = tuple[str] | tuple[str, int]  # (request_class,) or (request_class, prompt bucket)
 
-# Where a prediction came from: the client's hint, the online estimate, the
-# request's max_tokens, or predictor.defaultOutputTokens.
-SOURCES = ("hint", "online", "max_tokens", "default")
+# Where a prediction came from: the client's hint, an external predictor service, the
+# learned model, the online estimate, the request's max_tokens, or predictor.defaultOutputTokens.
+SOURCES = ("hint", "external", "learned", "online", "max_tokens", "default")
+TAU_MIN_PAIRS = 8  # AccuracyTracker.kendall_tau: fewer pairs rank nothing
+
+
+def _cap(req: Request) -> float:
+    return float(req.max_tokens) if req.max_tokens > 0 else math.inf
+
+
+def _set(req: Request, dist: LengthDist, source: str) -> float:
+    """Record ``dist`` as ``req``'s predicted length and where it came from; its median."""
+    req.length, req.prediction_source = dist, source
+    return dist.median
 
 
 def _hinted(req: Request) -> float | None:
@@ -53,13 +83,10 @@ class HintPredictor:
     def predict(self, req: Request) -> float:
         hint = _hinted(req)
         if hint is not None:
-            req.prediction_source = "hint"
-            return hint
+            return _set(req, LengthDist.exact(hint, _cap(req)), "hint")
         if req.max_tokens > 0:
-            req.prediction_source = "max_tokens"
-            return float(req.max_tokens)
-        req.prediction_source = "default"
-        return self.default_tokens
+            return _set(req, LengthDist.exact(req.max_tokens, _cap(req)), "max_tokens")
+        return _set(req, LengthDist.exact(self.default_tokens), "default")
 
     def observe(self, req: Request, actual_tokens: float) -> None:
         pass
@@ -141,18 +168,18 @@ class OnlinePredictor:
         return (req.request_class, prompt_bucket(req.prompt_tokens)), (req.request_class,)
 
     def predict(self, req: Request) -> float:
+        """The estimate as an exact length (a bucket keeps a mean, not its spread)."""
         hint = _hinted(req)
         if hint is not None:
-            req.prediction_source = "hint"
-            return max(hint, self.min_tokens)
+            return _set(req, LengthDist.exact(max(hint, self.min_tokens), _cap(req)), "hint")
         estimate = self._learned(req)
         if estimate is None:
             estimate = self.fallback.predict(req)
+            source = req.prediction_source
         else:
-            req.prediction_source = "online"
-        if req.max_tokens > 0:
-            estimate = min(estimate, float(req.max_tokens))
-        return max(estimate, self.min_tokens)
+            source = "online"
+        estimate = max(min(estimate, _cap(req)), self.min_tokens)
+        return _set(req, LengthDist.exact(estimate, max(_cap(req), estimate)), source)
 
     def _learned(self, req: Request) -> float | None:
         for key in self._key_chain(req):
@@ -176,6 +203,127 @@ class OnlinePredictor:
         self._global.add(x, self.alpha)
         while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)  # LRU eviction
+
+
+class ExternalFirst:
+    """The sources in order: the client's hint, then the external service's answer, then
+    ``inner``.  ``inner`` keeps learning from every completion; its name is the one reported."""
+
+    name: str
+
+    def __init__(self, inner: LengthPredictor) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def predict(self, req: Request) -> float:
+        if req.external_length is None or _hinted(req) is not None:
+            return self.inner.predict(req)
+        return _set(req, req.external_length, "external")
+
+    def observe(self, req: Request, actual_tokens: float) -> None:
+        self.inner.observe(req, actual_tokens)
+
+
+def _features(req: Request) -> Features:
+    """What the learned model reads of a request: its prompt's text, its class, its cap."""
+    return featurize(req.prompt_text, req.request_class, req.max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """One completion kept to learn from: the prompt's hashed features, never its text."""
+
+    features: Features
+    output_tokens: float
+
+
+class LearnedPredictor:
+    """Reads the prompt: a ``LengthModel``'s distribution for requests without a hint.
+
+    Until it has a model (no warm start and too few completions yet) the online
+    predictor answers (``fallback``, which it keeps feeding).  Every completion's
+    hashed features and length go into a bounded buffer (the last ``buffer``
+    records); ``refit_due`` says when enough new ones came (after ``first_fit``
+    records, then each time as many as the last fit had, up to ``refit_every``;
+    with a warm start, every ``refit_every``),
+    ``training_set`` hands a copy to whoever fits off the request path
+    (``length_model.fit``, given ``prior``: the warm start), and ``install`` swaps
+    the new model in whole.  Pure: the engine layer runs the fit in a thread.
+    """
+
+    name = "learned"
+
+    def __init__(
+        self,
+        *,
+        model: LengthModel | None = None,
+        fallback: OnlinePredictor | None = None,
+        buffer: int = 4096,
+        refit_every: int = 1024,
+        first_fit: int = 64,
+        warm_start: str = "",
+    ) -> None:
+        if not 16 <= first_fit <= buffer:
+            raise ValueError(f"first_fit must be in [16, buffer={buffer}], got {first_fit}")
+        if refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
+        self.prior = model  # the warm start: every refit is centred on it
+        self.warm_start = warm_start  # where the prior came from ("" none)
+        self.model = model
+        self.fallback = fallback or OnlinePredictor()
+        self.first_fit, self.refit_every = first_fit, refit_every
+        self._records: deque[_Record] = deque(maxlen=buffer)
+        self._new = 0  # records since the last training_set
+        self._last_fit = 0  # records the last training_set held
+        self.installed_at: float | None = None  # clock time of the last install (the engine layer's clock)
+        self.fitting = False  # a training set is out and not yet installed or dropped
+
+    @property
+    def buffered(self) -> int:
+        return len(self._records)
+
+    def resize(self, buffer: int) -> None:
+        """Keep the last ``buffer`` records from now on (a reload may change it)."""
+        if buffer != self._records.maxlen:
+            self._records = deque(self._records, maxlen=buffer)
+            self.first_fit = min(self.first_fit, buffer)
+
+    def predict(self, req: Request) -> float:
+        hint = _hinted(req)
+        if hint is not None:
+            return _set(req, LengthDist.exact(hint, _cap(req)), "hint")
+        model = self.model
+        if model is None:
+            return self.fallback.predict(req)
+        return _set(req, model.dist(_features(req), _cap(req)), "learned")
+
+    def observe(self, req: Request, actual_tokens: float) -> None:
+        self.fallback.observe(req, actual_tokens)  # validates actual_tokens
+        self._records.append(_Record(_features(req), float(actual_tokens)))
+        self._new += 1
+
+    def refit_due(self) -> bool:
+        # with a warm start, a fit on a few records would replace the prior's residual
+        # quantiles (its KV plan's coverage) with noisy ones: wait for refit_every
+        first = self.first_fit
+        if self.prior is not None:
+            first = max(first, min(self.refit_every, self._records.maxlen or first))
+        if self.fitting or len(self._records) < first:
+            return False
+        return self._new >= min(self.refit_every, max(first, self._last_fit))
+
+    def training_set(self) -> tuple[list[Features], list[float]]:
+        """The buffered records to fit on (a copy: observing goes on meanwhile); marks a fit as running."""
+        self.fitting, self._new, self._last_fit = True, 0, len(self._records)
+        records = list(self._records)
+        return [r.features for r in records], [r.output_tokens for r in records]
+
+    def install(self, model: LengthModel | None, now: float) -> None:
+        """Swap in a fitted model (None: the fit failed; keep the old one)."""
+        self.fitting = False
+        if model is not None:
+            version = (self.model.version if self.model is not None else 0) + 1  # models this predictor has run
+            self.model, self.installed_at = replace(model, version=version), now
 
 
 class AccuracyTracker:
@@ -203,6 +351,8 @@ class AccuracyTracker:
         self._scored_for: tuple[float, ...] | None = None  # the boundaries _hits counts against
         # source (None: all) -> [pairs within 0 bins, pairs within 1 bin]
         self._hits: dict[str | None, list[int]] = {}
+        self._added = 0  # pairs recorded so far: the window's version, for the cached tau
+        self._tau: dict[tuple[int, str | None], float | None] = {}
 
     def __len__(self) -> int:
         return len(self._pairs)
@@ -212,6 +362,7 @@ class AccuracyTracker:
             self._count(self._pairs.popleft(), -1)
         pair = (float(predicted), float(actual), source)
         self._pairs.append(pair)
+        self._added += 1
         self._count(pair, +1)
 
     def _count(self, pair: tuple[float, float, str], sign: int) -> None:
@@ -230,6 +381,23 @@ class AccuracyTracker:
         """The sources that have pairs in the window, in ``SOURCES`` order."""
         held = set(self._per_source)
         return [s for s in SOURCES if s in held] + sorted(held - set(SOURCES))
+
+    def kendall_tau(self, source: str | None = None) -> float | None:
+        """Kendall's tau-b of predicted against actual lengths in the window (of one
+        ``source``, or all), None below ``TAU_MIN_PAIRS`` pairs or when either side is
+        constant.  Recomputed only after the window changed."""
+        key = (self._added, source)
+        if key not in self._tau:
+            pairs = [(p, a) for p, a, s in self._pairs if source is None or s == source]
+            tau = None
+            if len(pairs) >= TAU_MIN_PAIRS:
+                from scipy.stats import kendalltau
+
+                value = float(kendalltau(*zip(*pairs)).statistic)
+                tau = value if math.isfinite(value) else None
+            self._tau = {k: v for k, v in self._tau.items() if k[0] == self._added}
+            self._tau[key] = tau
+        return self._tau[key]
 
     def bin_accuracy(self, boundaries: Sequence[float], source: str | None = None) -> float | None:
         return self._share_within(boundaries, 0, source)

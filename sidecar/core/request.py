@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 from .length_dist import LengthDist
 
@@ -33,9 +34,11 @@ class Request:
     request_class: str = ""
     # what the request asks, for a predictor that reads it; kept only while the request is in flight
     prompt_text: str = ""
+    # an external predictor service's answer, asked by the server before the request is queued
+    external_length: LengthDist | None = None
     predicted_tokens: float | None = None  # set by the length predictor: the median of ``length``
     length: LengthDist | None = None  # set by the length predictor: the whole predicted distribution
-    prediction_source: str = ""  # set by the length predictor: hint | online | max_tokens | default
+    prediction_source: str = ""  # set by the length predictor: one of predictor.SOURCES
     actual_tokens: float | None = None  # set when the engine reports completion
     bin: int | None = None  # set by the batch former
     cancelled: bool = False  # set by cancel(); such a request is never dispatched
@@ -45,6 +48,11 @@ class Request:
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
+
+
+def chat_text(messages: Iterable[tuple[str, str]]) -> str:
+    """A chat's text as a predictor reads it (``Request.prompt_text``): each message's content, one per line."""
+    return "\n".join(content for _, content in messages)
 
 
 def expected_tokens(req: Request) -> float:

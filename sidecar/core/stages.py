@@ -37,7 +37,8 @@ class LengthPredictor(Protocol):
     name: str
 
     def predict(self, req: Request) -> float:
-        """Expected output tokens of ``req`` (> 0); sets ``req.prediction_source``."""
+        """Expected output tokens of ``req`` (> 0, the median); sets ``req.length`` (the
+        whole predicted distribution) and ``req.prediction_source``."""
         ...
 
     def observe(self, req: Request, actual_tokens: float) -> None:

@@ -34,6 +34,8 @@ from ..core.admission import engine_priority
 from ..core.breaker import STATES
 from ..core.clock import Clock
 from ..core.inflight import Slot
+from ..core.length_model import fit as fit_length_model
+from ..core.predictor import LearnedPredictor
 from ..core.request import Request
 from ..core.scheduler import (
     ADJUSTMENT_FIELDS,
@@ -163,6 +165,7 @@ class Dispatcher:
         self._wall_time = wall_time
         self._calls: dict[Request, Call] = {}  # accepted and not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
+        self._refit: asyncio.Task[None] | None = None  # predictor.kind Learned: the fit running in a thread
         self._wake = Wakeup()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -175,6 +178,11 @@ class Dispatcher:
         metrics.inflight_requests.set_function(lambda: self.inflight_requests)
         metrics.inflight_batches.set_function(lambda: self.inflight_batches)
         metrics.pending_requests.set_function(self.pending_requests)
+        metrics.predictor_model_version.set_function(lambda: self._learned_model("version", 0))
+        metrics.predictor_model_records.set_function(lambda: self._learned_model("records", 0))
+        metrics.predictor_model_age.set_function(self._model_age)
+        metrics.predictor_buffered_records.set_function(
+            lambda: p.buffered if isinstance(p := self.core.predictor, LearnedPredictor) else 0)
         self._publish_queue()
         self._publish_sizes()
         self._publish_breaker()
@@ -422,6 +430,7 @@ class Dispatcher:
         else:
             outcome = Outcome(completion_tokens=float(result.completion_tokens), prompt_tokens=result.prompt_tokens)
         verdict = sched.complete(req, outcome, now)
+        self._maybe_refit()
         if sched.breaker.state != state:
             self._breaker_changed()
         if verdict == "requeued":
@@ -450,6 +459,27 @@ class Dispatcher:
             )
             self._observe_latency(req, call, now)
             self._resolve(req, "completed", result=completion)
+
+    def _maybe_refit(self) -> None:
+        """A learned predictor with enough new completions: fit a new model in a worker
+        thread (seconds of CPU: never on the event loop), then swap it in whole."""
+        predictor = self.core.predictor
+        if isinstance(predictor, LearnedPredictor) and predictor.refit_due():
+            self._refit = asyncio.get_running_loop().create_task(self._fit(predictor, *predictor.training_set()))
+
+    async def _fit(self, predictor: LearnedPredictor, features: list, tokens: list[float]) -> None:
+        started = self.clock.now()
+        try:
+            model = await asyncio.to_thread(fit_length_model, features, tokens, prior=predictor.prior)
+        except Exception:  # noqa: BLE001 - a failed fit keeps the running model
+            log.exception("length model refit on %d records failed; keeping the running model", len(tokens))
+            self.metrics.predictor_refits.labels("failed").inc()
+            predictor.install(None, self.clock.now())
+            return
+        predictor.install(model, self.clock.now())
+        self.metrics.predictor_refits.labels("installed").inc()
+        log.info("length model v%d installed: fitted on %d records in %.1f s", model.version, len(tokens),
+                 self.clock.now() - started)  # fmt: skip
 
     def _first_token(self, req: Request, call: Call) -> None:
         """A stream's first delta: its TTFT, from acceptance (both doors share this path)."""
@@ -648,6 +678,20 @@ class Dispatcher:
         for source in acc.sources():
             self.metrics.bin_accuracy_by_source.labels(source).set(acc.bin_accuracy(b, source) or 0.0)
             self.metrics.within_one_accuracy_by_source.labels(source).set(acc.within_one_bin_accuracy(b, source) or 0.0)
+            tau = acc.kendall_tau(source)
+            if tau is not None:
+                self.metrics.kendall_tau_by_source.labels(source).set(tau)
+
+    def _learned_model(self, attr: str, none: float) -> float:
+        p = self.core.predictor
+        model = p.model if isinstance(p, LearnedPredictor) else None
+        return none if model is None else float(getattr(model, attr))
+
+    def _model_age(self) -> float:
+        p = self.core.predictor
+        if not isinstance(p, LearnedPredictor) or p.model is None or p.installed_at is None:
+            return -1.0
+        return max(0.0, self.clock.now() - p.installed_at)
 
 
 def _note_progress(req: Request, generated: int, prompt_tokens: int | None) -> None:

@@ -26,6 +26,7 @@ TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 OUTCOMES = ("completed", "rejected", "expired", "cancelled", "failed", "unavailable")
+EXTERNAL_OUTCOMES = ("answered", "timeout", "error", "invalid", "skipped")  # of a call to the external predictor
 OTHER_MODEL = "other"  # model_name of a request naming a model the engine does not serve
 
 
@@ -180,12 +181,38 @@ class SidecarMetrics:
         self.bin_accuracy_by_source = Gauge(
             "binbatch_predictor_source_bin_accuracy_ratio",
             "Share of completions predicted into their true bin, by where the prediction came from "
-            "(hint|online|max_tokens|default)", ["source"], registry=r,
+            "(hint|external|learned|online|max_tokens|default)", ["source"], registry=r,
         )  # fmt: skip
         self.within_one_accuracy_by_source = Gauge(
             "binbatch_predictor_source_within_one_bin_accuracy_ratio",
             "Share of completions predicted into their true bin or a neighbour, by prediction source",
             ["source"], registry=r,
+        )  # fmt: skip
+        self.kendall_tau_by_source = Gauge(
+            "binbatch_predictor_source_kendall_tau",
+            "Kendall rank correlation of predicted and actual output lengths over the accuracy window, by "
+            "prediction source (how well the order of the predictions matches the order of the answers)",
+            ["source"], registry=r,
+        )  # fmt: skip
+        self.predictor_refits = Counter(
+            "binbatch_predictor_refits", "Learned predictor: model refits off the request path, by outcome "
+            "(installed|failed)", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.predictor_model_version = Gauge(
+            "binbatch_predictor_model_version", "Learned predictor: the running model's number, counting the "
+            "models installed since start (0: none yet; 1: the warm start or the first fit)", registry=r,
+        )  # fmt: skip
+        self.predictor_model_age = Gauge(
+            "binbatch_predictor_model_age_seconds", "Learned predictor: seconds since the running model was "
+            "installed (-1: no model yet)", registry=r,
+        )  # fmt: skip
+        self.predictor_model_records = Gauge(
+            "binbatch_predictor_model_records", "Learned predictor: training records behind the running model "
+            "(the warm start's included)", registry=r,
+        )  # fmt: skip
+        self.predictor_buffered_records = Gauge(
+            "binbatch_predictor_training_records", "Learned predictor: completions held to refit on "
+            "(hashed features, bounded by predictor.trainingBufferRecords)", registry=r,
         )  # fmt: skip
         self.bins = Gauge("binbatch_bins", "Number of bins k", registry=r)
         self.metrics_fresh = Gauge(
@@ -213,8 +240,29 @@ class SidecarMetrics:
             "1 for the batch-size fallback in use while engine metrics are stale "
             "(last-good|static|pressure), 0 for the others", ["fallback"], registry=r,
         )  # fmt: skip
+        self.external_predictor_calls = Counter(
+            "binbatch_external_predictor_calls",
+            "Calls to the external length predictor (predictor.external.url), by outcome "
+            "(answered|timeout|error|invalid|skipped: the breaker is open); on all but answered the built-in "
+            "predictor places the request", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.external_predictor_seconds = Histogram(
+            "binbatch_external_predictor_call_seconds", "Time a call to the external length predictor took",
+            buckets=TIME_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.external_predictor_breaker_opens = Counter(
+            "binbatch_external_predictor_breaker_opens",
+            "Times the external length predictor's breaker opened (a timeout or an outage began)", registry=r,
+        )  # fmt: skip
+        self.external_predictor_feedback = Counter(
+            "binbatch_external_predictor_feedback",
+            "Completions reported to the external length predictor (predictor.external.feedbackUrl), by outcome "
+            "(sent|failed|dropped: the service fell behind)", ["outcome"], registry=r,
+        )  # fmt: skip
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros so rate() works from the start
+        for outcome in EXTERNAL_OUTCOMES:
+            self.external_predictor_calls.labels(outcome)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -31,6 +31,7 @@ from ..core.smdp_policy import ServiceTimeFit, solve_bucket
 from ..core.throughput import ThroughputWindow
 from ..engine.dispatcher import Adjustment, Dispatcher
 from ..engine.engine_client import EngineClient
+from ..engine.external_predictor import ExternalPredictor
 from ..engine.metrics_feed import MetricsFeed
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs, ports
@@ -49,7 +50,12 @@ HEALTH_INTERVAL = 1.0
 
 
 class Sidecar:
-    """One sidecar.  ``await start()``, then ``grpc_port``/``http_port``/``metrics_port``; ``await stop()``."""
+    """One sidecar.  ``await start()``, then ``grpc_port``/``http_port``/``metrics_port``; ``await stop()``.
+
+    ``take_over_port``: the HTTP door listens there too (the operator's port
+    take-over gives it vLLM's own serving port, while ``http_port`` stays the
+    port the policy's Service targets).
+    """
 
     def __init__(
         self,
@@ -61,6 +67,7 @@ class Sidecar:
         grpc_port: int | None = None,
         metrics_port: int | None = None,
         http_port: int | None = None,
+        take_over_port: int | None = None,
     ) -> None:
         self.loaded = loaded
         self.config_path = config_path
@@ -69,6 +76,7 @@ class Sidecar:
         self._grpc_port_req = loaded.config.server.grpc_port if grpc_port is None else grpc_port
         self._metrics_port_req = loaded.config.server.metrics_port if metrics_port is None else metrics_port
         self._http_port_req = loaded.config.server.http_port if http_port is None else http_port
+        self._take_over_port_req = take_over_port
         self._port_settings = (  # named in a ListenError
             ports.setting_name("server.grpcPort", "--grpc-port", "BINBATCH_GRPC_PORT", grpc_port is not None),
             ports.setting_name("server.metricsPort", "--metrics-port", "BINBATCH_METRICS_PORT", metrics_port is not None),
@@ -87,6 +95,7 @@ class Sidecar:
         self.grpc_port = 0
         self.metrics_port = 0
         self.http_port = 0
+        self.take_over_port: int | None = None
         self._retiring: set[EngineClient] = set()  # replaced by a reload, closed once their calls end
         self._background: set[asyncio.Task] = set()
 
@@ -107,16 +116,18 @@ class Sidecar:
 
     async def start(self) -> None:
         cfg = self.config
-        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
-                                   max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
         self.bin_count = build_bin_count(cfg)
         self.smdp = build_smdp(cfg)
+        # first: a config it cannot apply (a predictor.warmStart that is no model) raises ConfigError before anything opens
+        core = build_core(cfg, self.clock, k=self.bin_count and self.bin_count.k, policy=self.smdp)
+        self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
+                                   max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
         self.dispatcher = Dispatcher(
-            build_core(cfg, self.clock, k=self.bin_count and self.bin_count.k, policy=self.smdp),
-            self.client, self.clock, self.metrics,
+            core, self.client, self.clock, self.metrics,
             mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds, wall_time=time.time,
         )  # fmt: skip
+        self.external = ExternalPredictor(lambda: self.config.predictor.external, self.clock, self.metrics)
         self.feed = MetricsFeed(
             metrics_source(cfg), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
             clock=self.clock, on_snapshot=self._on_snapshot,
@@ -138,6 +149,7 @@ class Sidecar:
         inference = InferenceServicer(
             self.dispatcher, self.clock, config=lambda: self.config, default_model=self.default_model,
             context_length=lambda model: self.client.context_lengths.get(model), on_completion=self.on_completion,
+            external=self.external,
         )  # fmt: skip
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=ports.GRPC_SERVER_OPTIONS)
@@ -157,17 +169,21 @@ class Sidecar:
             await self._http_runner.setup()
             self.http_port = await ports.start_site(self._http_runner, self.host, self._http_port_req,
                                                     self._port_settings[2])  # fmt: skip
+            if self._take_over_port_req is not None:
+                self.take_over_port = await ports.start_site(self._http_runner, self.host, self._take_over_port_req,
+                                                             "--take-over-port")  # fmt: skip
         except BaseException:
             await self._abort_start()
             raise
         self.metrics.config_generation.set(self.loaded.generation)
         await self._check_engine()
-        loops = (self.dispatcher.run(), self.feed.run(), self._health_loop(), self._solve_smdp())
+        loops = (self.dispatcher.run(), self.feed.run(), self._health_loop(), self._solve_smdp(), self.external.run())
         self._tasks = [asyncio.create_task(t) for t in loops]
         if self.watcher:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
-        log.info("sidecar serving gRPC on %s:%d, HTTP on :%d, metrics on :%d, engine %s, mode %s",
-                 self.host, self.grpc_port, self.http_port, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
+        also = f" and :{self.take_over_port} (taken over)" if self.take_over_port is not None else ""
+        log.info("sidecar serving gRPC on %s:%d, HTTP on :%d%s, metrics on :%d, engine %s, mode %s",
+                 self.host, self.grpc_port, self.http_port, also, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
 
     async def _abort_start(self) -> None:
         """A failed start (a port in use): close what was opened, so the process
@@ -195,6 +211,7 @@ class Sidecar:
         for old in list(self._retiring):
             await old.close()
         await self.client.close()
+        await self.external.close()
         log.info("sidecar stopped (%d requests cut off by the grace period)", cut)
         return cut
 
@@ -366,11 +383,12 @@ class Sidecar:
 
 
 async def serve(loaded: LoadedConfig, config_path: str | None, host: str,
-                grpc_port: int | None, metrics_port: int | None, http_port: int | None = None) -> int:  # fmt: skip
+                grpc_port: int | None, metrics_port: int | None, http_port: int | None = None,
+                take_over_port: int | None = None) -> int:  # fmt: skip
     """Run a sidecar until SIGTERM or SIGINT, then drain and exit."""
     logs.set_format(loaded.config.logging.format)  # the CLI's logs.setup chose the level
     sidecar = Sidecar(loaded, config_path=config_path, host=host, grpc_port=grpc_port, metrics_port=metrics_port,
-                      http_port=http_port)  # fmt: skip
+                      http_port=http_port, take_over_port=take_over_port)  # fmt: skip
     await sidecar.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -2,26 +2,28 @@
 predictor, binner, former and sizer the dispatcher runs (at start and on every
 reload), and the metrics source the feed reads.
 
-Pure construction, no I/O: the lifecycle (``app.py``) decides when to build.
+Construction only: the lifecycle (``app.py``) decides when to build; the one file
+read is ``predictor.warmStart``'s model, when the path changes.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import SidecarConfig
+from ..config import ConfigError, SidecarConfig
 from ..core.admission import AdmissionOrder
 from ..core.autok import BinCountController
 from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock
 from ..core.former import BatchFormer
 from ..core.kv_plan import KvPlan
-from ..core.predictor import HintPredictor, LengthPredictor, OnlinePredictor
+from ..core.predictor import ExternalFirst, HintPredictor, LearnedPredictor, LengthPredictor, OnlinePredictor
 from ..core.sizer import BatchSizer
 from ..core.smdp_policy import SmdpCache, SmdpDispatch, SmdpParams
 from ..core.tpot_gate import TpotGate
 from ..engine.dispatcher import Core, Mode
 from ..engine.metrics_feed import MetricsSource, PromQLSource, ScrapeSource
+from ..engine.model_file import ModelFileError, load_model
 
 
 AUTO_FIRST_ESTIMATE = 16  # bins.mode Auto: arrivals before the first estimate (then at 32, 64, ...)
@@ -45,9 +47,35 @@ def build_binner(cfg: SidecarConfig, k: int | None = None) -> Binner:
     return AdaptiveBinner(1, b.max_output_tokens, n_max, theta=b.split_threshold_percent / 100, max_buckets=b.count)
 
 
-def build_predictor(cfg: SidecarConfig) -> LengthPredictor:
-    hint = HintPredictor(cfg.predictor.default_output_tokens)
-    return hint if cfg.predictor.kind == "Hint" else OnlinePredictor(fallback=hint)
+def build_predictor(cfg: SidecarConfig, previous: LengthPredictor | None = None, now: float = 0.0) -> LengthPredictor:
+    """The predictor ``predictor.kind`` names; what a previous one learned is kept (an
+    online predictor's estimates, a learned one's model and records unless its warm
+    start changed; ``now`` dates a warm start's install).  A warm start that is no model
+    raises ``ConfigError`` naming it."""
+    p = cfg.predictor
+    hint = HintPredictor(p.default_output_tokens)
+    if p.kind == "Hint":
+        return hint
+    online = previous.fallback if isinstance(previous, LearnedPredictor) else previous
+    if not isinstance(online, OnlinePredictor):
+        online = OnlinePredictor()
+    online.fallback = hint
+    if p.kind == "Online":
+        return online
+    if isinstance(previous, LearnedPredictor) and previous.warm_start == p.warm_start:
+        previous.fallback, previous.refit_every = online, p.refit_every_records
+        previous.resize(p.training_buffer_records)
+        return previous
+    model = None
+    if p.warm_start:
+        try:
+            model = load_model(p.warm_start)
+        except ModelFileError as exc:
+            raise ConfigError([("predictor.warmStart", str(exc))]) from None
+    learned = LearnedPredictor(model=model, fallback=online, buffer=p.training_buffer_records,
+                               refit_every=p.refit_every_records, warm_start=p.warm_start)  # fmt: skip
+    learned.installed_at = now if model is not None else None
+    return learned
 
 
 def build_core(
@@ -55,8 +83,9 @@ def build_core(
     policy: SmdpDispatch | None = None,
 ) -> Core:  # fmt: skip
     """The scheduling core for ``cfg`` (with ``k`` bins: countMode Auto; ``policy``:
-    Smdp dispatch); what an online predictor learned is kept (with the new
-    ``predictor.defaultOutputTokens``)."""
+    Smdp dispatch); what a predictor learned is kept (``build_predictor``).  With
+    ``predictor.external.url`` the external service's answers come after the hint and
+    before the built-in predictor."""
     bt = cfg.batch
     sizer = BatchSizer(
         mode=bt.sizing.lower(),  # type: ignore[arg-type]
@@ -75,11 +104,12 @@ def build_core(
         binner, clock, target_size=bt.static_size, max_wait=cfg.max_wait_seconds, max_queue=bt.max_queued_requests,
         gate=TpotGate(cfg.tpot_seconds), policy=policy,
     )  # fmt: skip
-    predictor = build_predictor(cfg)
     learned = previous.predictor if previous is not None else None
-    if isinstance(predictor, OnlinePredictor) and isinstance(learned, OnlinePredictor):
-        learned.fallback = predictor.fallback
-        predictor = learned
+    if isinstance(learned, ExternalFirst):
+        learned = learned.inner
+    predictor = build_predictor(cfg, learned, clock.now())
+    if cfg.predictor.external.url:
+        predictor = ExternalFirst(predictor)
     plan = None
     if projected_kv(cfg):
         # what the plan learned of the engine (capacity, step time, headroom, prompt scale) outlives a reload:

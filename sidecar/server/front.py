@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 
 from ..config import CLASS_PRIORITY_LIMIT, SidecarConfig
 from ..core.clock import Clock
-from ..core.request import Request
+from ..core.request import Request, chat_text
 from ..core.stages import RequestDispatcher
 from ..engine.dispatcher import Call, Completion
 from ..engine.engine_client import EngineRequest, SamplingParams
+from ..engine.external_predictor import ExternalPredictor
 from .trace_context import TraceContext
 
 log = logging.getLogger("binbatch.api")
@@ -89,6 +90,7 @@ class Ticket:
     req: Request
     call: Call
     trace_id: str = ""
+    asked_external: bool = False  # the external predictor was asked about it (it is told the outcome)
 
     @property
     def log_extra(self) -> dict[str, str]:
@@ -146,12 +148,14 @@ class Front:
     """Given the few things both doors call: the dispatcher, the clock, a getter
     for the running config (a reload replaces it), one for the default model
     (learned from the engine after start-up), the engine's context length per
-    model, and what to tell of each completion (Stats.throughput, the Smdp fit)."""
+    model, what to tell of each completion (Stats.throughput, the Smdp fit), and
+    the external length predictor (``predictor.external``), if any."""
 
     def __init__(
         self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig],
         default_model: Callable[[], str], context_length: Callable[[str], int | None] = lambda model: None,
         on_completion: Callable[[float, int, int], None] = lambda engine_seconds, batch_size, output_tokens: None,
+        external: ExternalPredictor | None = None,
     ) -> None:  # fmt: skip
         self.dispatcher = dispatcher
         self.clock = clock
@@ -159,6 +163,7 @@ class Front:
         self.default_model = default_model
         self.context_length = context_length
         self.on_completion = on_completion
+        self.external = external
 
     def build(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
         """Check ``f`` against the bounds both doors share and make the core request
@@ -208,7 +213,7 @@ class Front:
                 shown = f.request_class if len(f.request_class) <= 64 else f.request_class[:64] + "..."
                 raise bad("request_class", f"unknown class {shown!r} (the policy's classes.classes defines: {names_})")
             class_priority = found
-        text = f.prompt if f.prompt is not None else "".join(c for _, c in f.messages or ())
+        text = f.prompt if f.prompt is not None else chat_text(f.messages or ())
         params = SamplingParams(
             model=model,
             # never unset: bins.maxOutputTokens is the cap the docs promise, within the engine's context
@@ -235,6 +240,7 @@ class Front:
             send_by=None if budget is None else now + budget,
             tpot_slo=f.slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in f.slo else None,  # TpotGate
             request_class=f.request_class,
+            prompt_text=text,  # for predictor.kind Learned; min_tokens, stop and ignore_eos are never handed on
         )
         call = Call(engine_request, asyncio.get_running_loop().create_future(), asyncio.Queue() if stream else None)
         ticket = Ticket(req, call, f.trace.trace_id if f.trace else "")
@@ -242,18 +248,27 @@ class Front:
             prompt_log.info("request %s prompt: %s", req.id, text, extra=ticket.log_extra)
         return ticket
 
-    def submit(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
-        """Build and queue the request; raises ``InvalidRequest`` or ``Rejected``
-        (draining, full queue, engine down) -- logged at DEBUG only, so no client
-        can flood the logs with its input."""
+    async def submit(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
+        """Build the request, ask the external predictor about it (no hint given), and
+        queue it; raises ``InvalidRequest`` or ``Rejected`` (draining, full queue,
+        engine down) -- logged at DEBUG only, so no client can flood the logs with its input."""
         try:
             ticket = self.build(f, stream, names)
+            await self._ask_external(ticket, f.timeout)
             self.dispatcher.submit(ticket.req, ticket.call)
         except Exception as exc:
             log.debug("refused: %s", exc, extra=log_extra(f))
             raise
         log.debug("accepted into bin %s", ticket.req.bin, extra=ticket.log_extra)
         return ticket
+
+    async def _ask_external(self, ticket: Ticket, deadline: float | None) -> None:
+        """The external service's length for a request without a hint (the hint wins: not asked)."""
+        req = ticket.req
+        if self.external is None or not self.external.enabled or req.hint_tokens is not None:
+            return
+        ticket.asked_external = True
+        req.external_length = await self.external.predict(req, ticket.call.engine_request, deadline)
 
     def withdraw(self, ticket: Ticket) -> None:
         """The caller is gone (cancelled, disconnected, past its deadline): a
@@ -266,5 +281,7 @@ class Front:
         """A completion reached its caller: feed the throughput window and the
         batch-time fit; log the text only with ``logging.logPrompts``."""
         self.on_completion(completion.engine_seconds, completion.batch_size, completion.result.completion_tokens)
+        if ticket.asked_external and self.external is not None:
+            self.external.completed(ticket.req.id, completion.result.completion_tokens)
         if self.config().logging.log_prompts:
             prompt_log.info("request %s completion: %s", ticket.req.id, completion.result.text, extra=ticket.log_extra)

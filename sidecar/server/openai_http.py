@@ -237,7 +237,7 @@ class OpenAIDoor:
             f, names = to_fields(body)
             f.request_id = request_id
             read_headers(request, f)
-            ticket = self.front.submit(f, body.stream, HEADER_NAMES | names)
+            ticket = await self.front.submit(f, body.stream, HEADER_NAMES | names)
         except (InvalidRequest, Rejected) as exc:
             return error_response(exc, request_id)
         model = ticket.call.engine_request.params.model

@@ -101,6 +101,7 @@ class Replies:
                         source=src, samples=core.accuracy.samples(src),
                         bin_accuracy=core.accuracy.bin_accuracy(bounds, src) or 0.0,
                         within_one_bin_accuracy=core.accuracy.within_one_bin_accuracy(bounds, src) or 0.0,
+                        kendall_tau=core.accuracy.kendall_tau(src) or 0.0,
                     )
                     for src in core.accuracy.sources()
                 ],

@@ -43,6 +43,7 @@ from ..core.request import Request
 from ..core.stages import RequestDispatcher
 from ..engine.dispatcher import Call, Completion, Rejected
 from ..engine.engine_client import EngineError
+from ..engine.external_predictor import ExternalPredictor
 from .front import (  # noqa: F401 - the bounds and helpers are re-exported: binbatch.proto documents them here
     MODEL_LIMIT,
     PRIORITY_LIMIT,
@@ -165,9 +166,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig],
         default_model: Callable[[], str], context_length: Callable[[str], int | None] = lambda model: None,
         on_completion: Callable[[float, int, int], None] = lambda engine_seconds, batch_size, output_tokens: None,
+        external: ExternalPredictor | None = None,
     ) -> None:  # fmt: skip
         self.front = Front(dispatcher, clock, config=config, default_model=default_model,
-                           context_length=context_length, on_completion=on_completion)  # fmt: skip
+                           context_length=context_length, on_completion=on_completion, external=external)  # fmt: skip
         self.dispatcher = dispatcher
 
     def _fields(self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext) -> Fields:
@@ -219,7 +221,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _accept(self, msg, context, stream: bool) -> Ticket | None:
         """Submit the request; None if it was refused (the RPC is aborted then)."""
         try:
-            ticket = self.front.submit(self._fields(msg, context), stream)
+            ticket = await self.front.submit(self._fields(msg, context), stream)
         except (InvalidRequest, Rejected) as exc:
             await _abort(context, exc)
             return None

@@ -371,7 +371,9 @@ class NoisyBinPredictor:
         if not 0 <= j < k:
             j = i
         frac = (x - e[i]) / (e[i + 1] - e[i])
-        return e[j] + frac * (e[j + 1] - e[j])
+        guess = e[j] + frac * (e[j + 1] - e[j])
+        req.length = LengthDist.exact(guess)  # at least 1 token; the simulator's own units may be smaller
+        return guess
 
     def observe(self, req: Request, actual_tokens: float) -> None:
         pass
@@ -383,7 +385,9 @@ class OraclePredictor:
     name = "oracle"
 
     def predict(self, req: Request) -> float:
-        return float(req.actual_tokens)  # type: ignore[arg-type]
+        x = float(req.actual_tokens)  # type: ignore[arg-type]
+        req.length = LengthDist.exact(x)  # at least 1 token; the simulator's own units may be smaller
+        return x
 
     def observe(self, req: Request, actual_tokens: float) -> None:
         pass

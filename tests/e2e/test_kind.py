@@ -22,9 +22,9 @@ import selectors
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
@@ -32,6 +32,7 @@ import yaml
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
+from kube_support import Cluster, run, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "binbatch"
@@ -43,8 +44,6 @@ RELEASE, OPERATOR_NAMESPACE = "binbatch", "binbatch-system"
 DEMO_NAMESPACE = "binbatch-e2e"
 GROUP, VERSION, PLURAL = "binbatch.io", "v1alpha1", "batchingpolicies"
 SIDECAR = "binbatch-sidecar"
-
-T = TypeVar("T")
 
 
 def _missing_tools() -> str:
@@ -69,76 +68,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(MISSING), reason=MISSING)
 # ------------------------------------------------------------------ helpers
 
 
-def run(*cmd: str, timeout: float, stdin: str | None = None) -> str:
-    """Run a command to completion; fail the test with its output if it fails."""
-    try:
-        done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s\n{exc.stdout or ''}\n{exc.stderr or ''}")
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-    return done.stdout
-
-
-def wait_for(what: str, check: Callable[[], T | None], *, timeout: float, diagnose: Callable[[], str]) -> T:
-    """Poll ``check`` until it returns something truthy, or fail at the deadline with diagnostics."""
-    from kubernetes.client.exceptions import ApiException
-
-    deadline = time.monotonic() + timeout
-    last_error = ""
-    while True:
-        try:
-            result = check()
-        except ApiException as exc:
-            result, last_error = None, f"{exc.status} {exc.reason}"
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last API error: {last_error or 'none'})\n"
-                        f"{diagnose()}")  # fmt: skip
-        time.sleep(1.0)  # ok-sleep: the poll interval; the deadline bounds the wait
-
-
-class Cluster:
-    """The kind cluster's kubeconfig and API clients."""
-
-    def __init__(self, kubeconfig: Path) -> None:
-        from kubernetes import client, config
-
-        self.kubeconfig = kubeconfig
-        api = config.new_client_from_config(config_file=str(kubeconfig))
-        self.core = client.CoreV1Api(api)
-        self.apps = client.AppsV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
-
-    def kubectl(self, *args: str, timeout: float = 120, stdin: str | None = None) -> str:
-        return run("kubectl", "--kubeconfig", str(self.kubeconfig), *args, timeout=timeout, stdin=stdin)
-
-    def diagnostics(self) -> str:
-        """What the cluster looks like, for a failure message (never fails itself)."""
-        out = []
-        for args in (
-            ("get", "pods", "--all-namespaces", "-o", "wide"),
-            ("--namespace", DEMO_NAMESPACE, "get", "batchingpolicies,configmaps,services,events", "-o", "wide"),
-            ("--namespace", DEMO_NAMESPACE, "get", "batchingpolicies", "-o", "yaml"),
-            ("--namespace", DEMO_NAMESPACE, "describe", "pods"),
-            ("--namespace", OPERATOR_NAMESPACE, "logs", f"deployment/{RELEASE}", "--tail", "150"),
-        ):
-            done = subprocess.run(["kubectl", "--kubeconfig", str(self.kubeconfig), *args],
-                                  capture_output=True, text=True, timeout=60)  # fmt: skip
-            out.append(f"$ kubectl {' '.join(args)}\n{done.stdout[-6000:]}{done.stderr[-2000:]}")
-        return "\n".join(out)
-
-    def gone(self, read: Callable[..., Any], *args: Any) -> bool:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            read(*args)
-        except ApiException as exc:
-            if exc.status == 404:
-                return True
-            raise
-        return False
+# What to print when a wait fails.
+DIAGNOSE = (
+    ("get", "pods", "--all-namespaces", "-o", "wide"),
+    ("--namespace", DEMO_NAMESPACE, "get", "batchingpolicies,configmaps,services,events", "-o", "wide"),
+    ("--namespace", DEMO_NAMESPACE, "get", "batchingpolicies", "-o", "yaml"),
+    ("--namespace", DEMO_NAMESPACE, "describe", "pods"),
+    ("--namespace", OPERATOR_NAMESPACE, "logs", f"deployment/{RELEASE}", "--tail", "150"),
+)
 
 
 @contextlib.contextmanager
@@ -197,7 +134,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
             timeout=600)  # fmt: skip
         run("docker", "build", "--tag", IMAGE, str(ROOT), timeout=1800)
         run("kind", "load", "docker-image", IMAGE, "--name", CLUSTER, timeout=600)
-        yield Cluster(kubeconfig)
+        yield Cluster(kubeconfig, DIAGNOSE)
     finally:
         subprocess.run(["kind", "delete", "cluster", "--name", CLUSTER], capture_output=True, timeout=300)
 

@@ -401,6 +401,38 @@ async def test_the_http_port_in_use_is_one_line_naming_the_setting_and_exit_2(tm
     assert lines == [f"binbatch sidecar: cannot listen on 127.0.0.1:{port} (--http-port or $BINBATCH_HTTP_PORT): address already in use"]
 
 
+async def test_the_take_over_port_is_a_second_door_onto_the_same_scheduler(tmp_path):
+    """The operator's port take-over: vLLM's serving port (--take-over-port) and httpPort (the policy
+    Service's bb-http) both serve the door, so each is declared once in the pod and both names resolve."""
+    async with Emulator(FAST) as emulator, running_sidecar(sidecar_config(emulator.base_url), tmp_path,
+                                                           take_over_port=0) as sc:  # fmt: skip
+        doors = (sc.sidecar.http_port, sc.sidecar.take_over_port)
+        assert doors[1] not in (None, doors[0])
+        async with aiohttp.ClientSession() as http:
+            for port in doors:
+                body = {"model": emulator.config.model, "prompt": "hello", "max_tokens": 3}
+                async with asyncio.timeout(WAIT), http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert (await resp.json())["choices"][0]["finish_reason"] in ("stop", "length")
+        assert (await sc.stats()).totals.accepted == 2  # both through the bins
+
+
+async def test_the_take_over_port_in_use_names_its_flag_and_exits_2(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "binbatch_sidecar.cli", "sidecar", "--host", "127.0.0.1", "--grpc-port", "0",
+            "--metrics-port", "0", "--http-port", "0", "--take-over-port", str(port), env={"PATH": ""},
+            stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
+        )  # fmt: skip
+        async with asyncio.timeout(60):
+            _, err = await proc.communicate()
+    assert proc.returncode == 2
+    assert err.decode().strip().splitlines() == [f"binbatch sidecar: cannot listen on 127.0.0.1:{port} (--take-over-port): address already in use"]
+
+
 async def test_the_engines_own_refusal_keeps_its_status(tmp_path):
     """An engine 4xx maps like gRPC's INVALID_ARGUMENT, with the engine's status (404: no such model)."""
     async with door(tmp_path) as d:

@@ -17,7 +17,9 @@ import pytest
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2 as pb
+from binbatch_sidecar.core import length_model
 from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.engine.model_file import save_model
 
 FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_size=16)
 CAP = 512  # bins.maxOutputTokens of these tests
@@ -187,3 +189,26 @@ async def test_stats_report_hint_and_learned_accuracy_apart(tmp_path):
         fams = await sc.scrape()
         gauge = {s.labels["source"]: s.value for s in fams["binbatch_predictor_source_bin_accuracy_ratio"].samples}
         assert set(gauge) == {"hint", "max_tokens"} and gauge["hint"] == 1.0
+
+
+async def test_a_warm_started_learned_predictor_is_ranked_in_stats_and_metrics(tmp_path):
+    prompts = [f"{'write a long essay' if i % 2 else 'yes or no'} about thing {i}" for i in range(20)]
+    model = length_model.fit([length_model.featurize(p) for p in prompts], [60.0 if i % 2 else 2.0 for i in range(20)])
+    save_model(tmp_path / "m.npz", model)
+    warm = {"kind": "Learned", "warmStart": str(tmp_path / "m.npz")}
+    async with running_emulator(FAST) as url, running_sidecar(sidecar_config(url, predictor=warm), tmp_path) as sc:
+        for i in range(10):  # the answer's length follows what is asked, as the model learned
+            long = i % 2 == 1
+            req = pb.GenerateRequest(prompt=f"{'write a long essay' if long else 'yes or no'} about item {i}",
+                                     max_tokens=40 + i if long else 2, ignore_eos=True)  # fmt: skip
+            await sc.inference.Generate(req, timeout=30)
+        predictor = (await sc.stats()).predictor
+        assert predictor.name == "learned"
+        [learned] = predictor.sources
+        assert (learned.source, learned.samples) == ("learned", 10)
+        assert learned.kendall_tau > 0.5
+        await sc.sidecar.feed.poll_once()  # a size update publishes the gauges
+        fams = await sc.scrape()
+        tau = {s.labels["source"]: s.value for s in fams["binbatch_predictor_source_kendall_tau"].samples}
+        assert tau == {"learned": pytest.approx(learned.kendall_tau)}
+        assert fams["binbatch_predictor_model_version"].samples[0].value == 1

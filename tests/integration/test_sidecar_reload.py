@@ -15,6 +15,8 @@ import asyncio
 import inspect
 import json
 import logging
+import os
+import tempfile
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -26,14 +28,17 @@ from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_sidecar.config import SidecarConfig
+from binbatch_sidecar.core import length_model
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.request import Request
 from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.engine.model_file import save_model
 from binbatch_sidecar.server import logs
 from binbatch_sidecar.server.app import Sidecar
 
 FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_size=16)
 OTHER = "http://127.0.0.1:9"  # a second engine URL; rows that need it to answer use a second emulator
+WARM_START = os.path.join(tempfile.gettempdir(), f"binbatch-reload-warm-{os.getpid()}.npz")  # written by warm_start()
 
 
 @pytest.fixture
@@ -45,6 +50,16 @@ def root_level():
     yield
     root.setLevel(saved[0])
     logs.set_format(saved[1])
+
+
+@pytest.fixture
+def warm_start():
+    """A small model at WARM_START (fitted on 20 records), for the predictor.warmStart row."""
+    prompts = [f"{'write a long essay' if i % 2 else 'yes or no'} about thing {i}" for i in range(20)]
+    save_model(WARM_START, length_model.fit([length_model.featurize(p) for p in prompts],
+                                            [400.0 if i % 2 else 3.0 for i in range(20)]))  # fmt: skip
+    yield WARM_START
+    os.unlink(WARM_START)
 
 
 def _core(sc: Sidecar):
@@ -132,6 +147,22 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ("predictor", "default_output_tokens"): (
         {"predictor": {"defaultOutputTokens": 99}}, lambda s: _core(s).predictor.predict(Request(id="p", arrival=0.0)), 99.0,
     ),  # fmt: skip
+    ("predictor", "external"): (  # the core asks the service's answer first; its client reads the keys per call
+        {"predictor": {"external": {"url": OTHER + "/predict", "timeoutMilliseconds": 77, "breakerOpenMilliseconds": 900,
+                                    "feedbackUrl": OTHER + "/completions"}}},
+        lambda s: (type(_core(s).predictor).__name__, s.external.enabled, s.external.config().timeout_milliseconds,
+                   s.external.config().breaker_open_milliseconds, s.external.config().feedback_url),
+        ("ExternalFirst", True, 77, 900, OTHER + "/completions"),
+    ),  # fmt: skip
+    ("predictor", "warm_start"): (
+        {"predictor": {"kind": "Learned", "warmStart": WARM_START}}, lambda s: _core(s).predictor.model.records, 20,
+    ),  # fmt: skip
+    ("predictor", "refit_every_records"): (
+        {"predictor": {"kind": "Learned", "refitEveryRecords": 64}}, lambda s: _core(s).predictor.refit_every, 64,
+    ),  # fmt: skip
+    ("predictor", "training_buffer_records"): (
+        {"predictor": {"kind": "Learned", "trainingBufferRecords": 128}}, lambda s: _core(s).predictor._records.maxlen, 128,
+    ),  # fmt: skip
     ("metrics", "source"): ({"metrics": {"source": "None"}}, lambda s: s.feed.source, None),
     ("metrics", "url"): ({"metrics": {"url": OTHER + "/metrics"}}, lambda s: s.feed.source.url, OTHER + "/metrics"),
     ("metrics", "interval_milliseconds"): ({"metrics": {"intervalMilliseconds": 200}}, lambda s: s.feed.interval, 0.2),
@@ -175,7 +206,7 @@ def _merged(base: dict[str, Any], change: dict[str, dict[str, Any]]) -> dict[str
     return doc
 
 
-async def test_every_key_is_applied_live_or_refused_as_needing_a_restart(tmp_path, root_level):
+async def test_every_key_is_applied_live_or_refused_as_needing_a_restart(tmp_path, root_level, warm_start):
     async with running_emulator(FAST) as url:
         base = sidecar_config(url)
         async with running_sidecar(base, tmp_path) as sc:
@@ -259,3 +290,16 @@ async def test_a_reload_is_logged_once(tmp_path, caplog):
             applied = [r for r in caplog.records if "applied" in r.getMessage()]
             assert len(applied) == 1, [r.getMessage() for r in applied]
             assert "generation 2" in applied[0].getMessage()
+
+
+async def test_a_warm_start_that_is_no_model_is_refused_and_the_running_config_kept(tmp_path):
+    async with running_emulator(FAST) as url:
+        base = sidecar_config(url)
+        async with running_sidecar(base, tmp_path) as sc:
+            before = await sc.admin.GetConfig(pb.GetConfigRequest())
+            sc.write_config(_merged(base, {"predictor": {"kind": "Learned", "warmStart": str(tmp_path / "none.npz")}}))
+            assert not await sc.sidecar.watcher.check()
+            view = await sc.admin.GetConfig(pb.GetConfigRequest())
+            assert (view.generation, view.config_json) == (before.generation, before.config_json)
+            assert "predictor.warmStart: cannot read" in view.last_reload_error
+            assert _core(sc.sidecar).predictor.name == "online"

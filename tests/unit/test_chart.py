@@ -422,7 +422,8 @@ def test_rbac_grants_exactly_what_the_operator_needs():
     # One replica: no peering. cert-manager: no CA patching and no Secret writing.
     assert _grants(one(objects(SINGLE), "ClusterRole")) == EXPECTED_RULES - PEERING_RULES
     cert_manager = objects(CERT_MANAGER)
-    assert _grants(one(cert_manager, "ClusterRole")) == EXPECTED_RULES - CA_PATCH_RULES
+    read_only = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get",), (RELEASE,))}
+    assert _grants(one(cert_manager, "ClusterRole")) == EXPECTED_RULES - CA_PATCH_RULES | read_only
     assert not [o for o in cert_manager if o["kind"] in ("Role", "RoleBinding")]
 
 
@@ -642,7 +643,8 @@ def test_cert_manager_issues_the_certificate_and_injects_the_ca():
     container = operator_container(CERT_MANAGER)
     variables = env(container)
     assert variables["BINBATCH_WEBHOOK_CERT_DIR"] == "/etc/binbatch/webhook-tls"
-    assert "BINBATCH_WEBHOOK_CONFIG" not in variables and "BINBATCH_WEBHOOK_CERT_SECRET" not in variables
+    assert "BINBATCH_WEBHOOK_CERT_SECRET" not in variables
+    assert variables["BINBATCH_WEBHOOK_CONFIG"] == config["metadata"]["name"]  # read for its namespaceSelector
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/etc/binbatch/webhook-tls")
     pod = one(objs, "Deployment")["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])

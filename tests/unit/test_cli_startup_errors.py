@@ -51,3 +51,14 @@ def test_an_emulator_answer_lengths_file_it_cannot_read_is_one_line(tmp_path):
         2, [f"binbatch emulate-engine: --answer-lengths {path} line 1: prompt_sha256 must be 64 lowercase hex "
             "digits, got 'abc'"],
     )  # fmt: skip
+
+
+def test_a_warm_start_that_is_no_model_names_the_field_and_exits_2(tmp_path):
+    config = tmp_path / "sidecar.yaml"
+    config.write_text(f"predictor:\n  kind: Learned\n  warmStart: {tmp_path / 'missing.npz'}\n")
+    out = run("sidecar", "--config", str(config), "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
+              cwd=tmp_path)  # fmt: skip
+    assert (out.returncode, out.stderr.splitlines()) == (
+        2, [f"binbatch sidecar: invalid config {config}:",
+            f"predictor.warmStart: cannot read {tmp_path / 'missing.npz'}: no such file or directory"],
+    )  # fmt: skip

@@ -64,8 +64,16 @@ latency:
   queueSharePercent: 25
   tolerancePercent: 20
 predictor:
-  kind: Hint
+  kind: Learned
   defaultOutputTokens: 128
+  warmStart: /models/length.npz
+  refitEveryRecords: 512
+  trainingBufferRecords: 2048
+  external:
+    url: http://length-predictor.ml.svc:9000/predict
+    timeoutMilliseconds: 30
+    breakerOpenMilliseconds: 2000
+    feedbackUrl: http://length-predictor.ml.svc:9000/completions
 metrics:
   source: PromQL
   url: http://prometheus.monitoring:9090
@@ -130,6 +138,7 @@ def test_full_example_parses_every_key():
     assert (cfg.batch.mode, cfg.batch.sizing, cfg.batch.static_size) == ("Gang", "Sla", 16)
     assert cfg.metrics.promql_selector == '{pod="vllm-0"}'
     assert cfg.logging.log_prompts is True and cfg.logging.format == "Text"
+    assert cfg.predictor.external.timeout_milliseconds == 30
     assert cfg.tpot_seconds == pytest.approx(0.05)
     assert cfg.queue_budget_seconds(None) == pytest.approx(2.0 * 0.25)  # the policy's SLO, 25% of it
     assert cfg.queue_budget_seconds(800) == pytest.approx(0.8 * 0.25)
@@ -178,6 +187,9 @@ def test_config_is_frozen():
         ({"metrics": {"url": "ftp://prom:9090"}}, "metrics.url", "http(s) URL with a host"),
         ({"engine": {"healthPath": "health"}}, "engine.healthPath", "must start with '/'"),
         ({"metrics": {"promqlSelector": 'pod="x"'}}, "metrics.promqlSelector", "label matcher in braces"),
+        ({"predictor": {"external": {"url": "length-predictor:9000"}}}, "predictor.external.url", "http(s) URL"),
+        ({"predictor": {"external": {"feedbackUrl": "http://p:9000/completions"}}}, "predictor.external.feedbackUrl",
+         "needs url"),
     ],
 )
 def test_cross_field_rule_names_the_field(doc, path, words):
@@ -217,6 +229,10 @@ def test_unknown_key_is_rejected_by_name():
         ({"bins": {"boundaries": [10, "20", 30]}}, "bins.boundaries[1]", "Input should be a valid integer"),
         ({"bins": {"mode": "fixed"}}, "bins.mode", "Input should be 'Fixed', 'Auto' or 'Adaptive'"),
         ({"batch": None}, "batch", "Input should be a valid dictionary or instance of BatchConfig"),
+        ({"predictor": {"external": {"timeoutMilliseconds": 0}}}, "predictor.external.timeoutMilliseconds",
+         "Input should be greater than or equal to 1"),
+        ({"predictor": {"external": {"timeoutMilliseconds": 10_001}}}, "predictor.external.timeoutMilliseconds",
+         "Input should be less than or equal to 10000"),
     ],
 )
 def test_wrong_type_or_bound_names_the_field(doc, path, msg):

@@ -93,7 +93,9 @@ def test_selector_problems_name_the_label() -> None:
     ({"limits": {"example.com/gpu": "500m"}}, "spec.sidecar.resources.limits.example.com/gpu", "whole number"),
     ({"requests": {"example.com/gpu": "1"}}, "spec.sidecar.resources.limits.example.com/gpu", "must be set"),
     ({"requests": {"hugepages-2Mi": "1Mi"}, "limits": {"hugepages-2Mi": "2Mi"}}, "spec.sidecar.resources.requests.hugepages-2Mi", "must equal"),
-    ({"requests": {"cpu": 1.5}}, "spec.sidecar.resources.requests.cpu", "quantity string"),
+    ({"requests": {"cpu": 1.5}}, "spec.sidecar.resources.requests.cpu", "a whole number or a string"),
+    ({"requests": {"cpu": -1}}, "spec.sidecar.resources.requests.cpu", "greater than or equal to 0"),
+    ({"requests": {"cpu": 2}, "limits": {"cpu": "1500m"}}, "spec.sidecar.resources.limits.cpu", "greater than or equal to the request"),
     ({"claims": [{"name": "gpu"}]}, "spec.sidecar.resources.claims", "unknown field"),
 ])  # fmt: skip
 def test_bad_resources_are_named_by_field(resources: dict[str, Any], field: str, says: str) -> None:

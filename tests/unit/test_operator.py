@@ -33,7 +33,7 @@ IMAGE = "registry.example/binbatch:test"
 SPEC = {
     "selector": {"matchLabels": {"app": "vllm"}},
     "sidecar": {"grpcPort": 50061, "httpPort": 8181, "metricsPort": 9191, "drainGraceSeconds": 40,
-                "resources": {"requests": {"cpu": "100m"}}},
+                "resources": {"requests": {"cpu": "100m"}, "limits": {"cpu": 1}}},  # cpu: 1 as a Pod takes it
     "bins": {"mode": "Fixed", "count": 3, "boundaries": [64, 256]},
     "batch": {"maxBatchSize": 64},
 }  # fmt: skip
@@ -84,7 +84,7 @@ def test_pod_patch_appends_a_locked_down_sidecar_and_keeps_the_pods_own_parts():
     assert side["readinessProbe"]["grpc"]["port"] == 50061
     sec = side["securityContext"]
     assert sec["runAsNonRoot"] and sec["readOnlyRootFilesystem"] and not sec["allowPrivilegeEscalation"]
-    assert side["resources"] == {"requests": {"cpu": "100m"}}
+    assert side["resources"] == {"requests": {"cpu": "100m"}, "limits": {"cpu": 1}}
     volumes = {v["name"]: v for v in patch["spec"]["volumes"]}
     assert set(volumes) == {"cache", builders.CONFIG_VOLUME, builders.TMP_VOLUME}
     assert volumes[builders.CONFIG_VOLUME]["configMap"] == {"name": "fast-binbatch", "optional": True}
@@ -375,6 +375,8 @@ class FakeKube:
         self.children: dict[tuple[str, str], dict] = {}
         self.pods, self.errors, self.calls = list(pods), dict(errors or {}), []
         self.policies: list[dict] = []
+        self.namespace_labels_by_name: dict[str, dict[str, str]] = {}
+        self.webhook_selector: dict | None = None  # the webhook configuration's namespaceSelector; None: gone
 
     def _maybe_fail(self, key):
         self.calls.append(key)
@@ -401,6 +403,14 @@ class FakeKube:
     async def list_policies(self, namespace):
         self._maybe_fail(("list", "BatchingPolicy"))
         return [p for p in self.policies if p["metadata"]["namespace"] == namespace]
+
+    async def namespace_labels(self, name):
+        self._maybe_fail(("read", "Namespace"))
+        return {"kubernetes.io/metadata.name": name, **self.namespace_labels_by_name.get(name, {})}
+
+    async def webhook_namespace_selector(self, name):
+        self._maybe_fail(("read", "MutatingWebhookConfiguration"))
+        return self.webhook_selector
 
 
 def _api_exception(code, message):
@@ -435,6 +445,100 @@ async def test_an_unchanged_status_is_not_written_again():
     again = (await reconcile(ctx, policy_body(status=first), [], log)).status
     assert changed_fields(first, again) == {}
     assert changed_fields({"pods": 1}, {"pods": 2, "bins": None}) == {"pods": 2}
+
+
+# -- a namespace the webhook does not see (issue 23) --------------------------------------------
+
+
+def install_namespace_selector():
+    """The namespaceSelector of the plain install's webhook (the chart's defaults)."""
+    docs = yaml.safe_load_all((Path(__file__).parents[2] / "manifests/install/binbatch.yaml").read_text())
+    config = next(d for d in docs if d and d["kind"] == "MutatingWebhookConfiguration")
+    return config["webhooks"][0]["namespaceSelector"]
+
+
+async def sidecars_condition(kube, namespace="llm"):
+    body = policy_body()
+    body["metadata"]["namespace"] = namespace
+    ctx = Context(kube=kube, sidecar_image=IMAGE, webhook_config="binbatch")
+    outcome = await reconcile(ctx, body, [], logging.getLogger("t"))
+    return next(c for c in outcome.status["conditions"] if c["type"] == "SidecarsInjected")
+
+
+def unlabelled_pod(name):
+    return {"metadata": {"name": name, "namespace": "llm", "labels": {"app": "vllm"}}, "spec": {"containers": []}}
+
+
+async def test_pods_in_a_namespace_not_opted_in_say_how_to_opt_it_in_not_to_recreate_them():
+    kube = FakeKube(pods=[unlabelled_pod("vllm-0")])
+    kube.webhook_selector = install_namespace_selector()
+    c = await sidecars_condition(kube)
+    assert (c["status"], c["reason"]) == ("False", "NamespaceNotOptedIn")
+    assert "namespace llm is not opted in" in c["message"] and "recreating its pods alone never adds" in c["message"]
+    assert "`kubectl label namespace llm binbatch.io/inject=enabled`" in c["message"] and c["message"].endswith(": vllm-0")
+    kube.namespace_labels_by_name = {"llm": {"binbatch.io/inject": "enabled"}}  # opted in: now recreating helps
+    c = await sidecars_condition(kube)
+    assert c["reason"] == "PodsNeedRestart" and "kubectl rollout restart" in c["message"]
+
+
+async def test_the_operators_own_namespace_is_never_injected_and_says_so():
+    kube = FakeKube(pods=[unlabelled_pod("vllm-0")])
+    kube.webhook_selector = install_namespace_selector()
+    kube.namespace_labels_by_name = {"binbatch-system": {"binbatch.io/inject": "enabled"}}
+    c = await sidecars_condition(kube, "binbatch-system")
+    assert c["reason"] == "NamespaceNotOptedIn"
+    assert "namespace binbatch-system is never injected" in c["message"] and "another namespace" in c["message"]
+    assert "kubernetes.io/metadata.name notin (kube-system,kube-node-lease,kube-public,binbatch-system)" in c["message"]
+
+
+async def test_without_the_webhook_configuration_the_advice_stays_recreate_them():
+    for kube in (FakeKube(pods=[unlabelled_pod("p")]),  # the configuration is gone
+                 FakeKube(pods=[unlabelled_pod("p")], errors={("read", "MutatingWebhookConfiguration"): (403, "forbidden")})):  # fmt: skip
+        assert (await sidecars_condition(kube))["reason"] == "PodsNeedRestart"
+    kube = FakeKube(pods=[unlabelled_pod("p")])
+    kube.webhook_selector = install_namespace_selector()
+    ctx = Context(kube=kube, sidecar_image=IMAGE)  # no BINBATCH_WEBHOOK_CONFIG: not even asked
+    outcome = await reconcile(ctx, policy_body(), [], logging.getLogger("t"))
+    assert ("read", "MutatingWebhookConfiguration") not in kube.calls
+    assert next(c for c in outcome.status["conditions"] if c["type"] == "SidecarsInjected")["reason"] == "PodsNeedRestart"
+
+
+async def test_the_namespace_is_read_only_while_a_pod_lacks_its_sidecar():
+    injected = {"metadata": {"name": "p", "namespace": "llm", "labels": {"app": "vllm", builders.POLICY_LABEL: "fast"}},
+                "spec": {"containers": []}}  # fmt: skip
+    kube = FakeKube(pods=[injected])
+    kube.webhook_selector = install_namespace_selector()
+    await sidecars_condition(kube)
+    assert ("read", "Namespace") not in kube.calls and ("read", "MutatingWebhookConfiguration") not in kube.calls
+
+
+@pytest.mark.parametrize(
+    ("selector", "labels", "command"),
+    [
+        ({"matchLabels": {"binbatch.io/inject": "enabled"}}, {"binbatch.io/inject": "disabled"},
+         "kubectl label namespace llm binbatch.io/inject=enabled --overwrite"),
+        ({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["gpu", "cpu"]}]}, {}, "kubectl label namespace llm tier=gpu"),
+        ({"matchExpressions": [{"key": "llm", "operator": "Exists"}]}, {}, "kubectl label namespace llm llm="),
+        ({"matchExpressions": [{"key": "frozen", "operator": "DoesNotExist"}]}, {"frozen": "yes"}, "kubectl label namespace llm frozen-"),
+        ({"matchLabels": {"a": "1"}, "matchExpressions": [{"key": "b", "operator": "NotIn", "values": ["x"]}]}, {"b": "x"},
+         "kubectl label namespace llm a=1 b-"),
+    ],
+    ids=["another value", "In", "Exists", "DoesNotExist", "labels and expressions"],
+)  # fmt: skip
+def test_the_opt_in_command_meets_the_webhooks_own_selector(selector, labels, command):
+    from binbatch_operator import opt_in
+
+    message = opt_in.not_reached("llm", labels, selector)
+    assert f"`{command}`" in message
+    argument_labels = dict(labels)
+    for argument in command.split()[4:]:
+        if argument.endswith("-"):
+            argument_labels.pop(argument[:-1])
+        elif "=" in argument:
+            key, _, value = argument.partition("=")
+            argument_labels[key] = value
+    assert opt_in.not_reached("llm", argument_labels, selector) == ""  # the command does opt it in
+    assert opt_in.not_reached("llm", labels, {}) == ""  # an empty selector sees every namespace
 
 
 def test_failed_reconciles_back_off_doubling_up_to_a_cap():

@@ -1,4 +1,4 @@
-"""Length predictors (hint, online) and the bin-accuracy tracker (Table 1 analogue)."""
+"""Length predictors (hint, online, learned) and the accuracy tracker (Table 1 analogue, Kendall's tau)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from binbatch_sidecar.core import length_model as lm
 from binbatch_sidecar.core.predictor import (
     AccuracyTracker,
     HintPredictor,
+    LearnedPredictor,
     LengthPredictor,
     OnlinePredictor,
     prompt_bucket,
@@ -25,9 +27,24 @@ def req(**kw) -> Request:
     return Request(id=f"r{next(_ids)}", arrival=0.0, **kw)
 
 
-def test_both_predictors_satisfy_the_protocol():
-    predictors: list[LengthPredictor] = [HintPredictor(), OnlinePredictor()]
-    assert [p.name for p in predictors] == ["hint", "online"]
+def test_every_predictor_satisfies_the_protocol():
+    predictors: list[LengthPredictor] = [HintPredictor(), OnlinePredictor(), LearnedPredictor()]
+    assert [p.name for p in predictors] == ["hint", "online", "learned"]
+    assert all(isinstance(p, LengthPredictor) for p in predictors)
+
+
+@pytest.mark.parametrize("make", [HintPredictor, OnlinePredictor, LearnedPredictor])
+def test_every_predictor_sets_the_length_distribution_and_returns_its_median(make):
+    for r in (req(max_tokens=300), req(hint_tokens=40.0, max_tokens=300), req()):
+        y = make().predict(r)
+        assert r.length is not None and r.length.median == y
+
+
+@pytest.mark.parametrize("make", [HintPredictor, OnlinePredictor, LearnedPredictor])
+def test_a_hint_is_an_exact_length(make):
+    r = req(hint_tokens=40.0, max_tokens=300, prompt_text="write a long essay")
+    assert make().predict(r) == 40.0
+    assert r.length.plan == r.length.median == 40.0 and r.prediction_source == "hint"
 
 
 # -- HintPredictor -------------------------------------------------------------------
@@ -352,3 +369,90 @@ def test_scoring_again_with_the_same_boundaries_does_not_rescan_the_window(monke
     assert calls == 0
     t.record(5, 5, "hint")  # one pair in, the oldest out: a few lookups, not a window's worth
     assert calls <= 4
+
+
+# -- LearnedPredictor ----------------------------------------------------------------
+
+SHORT, LONG = "answer yes or no: is {} blue?", "write a detailed essay about {}"
+
+
+def _learned_req(i: int, **kw) -> tuple[Request, float]:
+    long = i % 2 == 0
+    text = (LONG if long else SHORT).format(f"thing{i % 13}")
+    return req(prompt_text=text, max_tokens=1000, **kw), (500.0 if long else 6.0)
+
+
+def _fitted(p: LearnedPredictor) -> None:
+    """What the dispatcher does in a worker thread, done inline."""
+    p.install(lm.fit(*p.training_set(), prior=p.prior), now=5.0)
+
+
+def _feed(p: LearnedPredictor, n: int) -> list[int]:
+    """Predict and observe ``n`` completions, fitting whenever one is due; after which ones it was."""
+    due = []
+    for i in range(n):
+        r, y = _learned_req(i)
+        p.predict(r)
+        p.observe(r, y)
+        if p.refit_due():
+            due.append(i + 1)
+            _fitted(p)
+    return due
+
+
+def test_learned_answers_with_the_online_fallback_until_it_has_a_model():
+    p = LearnedPredictor(first_fit=16)
+    r, _ = _learned_req(0)
+    p.predict(r)
+    assert r.prediction_source == "max_tokens" and p.model is None
+
+
+def test_learned_refits_after_first_fit_records_then_as_records_double():
+    p = LearnedPredictor(first_fit=16, refit_every=100)
+    assert _feed(p, 80) == [16, 32, 64]
+    assert p.model is not None and p.model.version == 3 and p.installed_at == 5.0
+
+
+def test_a_warm_started_learned_predictor_refits_every_refit_every_records():
+    prior = LearnedPredictor(first_fit=40)
+    assert _feed(prior, 40) == [40]
+    p = LearnedPredictor(model=prior.model, first_fit=16, refit_every=50)
+    assert _feed(p, 120) == [50, 100]  # not after 16: a few records would replace the prior's residual quantiles
+    assert p.model.version == 3 and p.model.records == 40 + 100  # the warm start, two refits each centred on it
+
+
+def test_learned_reads_the_prompt_once_fitted():
+    p = LearnedPredictor(first_fit=40)
+    assert _feed(p, 40) == [40]
+    short, _ = _learned_req(1)
+    long, _ = _learned_req(2)
+    assert p.predict(long) > 10 * p.predict(short)
+    assert long.prediction_source == short.prediction_source == "learned"
+    assert long.length.plan >= long.length.median
+
+
+def test_learned_keeps_no_prompt_text_and_a_bounded_buffer():
+    p = LearnedPredictor(buffer=32, first_fit=16)
+    for i in range(100):
+        r, y = _learned_req(i)
+        p.observe(r, y)
+    assert p.buffered == 32
+    features, tokens = p.training_set()
+    assert len(features) == len(tokens) == 32
+    assert all(isinstance(f, lm.Features) for f in features)  # hashed numbers, never the text
+    assert not p.refit_due()  # a fit is out: no second one until it is installed
+    p.install(None, now=1.0)  # a failed fit keeps what runs
+    assert p.model is None and not p.fitting
+
+
+def test_kendall_tau_ranks_the_window_per_source():
+    acc = AccuracyTracker(window=64)
+    assert acc.kendall_tau() is None
+    for x in range(20):
+        acc.record(x, 10 * x, "learned")
+        acc.record(x, -x, "online")
+    assert acc.kendall_tau("learned") == pytest.approx(1.0)
+    assert acc.kendall_tau("online") == pytest.approx(-1.0)
+    acc.record(100, 1000, "learned")  # a new pair: the cached figure is recomputed
+    assert acc.kendall_tau("learned") == pytest.approx(1.0)
+    assert acc.kendall_tau("hint") is None

@@ -12,7 +12,7 @@ from binbatch_sidecar.core import stages
 from binbatch_sidecar.core.binner import AdaptiveBinner, AutoBinner, FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
-from binbatch_sidecar.core.predictor import HintPredictor, OnlinePredictor
+from binbatch_sidecar.core.predictor import ExternalFirst, HintPredictor, OnlinePredictor
 from binbatch_sidecar.core.sizer import BatchSizer
 from binbatch_sidecar.engine.dispatcher import Dispatcher
 from binbatch_sidecar.engine.metrics_feed import MetricsFeed
@@ -58,6 +58,7 @@ def problems(impl: type, contract: type) -> list[str]:
 IMPLEMENTATIONS = [
     (stages.LengthPredictor, HintPredictor),
     (stages.LengthPredictor, OnlinePredictor),
+    (stages.LengthPredictor, ExternalFirst),
     (stages.Binner, FixedBinner),
     (stages.Binner, AutoBinner),
     (stages.Binner, AdaptiveBinner),

@@ -88,8 +88,8 @@ def test_vllm_moves_to_the_engine_port_on_loopback_and_the_sidecar_takes_its_por
     engine, side = injected(pod(vllm(**fields)))
     for key in ("command", "args"):
         assert engine.get(key) == expected.get(key), key
-    assert side["command"][-2:] == ["--http-port", str(serving)]
-    assert ports(side)["bb-http"] == serving
+    assert side["command"][-2:] == ["--take-over-port", str(serving)]
+    assert ports(side) == {"bb-grpc": 50051, "bb-http": 8080, "bb-metrics": 9090, "": serving}  # declared once, bare
     assert "ports" not in engine
 
 
@@ -120,21 +120,84 @@ def test_named_serving_port_moves_to_the_sidecar_and_probes_that_named_it_get_it
     )
     engine, side = injected(pod(container))
     assert ports(engine) == {"dist": 29500}  # other ports stay with vLLM
-    assert ports(side) == {"bb-grpc": 50051, "bb-http": 8000, "bb-metrics": 9090, "http": 8000}
+    assert ports(side) == {"bb-grpc": 50051, "bb-http": 8080, "bb-metrics": 9090, "http": 8000}
     assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert engine["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert engine["startupProbe"]["tcpSocket"] == {"port": 8000}
     assert engine["lifecycle"]["preStop"]["httpGet"]["port"] == 8000
 
 
-def test_a_bare_serving_port_entry_is_dropped_and_a_host_port_kept():
+def test_a_bare_serving_port_entry_moves_as_one_bare_entry_and_a_host_port_is_kept():
     bare = vllm(args=["--port", "8000"], ports=[{"containerPort": 8000}, {"containerPort": 8000, "protocol": "UDP"}])
     engine, side = injected(pod(bare))
     assert engine["ports"] == [{"containerPort": 8000, "protocol": "UDP"}]  # not HTTP: left alone
-    assert ports(side) == {"bb-grpc": 50051, "bb-http": 8000, "bb-metrics": 9090}
+    assert ports(side) == {"bb-grpc": 50051, "bb-http": 8080, "bb-metrics": 9090, "": 8000}
     hosted = vllm(args=["--port", "8000"], ports=[{"containerPort": 8000, "hostPort": 80}])
     _, side = injected(pod(hosted))
-    assert {"containerPort": 8000, "hostPort": 80} in side["ports"]
+    assert [p for p in side["ports"] if p["containerPort"] == 8000] == [{"containerPort": 8000, "hostPort": 80}]
+
+
+def api_port_warnings(pod_spec: dict[str, Any]) -> list[str]:
+    """The API server's warnings about a pod's ports, as Kubernetes 1.36 words them
+    (``pkg/api/pod/warnings.go``): across init, regular and ephemeral containers, one
+    (containerPort, protocol) declared twice, and one port name used twice."""
+    warnings: list[str] = []
+    seen: dict[tuple[int, str], list[tuple[str, dict[str, Any]]]] = {}
+    named: dict[str, str] = {}
+    for group in ("initContainers", "containers", "ephemeralContainers"):
+        for i, c in enumerate(pod_spec.get(group) or []):
+            for j, port in enumerate(c.get("ports") or []):
+                here = f"spec.{group}[{i}].ports[{j}]"
+                host_ip, host_port = port.get("hostIP", ""), port.get("hostPort", 0)
+                for where, other in seen.setdefault((port["containerPort"], port.get("protocol") or "TCP"), []):
+                    if (host_ip, host_port) == (other.get("hostIP", ""), other.get("hostPort", 0)):
+                        warnings.append(f"{here}: duplicate port definition with {where}")
+                    elif not host_port or not other.get("hostPort", 0):
+                        warnings.append(f"{here}: overlapping port definition with {where}")
+                    elif host_port == other.get("hostPort") and (host_ip == "") != (other.get("hostIP", "") == ""):
+                        warnings.append(f"{here}: dangerously ambiguous port definition with {where}")
+                seen[(port["containerPort"], port.get("protocol") or "TCP")].append((here, port))
+                name = port.get("name")
+                if name and name in named:
+                    warnings.append(f'{here}: duplicate port name "{name}" with {named[name]}, services and probes '
+                                    f"that select ports by name will use {named[name]}")
+                elif name:
+                    named[name] = here
+    return warnings
+
+
+def test_the_port_warning_mirror_words_what_the_api_server_said_about_the_old_take_over():
+    """Before: the sidecar declared the serving port as bb-http and again under vLLM's name."""
+    old = {"name": "binbatch-sidecar", "image": IMAGE, "ports": [
+        {"name": "bb-grpc", "containerPort": 50051}, {"name": "bb-http", "containerPort": 8000},
+        {"name": "bb-metrics", "containerPort": 9090}, {"name": "http", "containerPort": 8000, "protocol": "TCP"}]}
+    spec = {"containers": [vllm(args=["--port", "8001"]), old]}
+    assert api_port_warnings(spec) == ["spec.containers[1].ports[3]: duplicate port definition with spec.containers[1].ports[1]"]
+    native = {"initContainers": [{**old, "restartPolicy": "Always"}], "containers": [vllm(args=["--port", "8001"])]}
+    assert api_port_warnings(native) == ["spec.initContainers[0].ports[3]: duplicate port definition with spec.initContainers[0].ports[1]"]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["classic", "native"])
+@pytest.mark.parametrize(
+    "container",
+    [
+        vllm(args=["--port", "8000"], ports=[{"name": "http", "containerPort": 8000, "protocol": "TCP"}]),
+        vllm(args=["--port", "8000"], ports=[{"containerPort": 8000}]),
+        vllm(args=["--model", "m"]),
+        vllm(args=["--port", "8000"], ports=[{"name": "http", "containerPort": 8000, "hostPort": 18000}]),
+        vllm(args=["--port", "8000"], ports=[{"name": "http", "containerPort": 8000}, {"name": "metrics", "containerPort": 9000}]),
+    ],
+    ids=["named serving port", "bare serving port", "no ports", "host port", "another port"],
+)  # fmt: skip
+def test_the_taken_over_pod_declares_every_port_once(container, native):
+    p = pod(container)
+    patch = builders.build_pod_patch(p, "fast", 1, SPEC, IMAGE)
+    if native:
+        patch = builders.as_native_sidecar(patch, p)
+    assert api_port_warnings(patch["spec"]) == []
+    declared = [port["containerPort"] for c in [*patch["spec"]["containers"], *patch["spec"].get("initContainers", [])]
+                for port in c.get("ports") or []]  # fmt: skip
+    assert declared.count(8000) == 1 and declared.count(8080) == 1
 
 
 def test_the_config_points_the_sidecar_at_the_engine_port():
@@ -173,7 +236,7 @@ def test_a_native_sidecar_keeps_the_rewritten_vllm_container():
     p = pod(vllm(args=["--port", "8000"]))
     patch = builders.as_native_sidecar(builders.build_pod_patch(p, "fast", 1, SPEC, IMAGE), p)
     assert patch["spec"]["containers"][0]["args"] == ["--port", "8001", "--host", "127.0.0.1"]
-    assert patch["spec"]["initContainers"][0]["command"][-2:] == ["--http-port", "8000"]
+    assert patch["spec"]["initContainers"][0]["command"][-2:] == ["--take-over-port", "8000"]
 
 
 # -- what cannot be rewritten safely is refused, naming the field ------------------------------
@@ -195,6 +258,7 @@ def test_a_native_sidecar_keeps_the_rewritten_vllm_container():
         (pod(vllm(args=["--uds=/run/vllm.sock"])), "spec.containers[0].args[0]", "unix socket"),
         (pod(vllm(args=["--port", "8001"])), "spec.sidecar.takeOverServingPort.enginePort", "serving port 8001"),
         (pod(vllm(args=["--port", "9090"])), "spec.sidecar.metricsPort", "serving port 9090"),
+        (pod(vllm(args=["--port", "8080"])), "spec.sidecar.httpPort", "serving port 8080"),
         (pod(vllm(args=["--port", "80"])), "spec.containers[0].args", "privileged"),
         (pod(vllm(args=["--port", "8000"]), {"name": "exporter", "image": "e", "ports": [{"containerPort": 8001}]}),
          "spec.containers[1].ports[0]", "enginePort"),
@@ -206,7 +270,7 @@ def test_a_native_sidecar_keeps_the_rewritten_vllm_container():
         (pod(vllm(args=["--port", "8000"]), {"name": "vllm-router", "image": "vllm/router"}), "spec.containers", "vllm, vllm-router"),
     ],
     ids=["no command or args", "shell", "env valueFrom", "env undefined", "not a number", "no value", "one long argument",
-         "--config without --port", "TLS", "unix socket", "serving port is enginePort", "serving port is metricsPort", "privileged port",
+         "--config without --port", "TLS", "unix socket", "serving port is enginePort", "serving port is metricsPort", "serving port is httpPort", "privileged port",
          "engine port declared elsewhere", "serving port declared by an init container", "port named like ours",
          "which container", "two containers name vllm"],
 )  # fmt: skip
@@ -218,7 +282,7 @@ def test_a_pod_that_cannot_be_rewritten_safely_is_refused_naming_the_field(p, fi
 def test_a_privileged_serving_port_is_taken_over_where_the_pod_lets_non_root_bind_it():
     p = pod(vllm(args=["--port", "80"]), securityContext={"sysctls": [{"name": "net.ipv4.ip_unprivileged_port_start", "value": "0"}]})
     _, side = injected(p)
-    assert ports(side)["bb-http"] == 80
+    assert ports(side)[""] == 80 and side["command"][-2:] == ["--take-over-port", "80"]
 
 
 def test_a_named_container_that_is_missing_is_refused():
@@ -344,7 +408,7 @@ def test_the_gpu_sample_is_taken_over_as_documented():
     engine, side = patch["spec"]["containers"]
     assert engine["args"][:6] == ["--model", "Qwen/Qwen2.5-1.5B-Instruct", "--host", "127.0.0.1", "--port", "8001"]
     assert {engine[k]["httpGet"]["port"] for k in ("startupProbe", "readinessProbe", "livenessProbe")} == {8000}
-    assert ports(side)["http"] == 8000 and ports(side)["bb-http"] == 8000 and "ports" not in engine
+    assert ports(side)["http"] == 8000 and ports(side)["bb-http"] == 8080 and "ports" not in engine
     whole = {**p, "metadata": {**p["metadata"], **patch["metadata"]}, "spec": {**p["spec"], **patch["spec"]}}
     kubernetes_validate.validate(whole, "1.30", strict=True)
 

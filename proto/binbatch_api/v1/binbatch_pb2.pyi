@@ -589,12 +589,15 @@ class PredictorSourceStats(_message.Message):
     SAMPLES_FIELD_NUMBER: _builtins.int
     BIN_ACCURACY_FIELD_NUMBER: _builtins.int
     WITHIN_ONE_BIN_ACCURACY_FIELD_NUMBER: _builtins.int
+    KENDALL_TAU_FIELD_NUMBER: _builtins.int
     source: _builtins.str
     """Where the predictions came from: "hint" (the client's
-    expected_output_tokens), "online" (learned from completions),
+    expected_output_tokens), "external" (the external predictor service,
+    predictor.external.url), "learned" (the model that reads the prompt),
+    "online" (the mean per prompt-length bucket, learned from completions),
     "max_tokens" (no hint, nothing learned: the request's max_tokens) or
     "default" (none of those: predictor.defaultOutputTokens).
-    values: "hint" | "online" | "max_tokens" | "default"
+    values: "hint" | "external" | "learned" | "online" | "max_tokens" | "default"
     """
     samples: _builtins.int
     """Completions scored from this source."""
@@ -602,6 +605,12 @@ class PredictorSourceStats(_message.Message):
     """As `PredictorStats.bin_accuracy`, for this source only."""
     within_one_bin_accuracy: _builtins.float
     """As `PredictorStats.within_one_bin_accuracy`, for this source only."""
+    kendall_tau: _builtins.float
+    """Kendall's tau-b of the predicted against the actual lengths of these
+    completions, in [-1, 1]: how well the predictions order the answers
+    (what shortest-first needs). 0 below 8 completions or when either side
+    is constant.
+    """
     def __init__(
         self,
         *,
@@ -609,10 +618,11 @@ class PredictorSourceStats(_message.Message):
         samples: _builtins.int = ...,
         bin_accuracy: _builtins.float = ...,
         within_one_bin_accuracy: _builtins.float = ...,
+        kendall_tau: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bin_accuracy", b"bin_accuracy", "samples", b"samples", "source", b"source", "within_one_bin_accuracy", b"within_one_bin_accuracy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bin_accuracy", b"bin_accuracy", "kendall_tau", b"kendall_tau", "samples", b"samples", "source", b"source", "within_one_bin_accuracy", b"within_one_bin_accuracy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -632,9 +642,10 @@ class PredictorStats(_message.Message):
     WITHIN_ONE_BIN_ACCURACY_FIELD_NUMBER: _builtins.int
     SOURCES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Predictor in use, the policy's predictor.kind: "hint" or "online". Either
-    way a request's hint wins; `sources` tells the predictions apart.
-    values: "hint" | "online"
+    """Predictor in use, the policy's predictor.kind: "hint", "online" or
+    "learned". Any way a request's hint wins; `sources` tells the predictions
+    apart.
+    values: "hint" | "online" | "learned"
     """
     samples: _builtins.int
     """Completions scored."""

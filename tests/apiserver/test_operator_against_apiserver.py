@@ -1,0 +1,339 @@
+"""The operator against a real API server, with the RBAC users get.
+
+The chart is installed by Helm (``helm_release``); the operator runs here as the
+chart's Deployment runs it (its command and environment, read back from the
+server) with a token of the install's own ServiceAccount, so every request it makes
+is one that RBAC allows the real install.  The API server calls the webhook through
+its Service: ``ServiceProxy`` plays kube-proxy for the Service's ClusterIP, which the
+test server allocates on loopback.  No kubelet runs: pods stay Pending, and the
+sidecar is checked on the pod the API server stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kube_support import Cluster, wait_for
+
+from binbatch_operator import crd
+from binbatch_operator.builders import CONFIG_KEY, SIDECAR_CONTAINER, child_name
+
+pytestmark = pytest.mark.apiserver
+
+INJECT = {"binbatch.io/inject": "enabled"}  # the chart's default webhook.namespaceSelector
+POLICY = "llm"
+SELECTOR = {"matchLabels": {"app": "vllm"}}
+# cpu: 1 unquoted, as a Pod spec allows; the injected container carries it to the pod.
+RESOURCES = {"requests": {"cpu": "250m", "memory": "128Mi"}, "limits": {"cpu": 1, "memory": "256Mi"}}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServiceProxy:
+    """kube-proxy's job for one Service port: connections to ``host:port`` reach 127.0.0.1:``backend``.
+
+    Runs its own event loop in a thread (the test's calls block).  A connection that
+    finds no backend is closed, as a Service without ready endpoints refuses it.
+    """
+
+    def __init__(self, host: str, port: int, backend: int) -> None:
+        self.host, self.port, self.backend = host, port, backend
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+
+    def __enter__(self) -> ServiceProxy:
+        self._thread.start()
+        self._started.wait(timeout=10)
+        if self._error is not None or self._stop is None:
+            raise RuntimeError(f"cannot listen on {self.host}:{self.port} (a port below 1024 needs root or "
+                               f"CAP_NET_BIND_SERVICE): {self._error}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+
+    async def _serve(self) -> None:
+        writers: set[asyncio.StreamWriter] = set()
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            writer.close()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writers.add(writer)
+            try:
+                upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.backend)
+            except OSError:
+                writer.close()
+                return
+            writers.add(upstream_writer)
+            await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+        try:
+            server = await asyncio.start_server(handle, self.host, self.port)
+        except OSError as exc:
+            self._error = exc
+            self._started.set()
+            return
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._started.set()
+        async with server:
+            await self._stop.wait()
+            for writer in writers:
+                writer.close()
+
+
+class Operator:
+    """``kopf run`` as the chart's Deployment runs it, as a child process; ``start``, ``kill``, ``stop``."""
+
+    def __init__(self, cluster: Cluster, deployment: dict[str, Any], kubeconfig: Path, webhook_config: str,
+                 log: Path) -> None:  # fmt: skip
+        self.cluster, self.webhook_config, self.log = cluster, webhook_config, log
+        self.health_port, self.webhook_port = free_port(), free_port()
+        self.command = operator_command(deployment, self.health_port)
+        self.env = operator_environment(deployment, self.webhook_port, kubeconfig)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        """Start it; return once kopf reports healthy and the webhook listens with its CA published."""
+        self.starts += 1
+        # kopf names this replica by its pod in the peering object: a new process is a new pod.
+        env = {**self.env, "POD_ID": f"{self.env['POD_ID']}-{self.starts}"}
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+        def healthy() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                pytest.fail(f"the operator exited {self.proc.returncode}\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as answer:
+                    return answer.status == 200
+            except (urllib.error.URLError, OSError):
+                return False
+
+        def webhook_ready() -> bool:
+            config = self.cluster.admission.read_mutating_webhook_configuration(self.webhook_config)
+            if not config.webhooks[0].client_config.ca_bundle:
+                return False
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.webhook_port), timeout=2):
+                return True
+            return False
+
+        wait_for("the operator's liveness endpoint", healthy, timeout=60, every=0.2, diagnose=self.tail)
+        wait_for("the webhook's CA bundle and listener", webhook_ready, timeout=60, every=0.2, diagnose=self.tail)
+
+    def kill(self) -> None:
+        """SIGKILL, as when a node dies: no cleanup, no goodbye to the peering object."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def tail(self) -> str:
+        return "operator log (tail):\n" + self.log.read_text(errors="replace")[-6000:]
+
+
+def operator_command(deployment: dict[str, Any], health_port: int) -> list[str]:
+    """The Deployment's container command, run by this interpreter; liveness on loopback."""
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    kopf, *args = container["command"]
+    assert kopf == "kopf" and args[:4] == ["run", "-m", "binbatch_operator.main", "--all-namespaces"], args
+    liveness = [i for i, a in enumerate(args) if a.startswith("--liveness=")]
+    assert len(liveness) == 1, args
+    args[liveness[0]] = f"--liveness=http://127.0.0.1:{health_port}/healthz"
+    return [sys.executable, "-m", "kopf", *args]
+
+
+def operator_environment(deployment: dict[str, Any], webhook_port: int, kubeconfig: Path) -> dict[str, str]:
+    """The Deployment's container environment, its fieldRefs resolved; the webhook on loopback."""
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    pod_fields = {"metadata.namespace": deployment["metadata"]["namespace"],
+                  "metadata.name": f"{deployment['metadata']['name']}-local"}  # fmt: skip
+    env = {}
+    for var in container["env"]:
+        env[var["name"]] = var["value"] if "value" in var else pod_fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
+    env |= {"BINBATCH_WEBHOOK_ADDRESS": "127.0.0.1", "BINBATCH_WEBHOOK_PORT": str(webhook_port)}
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "BINBATCH_"))}
+    return {**inherited, **env, "KUBECONFIG": str(kubeconfig)}
+
+
+def service_account_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig for the API server the tests use, with a token of ``account`` (``kubectl create token``)."""
+    admin = json.loads(cluster.kubectl("config", "view", "--raw", "--minify", "--flatten", "-o", "json"))
+    token = cluster.kubectl("create", "token", account, "--namespace", namespace, "--duration=2h").strip()
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "operator",
+        "clusters": [{"name": "server", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "server", "user": account}}],
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, helm_release: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    """The operator of ``helm_release``, started, its webhook reachable through the release's Service."""
+    namespace = helm_release
+    (deployment,) = cluster.apps.list_namespaced_deployment(namespace).items
+    deployment = cluster.api.sanitize_for_serialization(deployment)
+    (webhook,) = cluster.admission.list_mutating_webhook_configuration(
+        label_selector=f"app.kubernetes.io/instance={helm_release}").items  # fmt: skip
+    service_ref = webhook.webhooks[0].client_config.service
+    service = cluster.core.read_namespaced_service(service_ref.name, service_ref.namespace)
+    folder = tmp_path_factory.mktemp("operator")
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    kubeconfig = service_account_kubeconfig(cluster, namespace, account, folder / "kubeconfig")
+    process = Operator(cluster, deployment, kubeconfig, webhook.metadata.name, folder / "operator.log")
+    cluster.diagnose.append(("--namespace", namespace, "get", "events"))
+    peering = [a.removeprefix("--peering=") for a in process.command if a.startswith("--peering=")]
+    with ServiceProxy(service.spec.cluster_ip, service_ref.port, process.webhook_port):
+        try:
+            process.start()
+            yield process
+        finally:
+            process.stop()
+            for name in peering:  # the operator creates its ClusterKopfPeering; helm uninstall leaves it
+                cluster.kubectl("delete", "clusterkopfpeering", name, "--ignore-not-found")
+
+
+@pytest.fixture
+def policy_namespace(cluster: Cluster, operator: Operator, namespace: Any) -> Iterator[Any]:
+    """``namespace``, whose policies are deleted at the end while the operator runs: a policy keeps the
+    operator's finalizer until the operator handles its deletion, and would hold its namespace Terminating."""
+    made: list[str] = []
+
+    def make(labels: dict[str, str] | None = None) -> str:
+        made.append(namespace(labels))
+        return made[-1]
+
+    def policies_left() -> list[Any]:
+        return [p for ns in made for p in cluster.custom.list_namespaced_custom_object(
+            crd.GROUP, crd.VERSION, ns, crd.PLURAL)["items"]]  # fmt: skip
+
+    yield make
+    for ns in made:
+        cluster.custom.delete_collection_namespaced_custom_object(crd.GROUP, crd.VERSION, ns, crd.PLURAL)
+    wait_for("the test's policies to be deleted", lambda: not policies_left(), timeout=60, every=0.2,
+             diagnose=lambda: f"{cluster.diagnostics()}\n{operator.tail()}")  # fmt: skip
+
+
+# -- helpers for the tests ----------------------------------------------------------
+
+
+def create_policy(cluster: Cluster, namespace: str, spec: dict[str, Any]) -> None:
+    body = {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": POLICY}, "spec": spec}
+    cluster.custom.create_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, body)
+
+
+def reconciled(cluster: Cluster, namespace: str, operator: Operator) -> dict[str, Any]:
+    """Wait until the operator acted on the policy's current spec; its ConfigMap's config, parsed."""
+
+    def check() -> dict[str, Any] | None:
+        policy = cluster.custom.get_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, POLICY)
+        if (policy.get("status") or {}).get("observedGeneration") != policy["metadata"]["generation"]:
+            return None
+        config_map = cluster.core.read_namespaced_config_map(child_name(POLICY), namespace)
+        cluster.core.read_namespaced_service(child_name(POLICY), namespace)
+        return yaml.safe_load(config_map.data[CONFIG_KEY])
+
+    return wait_for(f"policy {namespace}/{POLICY}'s status, ConfigMap and Service", check, timeout=60, every=0.2,
+                    diagnose=lambda: f"{cluster.diagnostics()}\n{operator.tail()}")  # fmt: skip
+
+
+def create_pod(cluster: Cluster, namespace: str, name: str, labels: dict[str, str]) -> Any:
+    """The pod as the API server stored it, after admission (the webhook's patch included)."""
+    from kubernetes import client
+
+    pod = client.V1Pod(metadata=client.V1ObjectMeta(name=name, labels=labels),
+                       spec=client.V1PodSpec(containers=[client.V1Container(name="vllm", image="vllm/vllm-openai")]))  # fmt: skip
+    return cluster.core.create_namespaced_pod(namespace, pod)
+
+
+def containers(pod: Any) -> list[str]:
+    return [c.name for c in pod.spec.containers]
+
+
+# -- the tests ----------------------------------------------------------------------
+
+
+def test_a_selected_pod_in_an_opted_in_namespace_gets_the_sidecar(
+    cluster: Cluster, operator: Operator, policy_namespace: Any
+) -> None:
+    opted_in, other = policy_namespace(INJECT), policy_namespace()
+    for ns in (opted_in, other):
+        create_policy(cluster, ns, {"selector": SELECTOR, "sidecar": {"resources": RESOURCES}})
+    reconciled(cluster, opted_in, operator)
+    pod = create_pod(cluster, opted_in, "selected", {"app": "vllm"})
+    assert containers(pod) == ["vllm", SIDECAR_CONTAINER], operator.tail()
+    assert pod.spec.containers[1].resources.limits == {"cpu": "1", "memory": "256Mi"}
+    assert containers(create_pod(cluster, opted_in, "not-selected", {"app": "web"})) == ["vllm"]
+    assert containers(create_pod(cluster, other, "not-opted-in", {"app": "vllm"})) == ["vllm"]
+
+
+def test_deleting_the_policy_garbage_collects_its_children(
+    cluster: Cluster, operator: Operator, policy_namespace: Any
+) -> None:
+    ns = policy_namespace(INJECT)
+    create_policy(cluster, ns, {"selector": SELECTOR})
+    reconciled(cluster, ns, operator)
+    cluster.custom.delete_namespaced_custom_object(crd.GROUP, crd.VERSION, ns, crd.PLURAL, POLICY)
+
+    def all_gone() -> bool:
+        return (
+            cluster.gone(cluster.custom.get_namespaced_custom_object, crd.GROUP, crd.VERSION, ns, crd.PLURAL, POLICY)
+            and cluster.gone(cluster.core.read_namespaced_config_map, child_name(POLICY), ns)
+            and cluster.gone(cluster.core.read_namespaced_service, child_name(POLICY), ns)
+        )
+
+    wait_for(f"policy {ns}/{POLICY}, its ConfigMap and Service to be deleted", all_gone, timeout=60, every=0.2,
+             diagnose=lambda: f"{cluster.diagnostics()}\n{operator.tail()}")  # fmt: skip
+
+
+def test_the_operator_converges_after_a_restart(cluster: Cluster, operator: Operator, policy_namespace: Any) -> None:
+    ns = policy_namespace(INJECT)
+    create_policy(cluster, ns, {"selector": SELECTOR, "batch": {"staticSize": 8}})
+    assert reconciled(cluster, ns, operator)["batch"]["staticSize"] == 8
+    operator.kill()
+    cluster.custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, ns, crd.PLURAL, POLICY,
+                                                  {"spec": {"batch": {"staticSize": 16}}})  # fmt: skip
+    # The webhook is down: failurePolicy Ignore admits the pod as written.
+    assert containers(create_pod(cluster, ns, "while-down", {"app": "vllm"})) == ["vllm"]
+    operator.start()
+    assert reconciled(cluster, ns, operator)["batch"]["staticSize"] == 16
+    assert containers(create_pod(cluster, ns, "after-restart", {"app": "vllm"})) == ["vllm", SIDECAR_CONTAINER]

@@ -1,0 +1,153 @@
+"""The learned length model: features, fit, distribution, and its file."""
+
+from __future__ import annotations
+
+import math
+import zipfile
+
+import numpy as np
+import pytest
+
+from binbatch_sidecar.core import length_model as lm
+from binbatch_sidecar.core.length_dist import LEVELS
+from binbatch_sidecar.engine.model_file import ModelFileError, load_model, save_model
+
+SHORT = ["yes or no: is {} a colour?", "one word for {}", "translate '{}' to French", "is {} a prime?"]
+LONG = ["write a 1000 word essay on {}", "write a detailed story about {}", "explain {} step by step in detail"]
+
+
+def _records(n: int = 120) -> tuple[list[str], list[float]]:
+    prompts, tokens = [], []
+    for i in range(n):
+        topic = f"topic{i % 17}"
+        if i % 2:
+            prompts.append(SHORT[i % len(SHORT)].format(topic))
+            tokens.append(5.0 + i % 7)
+        else:
+            prompts.append(LONG[i % len(LONG)].format(topic))
+            tokens.append(600.0 + 10 * (i % 9))
+    return prompts, tokens
+
+
+@pytest.fixture(scope="module")
+def model() -> lm.LengthModel:
+    prompts, tokens = _records()
+    return lm.fit([lm.featurize(p) for p in prompts], tokens, alpha=0.5)
+
+
+def test_features_read_what_is_asked_not_only_the_length():
+    a, b = lm.featurize("write an essay about cats"), lm.featurize("write a haiku about cats")
+    assert set(a.indices.tolist()) != set(b.indices.tolist())
+    assert a.indices.dtype == np.int32 and a.values.dtype == np.float32
+    assert int(a.indices.max()) < lm.N_FEATURES
+
+
+def _dense(f: lm.Features) -> np.ndarray:
+    return lm.design([f]).toarray()[0]
+
+
+def test_class_and_cap_are_features_in_slots_of_their_own():
+    base = _dense(lm.featurize("hello"))
+    with_class, with_cap = _dense(lm.featurize("hello", request_class="batch")), _dense(lm.featurize("hello", max_tokens=64))
+    assert np.flatnonzero(with_class != base).tolist() and min(np.flatnonzero(with_class != base)) >= lm.DIM + len(lm.META)
+    assert np.flatnonzero(with_cap != base).tolist() == [lm.DIM + lm.META.index("log_max_tokens")]
+
+
+def test_a_cap_or_class_no_training_record_had_changes_no_prediction(model):
+    f = lm.featurize("write a 1000 word essay on topic3")
+    g = lm.featurize("write a 1000 word essay on topic3", request_class="batch", max_tokens=100_000)
+    assert model.dist(g).points == model.dist(f).points
+
+
+def test_a_long_prompt_is_read_at_its_head_and_tail_only():
+    middle_a, middle_b = "alpha " * 5000, "omega " * 5000
+    a = lm.featurize("Summarise this: " + middle_a + " thanks")
+    b = lm.featurize("Summarise this: " + middle_b + " thanks")
+    assert len(lm.read_span("x" * 100_000)) == lm.HEAD_CHARS + lm.TAIL_CHARS + 1
+    assert len(a.indices) < 200  # bounded work, whatever the length
+    assert set(a.indices.tolist()) != set(b.indices.tolist())  # the head differs: it is read
+
+
+def test_explicit_length_ask_and_script_are_meta_features():
+    meta = dict(zip(lm.META, lm.featurize("Write 500 words about Seoul").values[-len(lm.META):]))
+    assert meta["log_length_ask"] > 0 and meta["asks_words"] > 0
+    hangul = dict(zip(lm.META, lm.featurize("서울에 대해 써 주세요").values[-len(lm.META):]))
+    assert hangul["hangul"] > 0 and hangul["cjk"] == 0
+
+
+def test_fit_ranks_long_asks_above_short_ones(model):
+    short = model.dist(lm.featurize("yes or no: is topic3 a colour?"))
+    long = model.dist(lm.featurize("write a 1000 word essay on topic3"))
+    assert long.median > 5 * short.median
+    assert model.records == 120 and model.version == 1
+
+
+def test_the_plan_quantile_is_above_the_median_and_the_cap_holds(model):
+    d = model.dist(lm.featurize("write a detailed story about topic5"), cap=300)
+    assert d.median <= d.plan <= 300
+    assert len(model.offsets) == len(LEVELS)
+
+
+def test_a_refit_centred_on_a_prior_keeps_what_the_prior_knew(model):
+    new_prompts = ["list the planets of topic1"] * 20
+    refit = lm.fit([lm.featurize(p) for p in new_prompts], [80.0] * 20, prior=model)
+    assert refit.records == 140
+    short = refit.dist(lm.featurize("one word for topic2")).median
+    long = refit.dist(lm.featurize("write a 1000 word essay on topic2")).median
+    assert long > 5 * short
+
+
+def test_fit_refuses_too_few_or_mismatched_records():
+    f = [lm.featurize("hi")] * 3
+    with pytest.raises(ValueError, match="records: at least"):
+        lm.fit(f, [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="output_tokens"):
+        lm.fit(f * 5, [1.0])
+
+
+def test_model_file_round_trips(tmp_path, model):
+    path = tmp_path / "m.npz"
+    save_model(path, model)
+    back = load_model(path)
+    f = lm.featurize("write a detailed story about topic5")
+    assert back.dist(f).points == pytest.approx(model.dist(f).points)
+    assert (back.version, back.records) == (model.version, model.records)
+
+
+def test_model_file_holds_no_pickle(tmp_path, model):
+    path = tmp_path / "m.npz"
+    save_model(path, model)
+    with zipfile.ZipFile(path) as z:
+        for name in z.namelist():
+            with z.open(name) as f:
+                major, _ = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                assert not read_header(f)[2].hasobject, name
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "cannot read .*: no such file"),
+        (b"not a zip", "not a model file"),
+        ("object", "Object arrays cannot be loaded"),
+        ("partial", "format: missing"),
+        ("wrong-dim", "dim: "),
+        ("nan", "weights: must be finite"),
+    ],
+)
+def test_a_bad_model_file_says_what_is_wrong(tmp_path, model, content, message):
+    path = tmp_path / "bad.npz"
+    arrays = model.to_arrays()
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content == "object":
+        np.savez(path, format=np.array([{"a": 1}], dtype=object))
+    elif content == "partial":
+        np.savez(path, weights=arrays["weights"])
+    elif content == "wrong-dim":
+        np.savez(path, **{**arrays, "dim": np.array(1 << 10)})
+    elif content == "nan":
+        np.savez(path, **{**arrays, "weights": np.full_like(arrays["weights"], math.nan)})
+    with pytest.raises(ModelFileError, match=message):
+        load_model(path)
