@@ -74,6 +74,7 @@ preemptions the mean per repeat.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import signal
@@ -87,7 +88,9 @@ from typing import Any
 import aiohttp
 import grpc
 
-from . import workloads
+from ..engine.model_file import save_model
+from ..engine.training_records import train
+from . import sharegpt, workloads
 from .bench_clients import (RunResult, closed_loop, direct_caller, ideal_gang, replay, sidecar_caller,
                             steady_rate)  # fmt: skip
 from .chaos_load import percentile
@@ -156,6 +159,8 @@ class E2EConfig:
     sharegpt_requests: int = 500  # ShareGPT first turns replayed at load RATIO_LOAD
     sharegpt_capacity_requests: int = 192  # the ShareGPT capacity's closed loop (capacity_concurrency outstanding)
     sharegpt_scale: float = 1.0  # ShareGPT answers and their cap shortened by this (a slow engine's run)
+    warm_start_records: int = 0  # the judged sidecar's model is fitted on this many training records (0: all)
+    sharegpt_repeats: int | None = None  # repeats of the ShareGPT replay (None: ``repeats``; the demo's: 1)
     only: tuple[str, ...] = ()  # scenario keys ("mixed@gang") or shapes ("chat"); empty: all
     clients: tuple[str, ...] = ()  # client keys ("direct", "hint", ...) to send with; empty: all
 
@@ -169,7 +174,7 @@ def quick(cfg: E2EConfig) -> E2EConfig:
     this version checks the document, not the figures)."""
     return replace(cfg, requests=12, load_requests=12, gang_requests=16, gang_batch=4, loads=(RATIO_LOAD,), repeats=1,
                    scale=0.25, gang_scale=0.25, capacity_concurrency=16, capacity_requests=48, sharegpt_requests=12,
-                   sharegpt_capacity_requests=48)  # fmt: skip
+                   sharegpt_capacity_requests=48, warm_start_records=1000)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -217,10 +222,12 @@ IDEAL8 = Client("ideal8", "ideal gang k=8", "ideal-gang", 8)
 GANG8 = Client("gang8", "sidecar gang k=8", "gang", 8, "ample-gang8")
 # The ShareGPT replay's sidecars: as a new user runs one (no hint; the judged row), and the
 # oracle (the recorded length as the hint), the yardstick
+SG_LEARNED = Client("learned", "sidecar, no hint, Learned (warm start)", "continuous", 4, "sg-learned", hint=False)
+SG_COLD = Client("cold", "sidecar, no hint, Learned (cold start)", "continuous", 4, "sg-cold", hint=False)
 SG_ONLINE = Client("online", "sidecar, no hint, Online", "continuous", 4, "sg-online", hint=False)
 SG_HINT = Client("hint", "sidecar, true length as hint (oracle)", "continuous", 4, "sg-hint")
 CLIENT_NAMES = tuple(c.key for c in (DIRECT, PRIORITY, HINT, ENGINE_ORDER, PACKED, ONLINE, FREE, IDEAL1, IDEAL4, IDEAL8,
-                                     GANG1, GANG4, GANG8))  # fmt: skip
+                                     GANG1, GANG4, GANG8, SG_LEARNED, SG_COLD))  # fmt: skip
 
 
 def scenarios(cfg: E2EConfig) -> list[Scenario]:
@@ -237,7 +244,7 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
         Scenario("mixed@gang", "mixed burst, gang", "ample", "mixed", cfg.gang_requests, None,
                  (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8), cfg.gang_scale),  # fmt: skip
         Scenario("sharegpt", f"ShareGPT replay, load {RATIO_LOAD:g}", "sharegpt", "sharegpt", cfg.sharegpt_requests,
-                 RATIO_LOAD, (DIRECT, SG_ONLINE, SG_HINT), 1.0),  # fmt: skip
+                 RATIO_LOAD, (DIRECT, SG_LEARNED, SG_COLD, SG_ONLINE, SG_HINT), 1.0),  # fmt: skip
     ]
     if cfg.only:
         plan = [sc for sc in plan if sc.key in cfg.only or sc.shape in cfg.only]
@@ -251,9 +258,10 @@ def sharegpt_context(cfg: E2EConfig) -> int:
     return workloads.SHAREGPT_PROMPT_TOKENS + max(1, round(workloads.SHAREGPT_MAX_TOKENS * cfg.sharegpt_scale))
 
 
-def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
+def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[str, dict[str, Any]]]:
     """Each sidecar process: the engine it fronts and its config (the one place a
-    scheduling change picks the configuration the bench measures)."""
+    scheduling change picks the configuration the bench measures); ``warm_start``:
+    the Learned model the judged ShareGPT sidecar starts from (``_warm_start``)."""
     slo = {"tpotMilliseconds": round(cfg.slo_tpot_s * 1e3), "ttftMilliseconds": round(cfg.slo_ttft_s * 1e3)}
     chat_max = workloads.longest("chat", cfg.scale)
     # ShortestFirst with followEngineQueue: the queue forms here, ordered (the config defaults, spelled out)
@@ -286,6 +294,8 @@ def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
         "ample-gang4": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 4}, "batch": gang}),
         "ample-gang8": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 8}, "batch": gang}),
         # the ShareGPT replay: a new user's sidecar -- no latency SLO -- ordering its queue shortest first, planning KV
+        "sg-learned": ("sharegpt", {**sharegpt, "predictor": {"kind": "Learned", "warmStart": warm_start}}),
+        "sg-cold": ("sharegpt", {**sharegpt, "predictor": {"kind": "Learned"}}),
         "sg-online": ("sharegpt", {**sharegpt, "predictor": {"kind": "Online"}}),
         "sg-hint": ("sharegpt", {**sharegpt, "predictor": {"kind": "Hint"}}),
     }
@@ -514,8 +524,9 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
             f"answers (up to {needed - workloads.SHAREGPT_PROMPT_TOKENS}) need a context of {needed} tokens, the engine "
             f"serves {context} (a smaller --sharegpt-scale shortens the answers)")  # fmt: skip
     used = {c.sidecar for sc in plan for c in sc.clients}
+    warm_start = await asyncio.to_thread(_warm_start, cfg, tmp / "sharegpt-train.npz") if "sg-learned" in used else ""
     channels: dict[str, grpc.aio.Channel] = {}
-    for key, (engine, overrides) in sidecar_overrides(cfg).items():
+    for key, (engine, overrides) in sidecar_overrides(cfg, warm_start).items():
         if key not in used:
             continue
         proc = await start_sidecar(sidecar_doc(urls[engine], models[engine], overrides), tmp / f"{key}.yaml", tmp)
@@ -571,6 +582,8 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     accs: dict[tuple[str, str], _Acc] = {}
     for rep in range(cfg.repeats):
         for sc in plan:
+            if sc.engine == "sharegpt" and cfg.sharegpt_repeats is not None and rep >= cfg.sharegpt_repeats:
+                continue
             rate = None if sc.load is None else sc.load * (sharegpt_capacity if sc.engine == "sharegpt" else capacity)
             if sc.shape == "sharegpt":
                 reqs = workloads.sharegpt_replay(sc.count, rate=rate, seed=cfg.seed, scale=cfg.sharegpt_scale)
@@ -598,6 +611,15 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     if "slo_warning" in setup:
         say("WARNING: " + setup["slo_warning"])
     return {"runs": rows, "ratios": ratios, "_setup": setup}
+
+
+def _warm_start(cfg: E2EConfig, path: Path) -> str:
+    """The judged ShareGPT sidecar's model: fitted on the training split's records
+    (its first turns and later turns; the first ``warm_start_records`` of them when
+    set), as ``binbatch predictor train`` fits one, written to ``path``."""
+    records = sharegpt.records("train")
+    save_model(path, train(records[: cfg.warm_start_records or None]))
+    return str(path)
 
 
 # Answers a KV-planning sidecar gets before it is measured (``_warm``).
