@@ -89,6 +89,8 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     cfg = replace(cfg, repeats=args.repeats) if args.repeats else cfg
     cfg = replace(cfg, requests=args.requests) if args.requests else cfg
     cfg = replace(cfg, load_requests=args.load_requests) if args.load_requests else cfg
+    cfg = replace(cfg, sharegpt_requests=args.sharegpt_requests) if args.sharegpt_requests else cfg
+    cfg = replace(cfg, sharegpt_scale=args.sharegpt_scale) if args.sharegpt_scale else cfg
     cfg = replace(cfg, loads=tuple(args.loads)) if args.loads else cfg
     cfg = replace(cfg, only=tuple(args.only)) if args.only else cfg
     cfg = replace(cfg, clients=tuple(args.client)) if args.client else cfg
@@ -307,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--repeats", type=_positive_int, help="interleaved repeats of every run (default 2)")
     e2.add_argument("--requests", type=_positive_int, help="requests per burst run (default 64)")
     e2.add_argument("--load-requests", type=_positive_int, help="requests per Poisson load run (default 256)")
+    e2.add_argument("--sharegpt-requests", type=_positive_int,
+                    help="ShareGPT first turns replayed per run (default 500)")  # fmt: skip
+    e2.add_argument("--sharegpt-scale", type=_share, metavar="SHARE",
+                    help="shorten the ShareGPT answers and their 1024-token cap by this share (0, 1] for a slow "
+                         "engine; the prompts stay as written (default 1)")  # fmt: skip
     e2.add_argument("--capacity-concurrency", type=_positive_int,
                     help="requests kept outstanding while measuring direct's capacity (default 32; must exceed what "
                          "the engine runs at once)")
@@ -429,9 +436,9 @@ def _env_port(name: str) -> int | None:
 
 _CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
 # bench e2e's scenario keys and shapes (bench/e2e.py SCENARIO_NAMES; the CLI imports benches lazily)
-_E2E_SCENARIOS = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang")
+_E2E_SCENARIOS = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang", "sharegpt")
 _E2E_CLIENTS = ("direct", "priority", "hint", "engine-order", "packed", "online", "free", "ideal1", "ideal4", "ideal8",
-                "gang1", "gang4", "gang8")  # fmt: skip
+                "gang1", "gang4", "gang8", "learned", "cold")  # fmt: skip
 
 
 def _positive_float(text: str) -> float:
@@ -451,6 +458,16 @@ def _load_fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a fraction of direct capacity, got {text!r}") from None
     if not (v > 0 and v <= 10):
         raise argparse.ArgumentTypeError(f"must be > 0 and <= 10, got {text}")
+    return v
+
+
+def _share(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share in (0, 1], got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return v
 
 

@@ -22,6 +22,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import grpc
@@ -32,6 +33,17 @@ from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 from .workloads import BenchRequest, equal_mass_bins
 
 CALL_TIMEOUT_S = 600.0
+# A replay of recorded answers on a real vLLM (``recorded=True``): min_tokens holds the
+# answer to its recorded length, then the first token whose text holds one of these
+# ends it.  vLLM takes at most four stop strings (OpenAI's limit; 0.32 answers 400
+# "too_long" to more); of the test model's 4,096 byte-level BPE tokens
+# (tests/vllm_support/build_tiny_model.py) 81% hold a space, an "i", an "e" or a "u"
+# (the four characters that cover most).  vLLM 0.32 checks stop strings from the token
+# after min_tokens: of 60 replayed answers (the 2-layer test model) 51 ended one token
+# past their recorded length, 5 two, 2 three, 1 five, 1 at it -- ``RECORDED_SLACK``
+# allows for that.
+RECORDED_STOPS = (" ", "i", "e", "u")
+RECORDED_SLACK = 8
 
 
 @dataclass(slots=True)
@@ -62,13 +74,16 @@ class CallFailed(RuntimeError):
 
 
 async def _answer(req: BenchRequest, call: Callable[[BenchRequest], Awaitable[Sample]], result: RunResult) -> bool:
-    """Send one request; its sample or its failure goes into ``result``."""
+    """Send one request; its sample or its failure goes into ``result``.  A replayed
+    answer (``req.max_tokens`` set) may end up to ``RECORDED_SLACK`` tokens past its
+    recorded length (min_tokens and stop strings on a real vLLM), never before it."""
     try:
         sample = await call(req)
     except (CallFailed, aiohttp.ClientError, grpc.aio.AioRpcError, TimeoutError) as exc:
         result.failures.append(f"{type(exc).__name__}: {exc}"[:300])
         return False
-    if sample.tokens != req.output_tokens:
+    most = req.output_tokens if req.max_tokens is None else min(req.output_tokens + RECORDED_SLACK, req.max_tokens)
+    if not req.output_tokens <= sample.tokens <= most:
         result.failures.append(f"asked for {req.output_tokens} tokens, got {sample.tokens}")
         return False
     result.samples.append(sample)
@@ -167,27 +182,47 @@ def steady_rate(spans: Sequence[Span], concurrency: int, mean_tokens: float) -> 
     return tokens / (last - first) / mean_tokens
 
 
-def completion_body(model: str, prompt: str | list[str], tokens: int, stream: bool) -> dict[str, object]:
-    """An OpenAI ``/v1/completions`` body whose answer is exactly ``tokens`` long."""
-    body: dict[str, object] = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
+def completion_body(model: str, prompt: str | list[str], length: dict[str, Any], stream: bool) -> dict[str, object]:
+    """An OpenAI ``/v1/completions`` body whose length is set by ``length``'s fields
+    (``exactly``, ``length_fields``)."""
+    body: dict[str, object] = {"model": model, "prompt": prompt, **length}
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return body
 
 
+def exactly(tokens: int) -> dict[str, Any]:
+    """Sampling fields of an answer exactly ``tokens`` long, as vLLM's serving benchmark sets it."""
+    return {"max_tokens": tokens, "ignore_eos": True}
+
+
+def length_fields(req: BenchRequest, recorded: bool) -> dict[str, Any]:
+    """How ``req``'s length is set, as sampling fields: ``exactly`` its length; or,
+    replaying a recorded answer (``req.max_tokens`` set), the client's cap alone --
+    the engine knows the length (the embedded one's ``--answer-lengths``) -- or with
+    ``recorded``, for an engine that does not, ``min_tokens`` = its length and
+    ``RECORDED_STOPS``."""
+    if req.max_tokens is None:
+        return exactly(req.output_tokens)
+    if recorded:
+        return {"max_tokens": req.max_tokens, "min_tokens": req.output_tokens, "stop": list(RECORDED_STOPS)}
+    return {"max_tokens": req.max_tokens}
+
+
 def direct_caller(
-    session: aiohttp.ClientSession, url: str, model: str, *, priority: bool = False
+    session: aiohttp.ClientSession, url: str, model: str, *, priority: bool = False, recorded: bool = False
 ) -> Callable[[BenchRequest], Awaitable[Sample]]:
     """Streams each request straight to the engine's ``/v1/completions``; with
     ``priority`` its true length is its vLLM ``priority`` (shortest first: an
-    engine started with ``--scheduling-policy priority``, told the hints)."""
+    engine started with ``--scheduling-policy priority``, told the hints);
+    ``recorded``: see ``length_fields``."""
 
     async def call(req: BenchRequest) -> Sample:
         t0 = time.perf_counter()
         ttft = None
         tokens = 0
-        body = completion_body(model, req.prompt, req.output_tokens, stream=True)
+        body = completion_body(model, req.prompt, length_fields(req, recorded), stream=True)
         if priority:
             body["priority"] = req.output_tokens
         async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -211,13 +246,16 @@ def direct_caller(
     return call
 
 
-def sidecar_caller(channel: grpc.aio.Channel, *, hint: bool) -> Callable[[BenchRequest], Awaitable[Sample]]:
+def sidecar_caller(
+    channel: grpc.aio.Channel, *, hint: bool, recorded: bool = False
+) -> Callable[[BenchRequest], Awaitable[Sample]]:
     """Streams each request through the sidecar's ``GenerateStream``; with
-    ``hint`` it carries the true length as ``expected_output_tokens`` (an oracle)."""
+    ``hint`` it carries the true length as ``expected_output_tokens`` (an oracle);
+    ``recorded``: see ``length_fields``."""
     stub = pb_grpc.InferenceStub(channel)
 
     async def call(req: BenchRequest) -> Sample:
-        msg = pb.GenerateRequest(prompt=req.prompt, max_tokens=req.output_tokens, ignore_eos=True)
+        msg = pb.GenerateRequest(prompt=req.prompt, **length_fields(req, recorded))
         if hint:
             msg.expected_output_tokens = req.output_tokens
         t0 = time.perf_counter()
@@ -266,7 +304,7 @@ async def ideal_gang(
 
 
 async def _list_call(session: aiohttp.ClientSession, url: str, model: str, reqs: list[BenchRequest]) -> None:
-    body = completion_body(model, [r.prompt for r in reqs], reqs[0].output_tokens, stream=False)
+    body = completion_body(model, [r.prompt for r in reqs], exactly(reqs[0].output_tokens), stream=False)
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise CallFailed(f"engine answered HTTP {resp.status}: {(await resp.text())[:200]}")

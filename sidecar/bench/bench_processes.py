@@ -13,8 +13,11 @@ prints when it serves (see :mod:`.chaos_processes`), never a sleep.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,7 @@ class EngineShape:
     max_model_len: int = 512
     prefill_per_token: float = 0.0
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy
+    answer_lengths: str = ""  # --answer-lengths: recorded answer lengths by prompt (write_answer_lengths)
 
     def describe(self) -> str:
         policy = "" if self.scheduling_policy == "fcfs" else f", {self.scheduling_policy} scheduling"
@@ -60,7 +64,17 @@ def emulator_args(shape: EngineShape) -> list[str]:
             "--prefill-per-token", repr(shape.prefill_per_token),
             "--num-gpu-blocks", str(shape.num_gpu_blocks), "--block-size", str(shape.block_size),
             "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len),
-            "--scheduling-policy", shape.scheduling_policy]  # fmt: skip
+            "--scheduling-policy", shape.scheduling_policy,
+            *(("--answer-lengths", shape.answer_lengths) if shape.answer_lengths else ())]  # fmt: skip
+
+
+def write_answer_lengths(path: Path, answers: Iterable[tuple[str, int]]) -> None:
+    """``emulate-engine --answer-lengths``'s file for (prompt, recorded output tokens)
+    pairs: one JSON line each, the prompt keyed by the SHA-256 of its UTF-8 text."""
+    with path.open("w", encoding="utf-8") as f:
+        for prompt, tokens in answers:
+            key = hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+            f.write(json.dumps({"prompt_sha256": key, "output_tokens": tokens}) + "\n")
 
 
 class EngineProcess(ChildProcess):
@@ -103,14 +117,16 @@ def sidecar_doc(engine_url: str, model: str, overrides: dict[str, Any]) -> dict[
     }
 
 
-async def served_model(session: aiohttp.ClientSession, url: str) -> str:
-    """The first model the engine lists on ``/v1/models``."""
+async def served_model(session: aiohttp.ClientSession, url: str) -> tuple[str, int | None]:
+    """The first model the engine lists on ``/v1/models`` and its context length
+    (vLLM's ``max_model_len``; None when the engine does not say)."""
     async with session.get(f"{url}/v1/models") as resp:
         resp.raise_for_status()
         data = (await resp.json())["data"]
     if not data:
         raise RuntimeError(f"{url}/v1/models lists no model")
-    return str(data[0]["id"])
+    context = data[0].get("max_model_len")
+    return str(data[0]["id"]), context if type(context) is int else None
 
 
 async def preemptions(session: aiohttp.ClientSession, url: str) -> float | None:

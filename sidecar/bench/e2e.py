@@ -74,6 +74,7 @@ preemptions the mean per repeat.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import signal
@@ -87,11 +88,14 @@ from typing import Any
 import aiohttp
 import grpc
 
-from . import workloads
+from ..engine.model_file import save_model
+from ..engine.training_records import train
+from . import sharegpt, workloads
 from .bench_clients import (RunResult, closed_loop, direct_caller, ideal_gang, replay, sidecar_caller,
                             steady_rate)  # fmt: skip
 from .chaos_load import percentile
-from .bench_processes import EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar
+from .bench_processes import (EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar,
+                              write_answer_lengths)  # fmt: skip
 from .chaos_processes import run_to_end
 
 # GPU-like: the fixed step cost dominates (a large model's weights are read once
@@ -108,6 +112,11 @@ KV_LIMITED = EngineShape(step_a=STEP_A, step_c=STEP_C, num_gpu_blocks=48, block_
                          prefill_per_token=PREFILL_PER_TOKEN)  # fmt: skip
 AMPLE_KV = EngineShape(step_a=STEP_A, step_c=STEP_C, num_gpu_blocks=8192, block_size=16, max_model_len=512,
                        prefill_per_token=PREFILL_PER_TOKEN)  # fmt: skip
+# The ShareGPT replay's engine: the same step time, KV for ~10 of its answers at once (~275 tokens
+# on average, up to the client's 1,024-token cap), a context for the longest prompt replayed plus it.
+SHAREGPT_KV = EngineShape(step_a=STEP_A, step_c=STEP_C, num_gpu_blocks=240, block_size=16,
+                          max_model_len=workloads.SHAREGPT_PROMPT_TOKENS + workloads.SHAREGPT_MAX_TOKENS,
+                          prefill_per_token=PREFILL_PER_TOKEN)  # fmt: skip
 
 RATIO_KEYS = (
     "e2e_mean_at_95pct_load", "e2e_p99_at_95pct_load", "goodput_at_slo", "preemptions_under_kv_pressure",
@@ -118,6 +127,9 @@ ROW_KEYS = (
     "name", "mode", "k", "load", "requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
     "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "e2e_p99_s", "goodput_per_s", "preemptions",
 )  # fmt: skip
+# ratios["sharegpt"]: the judged sidecar (no hint, Learned) over direct on the ShareGPT replay
+SHAREGPT_RATIO_KEYS = ("e2e_mean", "e2e_p99", "throughput", "preemptions")
+SHAREGPT_JUDGED = "learned"
 RATIO_LOAD = 0.95  # the load of the latency ratios (fraction of direct's steady-state capacity)
 SLO_MISS_SHARE = 0.9  # direct "misses" the SLO at a load where fewer than this share of requests meet it
 
@@ -143,11 +155,17 @@ class E2EConfig:
     gang_scale: float = 0.5
     kv_engine: EngineShape = KV_LIMITED
     ample_engine: EngineShape = AMPLE_KV
+    sharegpt_engine: EngineShape = SHAREGPT_KV
+    sharegpt_requests: int = 500  # ShareGPT first turns replayed at load RATIO_LOAD
+    sharegpt_capacity_requests: int = 192  # the ShareGPT capacity's closed loop (capacity_concurrency outstanding)
+    sharegpt_scale: float = 1.0  # ShareGPT answers and their cap shortened by this (a slow engine's run)
+    warm_start_records: int = 0  # the judged sidecar's model is fitted on this many training records (0: all)
+    sharegpt_repeats: int | None = None  # repeats of the ShareGPT replay (None: ``repeats``; the demo's: 1)
     only: tuple[str, ...] = ()  # scenario keys ("mixed@gang") or shapes ("chat"); empty: all
     clients: tuple[str, ...] = ()  # client keys ("direct", "hint", ...) to send with; empty: all
 
 
-SCENARIO_NAMES = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang")
+SCENARIO_NAMES = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang", "sharegpt")
 
 
 def quick(cfg: E2EConfig) -> E2EConfig:
@@ -155,7 +173,8 @@ def quick(cfg: E2EConfig) -> E2EConfig:
     the capacity from 16 outstanding (a lower bound where the engine runs more:
     this version checks the document, not the figures)."""
     return replace(cfg, requests=12, load_requests=12, gang_requests=16, gang_batch=4, loads=(RATIO_LOAD,), repeats=1,
-                   scale=0.25, gang_scale=0.25, capacity_concurrency=16, capacity_requests=48)  # fmt: skip
+                   scale=0.25, gang_scale=0.25, capacity_concurrency=16, capacity_requests=48, sharegpt_requests=12,
+                   sharegpt_capacity_requests=48, warm_start_records=1000)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -201,8 +220,14 @@ GANG1 = Client("gang1", "sidecar gang k=1", "gang", 1, "ample-gang1")
 GANG4 = Client("gang4", "sidecar gang k=4", "gang", 4, "ample-gang4")
 IDEAL8 = Client("ideal8", "ideal gang k=8", "ideal-gang", 8)
 GANG8 = Client("gang8", "sidecar gang k=8", "gang", 8, "ample-gang8")
+# The ShareGPT replay's sidecars: as a new user runs one (no hint; the judged row), and the
+# oracle (the recorded length as the hint), the yardstick
+SG_LEARNED = Client("learned", "sidecar, no hint, Learned (warm start)", "continuous", 4, "sg-learned", hint=False)
+SG_COLD = Client("cold", "sidecar, no hint, Learned (cold start)", "continuous", 4, "sg-cold", hint=False)
+SG_ONLINE = Client("online", "sidecar, no hint, Online", "continuous", 4, "sg-online", hint=False)
+SG_HINT = Client("hint", "sidecar, true length as hint (oracle)", "continuous", 4, "sg-hint")
 CLIENT_NAMES = tuple(c.key for c in (DIRECT, PRIORITY, HINT, ENGINE_ORDER, PACKED, ONLINE, FREE, IDEAL1, IDEAL4, IDEAL8,
-                                     GANG1, GANG4, GANG8))  # fmt: skip
+                                     GANG1, GANG4, GANG8, SG_LEARNED, SG_COLD))  # fmt: skip
 
 
 def scenarios(cfg: E2EConfig) -> list[Scenario]:
@@ -218,6 +243,8 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
         Scenario("short@ample", "short burst, ample KV", "ample", "short", cfg.requests, None, (DIRECT, FREE), cfg.scale),
         Scenario("mixed@gang", "mixed burst, gang", "ample", "mixed", cfg.gang_requests, None,
                  (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8), cfg.gang_scale),  # fmt: skip
+        Scenario("sharegpt", f"ShareGPT replay, load {RATIO_LOAD:g}", "sharegpt", "sharegpt", cfg.sharegpt_requests,
+                 RATIO_LOAD, (DIRECT, SG_LEARNED, SG_COLD, SG_ONLINE, SG_HINT), 1.0),  # fmt: skip
     ]
     if cfg.only:
         plan = [sc for sc in plan if sc.key in cfg.only or sc.shape in cfg.only]
@@ -226,9 +253,15 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
     return [sc for sc in plan if sc.clients]
 
 
-def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
+def sharegpt_context(cfg: E2EConfig) -> int:
+    """The context the ShareGPT replay needs: its longest prompt and its answers' cap."""
+    return workloads.SHAREGPT_PROMPT_TOKENS + max(1, round(workloads.SHAREGPT_MAX_TOKENS * cfg.sharegpt_scale))
+
+
+def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[str, dict[str, Any]]]:
     """Each sidecar process: the engine it fronts and its config (the one place a
-    scheduling change picks the configuration the bench measures)."""
+    scheduling change picks the configuration the bench measures); ``warm_start``:
+    the Learned model the judged ShareGPT sidecar starts from (``_warm_start``)."""
     slo = {"tpotMilliseconds": round(cfg.slo_tpot_s * 1e3), "ttftMilliseconds": round(cfg.slo_ttft_s * 1e3)}
     chat_max = workloads.longest("chat", cfg.scale)
     # ShortestFirst with followEngineQueue: the queue forms here, ordered (the config defaults, spelled out)
@@ -243,6 +276,8 @@ def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
     gang_bins = {"mode": "Auto", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}
     kv_hint = {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max}, "batch": cont,
                "memory": memory, "latency": slo}  # fmt: skip
+    sharegpt_cap = max(1, round(workloads.SHAREGPT_MAX_TOKENS * cfg.sharegpt_scale))
+    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap}, "batch": cont, "memory": memory}
     return {
         "kv-hint": ("kv", kv_hint),
         "kv-packed": ("kv", {**kv_hint, "batch": {**cont, "drainOrder": "LongestFitFirst"}}),
@@ -258,6 +293,11 @@ def sidecar_overrides(cfg: E2EConfig) -> dict[str, tuple[str, dict[str, Any]]]:
         "ample-gang1": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 1}, "batch": gang}),
         "ample-gang4": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 4}, "batch": gang}),
         "ample-gang8": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 8}, "batch": gang}),
+        # the ShareGPT replay: a new user's sidecar -- no latency SLO -- ordering its queue shortest first, planning KV
+        "sg-learned": ("sharegpt", {**sharegpt, "predictor": {"kind": "Learned", "warmStart": warm_start}}),
+        "sg-cold": ("sharegpt", {**sharegpt, "predictor": {"kind": "Learned"}}),
+        "sg-online": ("sharegpt", {**sharegpt, "predictor": {"kind": "Online"}}),
+        "sg-hint": ("sharegpt", {**sharegpt, "predictor": {"kind": "Hint"}}),
     }
 
 
@@ -362,11 +402,12 @@ def slo_warning(direct_rows: dict[float, dict[str, Any]], cfg: E2EConfig) -> str
             f"--slo-ttft-ms")  # fmt: skip
 
 
-def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[dict[str, float | None], dict[str, Any]]:
-    """The headline ratios, each sidecar (hinted) over direct from the same run;
-    also where each came from (for the table)."""
+def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The headline ratios, each sidecar (hinted; on the ShareGPT replay the judged
+    one, no hint) over direct from the same run; also where each came from (for the
+    table)."""
     rows = {key: acc.row(cfg.slo_ttft_s, cfg.slo_tpot_s) for key, acc in accs.items()}
-    out: dict[str, float | None] = dict.fromkeys(RATIO_KEYS)
+    out: dict[str, Any] = dict.fromkeys(RATIO_KEYS)
     notes: dict[str, Any] = {}
     at95 = f"chat@{RATIO_LOAD:g}"
     if (at95, "direct") in accs and (at95, "hint") in accs:
@@ -412,7 +453,32 @@ def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[d
             g = {c: rows["mixed@gang", c]["requests_per_s"] for c in clients}
             out[f"gang_k{k}_gain_vs_ideal"] = _ratio(_ratio(g[f"gang{k}"], g["gang1"]),
                                                      _ratio(g[f"ideal{k}"], g["ideal1"]))  # fmt: skip
+    by_client = sharegpt_ratios(accs, rows)
+    out["sharegpt"] = by_client.get(SHAREGPT_JUDGED, dict.fromkeys(SHAREGPT_RATIO_KEYS))
+    if by_client:
+        notes["sharegpt_by_client"] = by_client
+        notes["sharegpt_ordering_bound"] = ordering_bound(accs["sharegpt", "direct"])
     return out, notes
+
+
+def sharegpt_ratios(accs: dict[tuple[str, str], _Acc], rows: dict[tuple[str, str], dict[str, Any]]
+                    ) -> dict[str, dict[str, float | None]]:  # fmt: skip
+    """Each sidecar over direct on the ShareGPT replay, in the same run, by client
+    (``SHAREGPT_RATIO_KEYS``); the judged one's (``SHAREGPT_JUDGED``) are ``ratios.sharegpt``."""
+    d = "sharegpt", "direct"
+    if d not in accs:
+        return {}
+    out = {}
+    for (scenario, client), acc in accs.items():
+        if scenario == "sharegpt" and client != "direct":
+            row = rows[scenario, client]
+            out[client] = {
+                "e2e_mean": _ratio(acc.e2e_mean(), accs[d].e2e_mean()),
+                "e2e_p99": _ratio(row["e2e_p99_s"], rows[d]["e2e_p99_s"]),
+                "throughput": _ratio(row["requests_per_s"], rows[d]["requests_per_s"]),
+                "preemptions": _ratio(row["preemptions"], rows[d]["preemptions"]),
+            }
+    return out
 
 
 async def run_async(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any]:
@@ -425,7 +491,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     urls: dict[str, str] = {}
     plan = scenarios(cfg)
     if cfg.engine_url:
-        urls = {"kv": cfg.engine_url.rstrip("/"), "ample": cfg.engine_url.rstrip("/")}
+        urls = dict.fromkeys(("kv", "ample", "sharegpt"), cfg.engine_url.rstrip("/"))
         say(f"engine {urls['kv']} (every scenario on it)")
         if cfg.priority_engine_url:
             urls["kv-priority"] = cfg.priority_engine_url.rstrip("/")
@@ -434,6 +500,12 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         shapes = [("kv", cfg.kv_engine), ("ample", cfg.ample_engine)]
         if any(c.engine == "kv-priority" for sc in plan for c in sc.clients):
             shapes.append(("kv-priority", replace(cfg.kv_engine, scheduling_policy="priority")))
+        if any(sc.engine == "sharegpt" for sc in plan):  # it knows each replayed answer's length (module docstring)
+            answers = tmp / "answer-lengths.jsonl"
+            most = max(cfg.sharegpt_requests, cfg.sharegpt_capacity_requests)
+            write_answer_lengths(answers, ((r.prompt, r.output_tokens) for r in workloads.sharegpt_replay(
+                most, rate=None, seed=cfg.seed, scale=cfg.sharegpt_scale)))  # fmt: skip
+            shapes.append(("sharegpt", replace(cfg.sharegpt_engine, answer_lengths=str(answers))))
         for name, shape in shapes:
             engine = EngineProcess(shape, tmp)
             await engine.start()
@@ -443,10 +515,18 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     session = await stack.enter_async_context(
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
     )
-    models = {name: await served_model(session, url) for name, url in urls.items()}
+    served = {name: await served_model(session, url) for name, url in urls.items()}
+    models = {name: model for name, (model, _) in served.items()}
+    context, needed = served.get("sharegpt", ("", None))[1], sharegpt_context(cfg)
+    if context is not None and context < needed:
+        plan = [sc for sc in plan if sc.engine != "sharegpt"]
+        say(f"the ShareGPT replay is left out: its prompts (up to {workloads.SHAREGPT_PROMPT_TOKENS} tokens) and "
+            f"answers (up to {needed - workloads.SHAREGPT_PROMPT_TOKENS}) need a context of {needed} tokens, the engine "
+            f"serves {context} (a smaller --sharegpt-scale shortens the answers)")  # fmt: skip
     used = {c.sidecar for sc in plan for c in sc.clients}
+    warm_start = await asyncio.to_thread(_warm_start, cfg, tmp / "sharegpt-train.npz") if "sg-learned" in used else ""
     channels: dict[str, grpc.aio.Channel] = {}
-    for key, (engine, overrides) in sidecar_overrides(cfg).items():
+    for key, (engine, overrides) in sidecar_overrides(cfg, warm_start).items():
         if key not in used:
             continue
         proc = await start_sidecar(sidecar_doc(urls[engine], models[engine], overrides), tmp / f"{key}.yaml", tmp)
@@ -457,7 +537,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         # reshuffles the k = 1 batches: 13% more model service time on mixed@gang)
         await channels[key].channel_ready()
         say(f"sidecar {key} on {proc.target}")
-        if engine.startswith("kv") and overrides.get("predictor", {}).get("kind") == "Hint":
+        if engine != "ample" and overrides.get("predictor", {}).get("kind") == "Hint":  # the KV-limited engines'
             await _warm(channels[key])
 
     async def run_one(sc: Scenario, client: Client, requests: list[workloads.BenchRequest]) -> RunResult:
@@ -467,16 +547,20 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         if client.mode == "ideal-gang":
             result = await ideal_gang(session, url, model, requests, k=client.k, batch=cfg.gang_batch)
         elif client.sidecar is None:
-            result = await replay(requests, direct_caller(session, url, model, priority=client is PRIORITY))
+            result = await replay(requests, direct_caller(session, url, model, priority=client is PRIORITY,
+                                                          recorded=recorded))  # fmt: skip
         else:
-            result = await replay(requests, sidecar_caller(channels[client.sidecar], hint=client.hint))
+            result = await replay(requests, sidecar_caller(channels[client.sidecar], hint=client.hint, recorded=recorded))
         after = await preemptions(session, url)
         result.preemptions = None if before is None or after is None else after - before
         return result
 
-    capacity = burst_capacity = 0.0
-    if any(sc.load is not None for sc in plan):  # the Poisson loads are fractions of it
-        capacity = await _steady_capacity(cfg, session, urls["kv"], models["kv"])
+    recorded = cfg.engine_url is not None  # an engine that does not know the replayed lengths: min_tokens + stops
+    capacity = burst_capacity = sharegpt_capacity = 0.0
+    if any(sc.load is not None and sc.engine == "kv" for sc in plan):  # the Poisson loads are fractions of it
+        chat = workloads.build("chat", cfg.load_requests, rate=None, seed=cfg.seed, scale=cfg.scale)
+        capacity = await _steady_capacity(cfg, session, urls["kv"], models["kv"],
+                                          workloads.repeated(chat, cfg.capacity_requests), chat)  # fmt: skip
         say(f"direct capacity (steady state, {cfg.capacity_concurrency} outstanding, {cfg.capacity_requests} chat "
             f"requests, warm-up and drain discarded): {capacity:.2f} requests/s")  # fmt: skip
         cap_reqs = workloads.build("chat", cfg.requests, rate=None, seed=cfg.seed, scale=cfg.scale)
@@ -486,11 +570,25 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         say(f"direct burst rate (chat burst of {cfg.requests}, not the capacity: its tail runs alone): "
             f"{burst_capacity:.2f} requests/s = {burst_capacity / capacity:.2f} x the steady capacity")  # fmt: skip
 
+    if any(sc.engine == "sharegpt" for sc in plan):  # its own engine, its own lengths: its own capacity
+        replayed = workloads.sharegpt_replay(cfg.sharegpt_requests, rate=None, seed=cfg.seed, scale=cfg.sharegpt_scale)
+        loop = workloads.sharegpt_replay(cfg.sharegpt_capacity_requests, rate=None, seed=cfg.seed,
+                                         scale=cfg.sharegpt_scale)  # fmt: skip
+        sharegpt_capacity = await _steady_capacity(cfg, session, urls["sharegpt"], models["sharegpt"], loop, replayed,
+                                                   recorded=recorded)  # fmt: skip
+        say(f"direct capacity on the ShareGPT replay (steady state, {cfg.capacity_concurrency} outstanding, "
+            f"{cfg.sharegpt_capacity_requests} first turns): {sharegpt_capacity:.2f} requests/s")  # fmt: skip
+
     accs: dict[tuple[str, str], _Acc] = {}
     for rep in range(cfg.repeats):
         for sc in plan:
-            rate = None if sc.load is None else sc.load * capacity
-            reqs = workloads.build(sc.shape, sc.count, rate=rate, seed=cfg.seed, scale=sc.scale)
+            if sc.engine == "sharegpt" and cfg.sharegpt_repeats is not None and rep >= cfg.sharegpt_repeats:
+                continue
+            rate = None if sc.load is None else sc.load * (sharegpt_capacity if sc.engine == "sharegpt" else capacity)
+            if sc.shape == "sharegpt":
+                reqs = workloads.sharegpt_replay(sc.count, rate=rate, seed=cfg.seed, scale=cfg.sharegpt_scale)
+            else:
+                reqs = workloads.build(sc.shape, sc.count, rate=rate, seed=cfg.seed, scale=sc.scale)
             for client in sc.clients:
                 result = await run_one(sc, client, reqs)
                 acc = accs.setdefault((sc.key, client.key), _Acc(sc, client))
@@ -502,8 +600,10 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     ratios, notes = compute_ratios(accs, cfg)
     failures = sum(acc.failures() for acc in accs.values())
     setup = {
-        "engine": cfg.engine_url or f"embedded: {cfg.kv_engine.describe()} (ample: {cfg.ample_engine.num_gpu_blocks} blocks)",
+        "engine": cfg.engine_url or (f"embedded: {cfg.kv_engine.describe()} (ample: {cfg.ample_engine.num_gpu_blocks} "
+                                     f"blocks; ShareGPT: {cfg.sharegpt_engine.num_gpu_blocks})"),
         "capacity_requests_per_s": capacity, "capacity_method": "steady-state closed loop",
+        "sharegpt_capacity_requests_per_s": sharegpt_capacity,
         "burst_capacity_requests_per_s": burst_capacity, "repeats": cfg.repeats, "seed": cfg.seed, "failures": failures,
         "slo": f"TTFT <= {cfg.slo_ttft_s * 1e3:g} ms and TPOT <= {cfg.slo_tpot_s * 1e3:g} ms", **notes,
     }  # fmt: skip
@@ -511,6 +611,15 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     if "slo_warning" in setup:
         say("WARNING: " + setup["slo_warning"])
     return {"runs": rows, "ratios": ratios, "_setup": setup}
+
+
+def _warm_start(cfg: E2EConfig, path: Path) -> str:
+    """The judged ShareGPT sidecar's model: fitted on the training split's records
+    (its first turns and later turns; the first ``warm_start_records`` of them when
+    set), as ``binbatch predictor train`` fits one, written to ``path``."""
+    records = sharegpt.records("train")
+    save_model(path, train(records[: cfg.warm_start_records or None]))
+    return str(path)
 
 
 # Answers a KV-planning sidecar gets before it is measured (``_warm``).
@@ -531,14 +640,19 @@ async def _warm(channel: grpc.aio.Channel) -> None:
         await call(workloads.BenchRequest(prompt=f"warm-up {i}: {words}", output_tokens=4, arrival_s=0.0))
 
 
-async def _steady_capacity(cfg: E2EConfig, session: aiohttp.ClientSession, url: str, model: str) -> float:
-    """Direct's saturated throughput on the KV-limited engine (module docstring)."""
-    chat = workloads.build("chat", cfg.load_requests, rate=None, seed=cfg.seed, scale=cfg.scale)
-    reqs = workloads.repeated(chat, cfg.capacity_requests)  # the very lengths the loads replay
-    result, spans = await closed_loop(reqs, direct_caller(session, url, model), cfg.capacity_concurrency)
+async def _steady_capacity(
+    cfg: E2EConfig, session: aiohttp.ClientSession, url: str, model: str, loop: list[workloads.BenchRequest],
+    replayed: list[workloads.BenchRequest], *, recorded: bool = False,
+) -> float:  # fmt: skip
+    """Direct's saturated throughput (module docstring): ``loop`` sent in a closed
+    loop, its tokens per second over the mean answer of the ``replayed`` workload
+    (whose lengths the loop sends: the chat loads' repeated, the ShareGPT replay's
+    first turns and more of them)."""
+    result, spans = await closed_loop(loop, direct_caller(session, url, model, recorded=recorded),
+                                      cfg.capacity_concurrency)  # fmt: skip
     if result.failures:
         raise RuntimeError(f"capacity: {len(result.failures)} direct requests failed, first: {result.failures[0]}")
-    return steady_rate(spans, cfg.capacity_concurrency, statistics.fmean(r.output_tokens for r in chat))
+    return steady_rate(spans, cfg.capacity_concurrency, statistics.fmean(r.output_tokens for r in replayed))
 
 
 def run(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any]:
@@ -568,7 +682,14 @@ def print_tables(doc: dict[str, Any]) -> None:
               f"{r['goodput_per_s']:7.2f} {_fmt(r['preemptions'], 1, 1):>7}")  # fmt: skip
     print("ratios, sidecar over direct in this run" + goodput_note(setup) + ":")
     for key, value in doc["ratios"].items():
-        print(f"  {key:32} {_fmt(value, 1, 3)}")
+        if not isinstance(value, dict):
+            print(f"  {key:32} {_fmt(value, 1, 3)}")
+    for client, got in setup.get("sharegpt_by_client", {}).items():
+        judged = " (judged: ratios.sharegpt)" if client == SHAREGPT_JUDGED else ""
+        print(f"  ShareGPT replay, {client}{judged}: " + ", ".join(f"{k} {_fmt(v, 1, 3)}" for k, v in got.items()))
+    if setup.get("sharegpt_ordering_bound") is not None:
+        print(f"  (ShareGPT: the lowest mean E2E ratio any order could reach there, all of direct's waiting removed: "
+              f"{setup['sharegpt_ordering_bound']:.3f})")  # fmt: skip
     if setup.get("ordering_bound_at_95pct_load") is not None:
         print(f"  (the lowest e2e_mean_at_95pct_load any order could reach here, all of direct's waiting removed: "
               f"{setup['ordering_bound_at_95pct_load']:.3f})")  # fmt: skip
@@ -607,7 +728,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     fig, (lat, good) = plt.subplots(1, 2, figsize=(12, 4.8))
     series: dict[str, list[dict[str, Any]]] = {}
     for r in doc["runs"]:
-        if r["load"] is not None:
+        if r["load"] is not None and r["name"].startswith("chat"):  # the chat loads (not the ShareGPT replay)
             series.setdefault(r["name"].split(" | ", 1)[1], []).append(r)
     for (label, rows), color in zip(series.items(), ("black", "tab:blue", "tab:orange", "tab:green", "tab:red"), strict=False):
         rows.sort(key=lambda r: r["load"])

@@ -46,7 +46,7 @@ import yaml
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
-from .bench_clients import CallFailed, completion_body
+from .bench_clients import CallFailed, completion_body, exactly
 from .chaos_load import percentile
 from .bench_processes import EngineProcess, EngineShape, served_model, sidecar_doc
 from .chaos_processes import SIDECAR_READY, SidecarProcess, run_to_end
@@ -138,7 +138,7 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
             stack.push_async_callback(engine.stop)
             session = await stack.enter_async_context(aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)))  # fmt: skip
-            model = await served_model(session, engine.url)
+            model, _ = await served_model(session, engine.url)
             path = tmp / "sidecar.yaml"
             doc = sidecar_doc(engine.url, model, SIDECAR)
             path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -152,7 +152,7 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
             door = f"http://127.0.0.1:{http_port(sidecar.lines)}/v1/completions"
 
             async def direct(i: int) -> None:
-                body = completion_body(model, f"overhead {i}", 1, stream=False)
+                body = completion_body(model, f"overhead {i}", exactly(1), stream=False)
                 async with session.post(f"{engine.url}/v1/completions", json=body) as resp:
                     if resp.status != 200:
                         raise CallFailed(f"engine answered HTTP {resp.status}")

@@ -6,17 +6,22 @@ and arrival times.  Output lengths are controlled the way a real vLLM allows it,
 ``max_tokens`` with ``ignore_eos`` (the emulator honours both the same way), so
 the true length of every request is known and an oracle hint can carry it.
 
-Length shapes (the three the field benchmarks with):
+Synthetic length shapes (the three the field benchmarks with):
 
 * ``chat``: long-tailed, lognormal (a few long answers behind many short ones:
   where head-of-line blocking hurts FCFS);
 * ``short``: GSM8K-like short answers, narrow around one length;
 * ``mixed``: bimodal, mostly short answers with a share of long ones.
 
+Their prompts are unique (no prefix cache can share work) with a word count drawn
+independently of the output length: nothing in the prompt gives the length away
+to the online predictor.  And real traffic, ``sharegpt``: first turns of the
+ShareGPT evaluation split (``sharegpt_replay``), the prompt as written and the
+recorded answer's length, replayed with a client's usual ``max_tokens``: what the
+prompt says of its answer is there for a predictor to read, as in service.
+
 Arrivals are Poisson at a rate (a fraction of the measured direct capacity) or
-all at once (a burst).  Prompts are unique (no prefix cache can share work) with
-a word count drawn independently of the output length: nothing in the prompt
-gives the length away to the online predictor.
+all at once (a burst).
 """
 
 from __future__ import annotations
@@ -25,16 +30,26 @@ import math
 import random
 from dataclasses import dataclass
 
+from . import sharegpt
+
 SHAPES = ("chat", "short", "mixed")
 
 
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
-    """One request: its prompt, its true output length and when it is sent."""
+    """One request: its prompt, its true output length and when it is sent.
+
+    ``max_tokens`` None: the length is forced the way vLLM's serving benchmark
+    does, ``max_tokens`` = ``output_tokens`` with ``ignore_eos``.  Set (a replay of
+    recorded answers): the client's own cap, and the engine ends the answer at its
+    recorded ``output_tokens`` by a way the request does not carry to the sidecar's
+    predictor (the embedded engine's ``--answer-lengths`` file; ``min_tokens`` and
+    stop strings on a real vLLM, see ``bench_clients``)."""
 
     prompt: str
     output_tokens: int
     arrival_s: float
+    max_tokens: int | None = None
 
 
 def output_length(shape: str, rng: random.Random, scale: float) -> int:
@@ -103,3 +118,48 @@ def equal_mass_bins(lengths: list[int], k: int) -> list[list[int]]:
     arrival order -- a bin is a FIFO, as the sidecar's are, so k = 1 is no sorting."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     return [sorted(order[len(order) * j // k : len(order) * (j + 1) // k]) for j in range(k)]
+
+
+# The ShareGPT replay: a client's usual max_tokens (not the answer's length), and the
+# longest prompt replayed (``sharegpt.count_tokens``, which counts at least one token a
+# word): with the cap it fits the 2048-token context of the embedded engine.
+SHAREGPT_MAX_TOKENS = 1024
+SHAREGPT_PROMPT_TOKENS = 1024
+
+
+def sharegpt_turns(count: int, seed: int) -> list[sharegpt.Turn]:
+    """``count`` first turns of ShareGPT's evaluation split whose prompts are at most
+    ``SHAREGPT_PROMPT_TOKENS`` long, each prompt once (a prompt asked twice was
+    answered twice, at two lengths: the first is kept, so the prompt names one
+    length), in a seeded order (the first ``count`` of one shuffle: a longer list
+    starts with a shorter one's turns)."""
+    turns, seen = [], set()
+    for t in sharegpt.split("eval"):
+        if t.prompt not in seen and sharegpt.count_tokens(t.prompt) <= SHAREGPT_PROMPT_TOKENS:
+            turns.append(t)
+        seen.add(t.prompt)
+    if not 1 <= count <= len(turns):
+        raise ValueError(f"count: must be in [1, {len(turns)}] (the evaluation split's turns that fit), got {count}")
+    random.Random(f"{seed}/sharegpt").shuffle(turns)
+    return turns[:count]
+
+
+def sharegpt_replay(count: int, *, rate: float | None, seed: int, scale: float = 1.0) -> list[BenchRequest]:
+    """ShareGPT first turns replayed (``sharegpt_turns``): the prompt as written, the
+    client's usual cap ``SHAREGPT_MAX_TOKENS``, the recorded answer's length within
+    it, Poisson at ``rate`` per second (None: all at once) -- the arrivals one
+    unit-rate sequence of the seed divided by the rate, as in :func:`build`.
+    ``scale`` shortens every answer and the cap alike (a slow engine's run; the
+    prompts stay as written)."""
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate: must be a finite number > 0, got {rate}")
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale: must be in (0, 1], got {scale}")
+    cap = max(1, round(SHAREGPT_MAX_TOKENS * scale))
+    arrival_rng = random.Random(f"{seed}/sharegpt/arrivals")
+    t, out = 0.0, []
+    for i, turn in enumerate(sharegpt_turns(count, seed)):
+        if rate is not None and i > 0:
+            t += arrival_rng.expovariate(1.0) / rate
+        out.append(BenchRequest(turn.prompt, max(1, min(round(turn.output_tokens * scale), cap)), t, cap))
+    return out

@@ -12,7 +12,14 @@ is ours to choose (issue 11, win 1):
 
   - rank = predicted_tokens − aging × waited.  Since waited = now − arrival, the
     order by rank is the order by predicted_tokens + aging × arrival, which does
-    not change with time, so one heap keeps it;
+    not change with time, so one heap keeps it.  By default the aging is the
+    engine's own pace, 1/TPOT tokens a second (``set_tpot``): the rank is then,
+    in the engine's time, when the request would end if sent now, so a waiting
+    request moves up by one token of its own for each token the engine decodes
+    meanwhile, whatever the engine -- the key ``engine_priority`` hands vLLM.  A
+    fixed 20 tokens a second let the long answers of the ShareGPT replay wait
+    behind every shorter arrival (engine model, a predictor of Kendall tau 0.45:
+    p99 E2E 1.66x direct's; at the engine's pace 1.24x);
   - a request that waited ``max_wait`` goes before every other, the oldest first:
     the hard bound on how long any request waits here while the engine admits;
   - a higher priority (request class) still goes first;
@@ -70,10 +77,11 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class AdmissionOrder:
     """The policy: ``order``, ``aging`` (tokens of rank a second of waiting is
-    worth) and ``max_wait`` (seconds; inf: no hard bound)."""
+    worth; None: the engine's own pace, 1/TPOT, see ``AdmissionQueue.set_tpot``)
+    and ``max_wait`` (seconds; inf: no hard bound)."""
 
     order: Order = "fifo"
-    aging: float = 0.0
+    aging: float | None = 0.0
     max_wait: float = math.inf
     follow_engine: bool = False  # also cap admission at the engine's own concurrency (``engine_cap``)
     drain: Drain = "shortest_first"  # once arrivals stop: the critical-path rule, or first fit decreasing
@@ -84,8 +92,8 @@ class AdmissionOrder:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         if self.drain not in DRAINS:
             raise ValueError(f"drain must be one of {DRAINS}, got {self.drain!r}")
-        if not (math.isfinite(self.aging) and self.aging >= 0):
-            raise ValueError(f"aging must be finite and >= 0, got {self.aging!r}")
+        if self.aging is not None and not (math.isfinite(self.aging) and self.aging >= 0):
+            raise ValueError(f"aging must be finite and >= 0 (or None: the engine's pace), got {self.aging!r}")
         if not self.max_wait > 0:
             raise ValueError(f"max_wait must be > 0, got {self.max_wait!r}")
 
@@ -159,6 +167,10 @@ def engine_cap(
     return base + max(2, base // 4)
 
 
+# The aging at the engine's pace is re-keyed when the measured time per token moved by
+# more than this share (a rebuild of the heap; TPOT moves a few percent with the batch).
+REKEY_SHARE = 0.1
+
 # Arrivals have stopped after this many mean gaps between them with none (a
 # Poisson stream has such a gap with probability e^-10 per arrival).
 QUIET_GAPS = 10.0
@@ -225,6 +237,7 @@ class AdmissionQueue(Generic[T]):
         self._area = 0.0  # and their KV area
         self._last_arrival: float | None = None
         self._gap = 0.0  # mean gap between arrivals (EWMA)
+        self._aging = self.order.aging if self.order.aging is not None else 1.0 / DEFAULT_TPOT_S
 
     def __len__(self) -> int:
         return self._len
@@ -244,7 +257,7 @@ class AdmissionQueue(Generic[T]):
             rank = float(seq)
             prio = 0.0
         else:
-            rank = (req.predicted_tokens or 0.0) + self.order.aging * req.arrival
+            rank = self._rank(req)
             prio = -float(req.priority)
         heapq.heappush(self._ranked, (prio, rank, seq, e))
         if self.order.order != "fifo":
@@ -263,6 +276,21 @@ class AdmissionQueue(Generic[T]):
         heapq.heappush(self._oldest, (req.arrival, seq, e))
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, seq, e))
+
+    def _rank(self, req: Request) -> float:
+        return (req.predicted_tokens or 0.0) + self._aging * req.arrival
+
+    def set_tpot(self, tpot: float | None) -> None:
+        """The engine's measured time per output token: with ``aging`` None the
+        queue ages at its pace, 1/tpot tokens a second.  The heap is re-keyed when
+        the pace moved by more than ``REKEY_SHARE`` (O(n), rare)."""
+        if self.order.aging is not None or self.order.order == "fifo" or not (tpot and tpot > 0):
+            return
+        if abs(self._aging * tpot - 1.0) <= REKEY_SHARE:
+            return
+        self._aging = 1.0 / tpot
+        self._ranked = [(prio, self._rank(e.req), seq, e) for prio, _, seq, e in self._ranked if e.live]
+        heapq.heapify(self._ranked)
 
     def peek(self, now: float, backlog: Backlog | None = None) -> tuple[T, Request] | None:
         e = self._next(now, backlog)

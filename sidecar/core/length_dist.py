@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Iterable, Sequence
 
+import numpy as np
+
 LEVELS: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 PLAN_LEVEL = 0.9  # the KV plan's quantile: an answer stays within it 9 times in 10 (if calibrated)
 TAIL = 1.5  # with no cap, the length at level 1 is the 0.98-quantile times this
@@ -115,6 +117,11 @@ class LengthDist:
     # -- reading ------------------------------------------------------------------
 
     @property
+    def known(self) -> bool:
+        """Every quantile is one length (a client's hint): the KV plan takes it as certain."""
+        return self.points[0] == self.points[-1]
+
+    @property
     def median(self) -> float:
         return self.quantile(0.5)
 
@@ -150,6 +157,15 @@ class LengthDist:
             return 1.0
         a, b = knots[i - 1], knots[i]
         return levels[i - 1] + (levels[i] - levels[i - 1]) * ((x - a) / (b - a) if b > a else 1.0)
+
+    def still_running(self, steps: np.ndarray, produced: float) -> np.ndarray:
+        """P(L > produced + s | L > produced) for each s of ``steps``: the chance an
+        answer ``produced`` tokens long is still running s tokens later (``produced``
+        below the top, where the answer may still end)."""
+        knots = np.array((*self.points, self._top()))
+        levels = np.array((*LEVELS, 1.0))
+        gone = float(np.interp(produced, knots, levels, left=0.0, right=1.0)) if produced > 0 else 0.0
+        return (1.0 - np.interp(produced + steps, knots, levels, left=0.0, right=1.0)) / (1.0 - gone)
 
     def quantile(self, p: float, produced: float = 0.0) -> float:
         """The p-quantile of the total length, given that ``produced`` tokens are out and

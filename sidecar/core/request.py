@@ -7,6 +7,7 @@ which hashes by identity.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -58,3 +59,11 @@ def expected_tokens(req: Request) -> float:
     """The output tokens ``req`` is expected to generate: its prediction, within its max_tokens."""
     predicted = req.predicted_tokens if req.predicted_tokens is not None else float(req.max_tokens or 1)
     return min(predicted, float(req.max_tokens)) if req.max_tokens else predicted
+
+
+def predicted_length(req: Request) -> LengthDist:
+    """The distribution of ``req``'s output length: its predictor's, or -- a predictor
+    that gave only a number -- that number (``expected_tokens``) said to be exact."""
+    if req.length is not None:
+        return req.length
+    return LengthDist.exact(expected_tokens(req), float(req.max_tokens) if req.max_tokens else math.inf)

@@ -38,7 +38,7 @@ from .inflight import InflightLedger, Slot
 from .kv_plan import KvPlan, Seq
 from .predictor import AccuracyTracker, LengthPredictor
 from .queue_wait import ServiceRate, refusal
-from .request import Request, expected_tokens
+from .request import Request, expected_tokens, predicted_length
 from .sizer import BatchSizer, EngineSnapshot, SizeDecision
 
 Mode = Literal["gang", "continuous"]
@@ -310,7 +310,7 @@ class Scheduler:
         it went in; without a plan its whole predicted length."""
         plan = self.core.kv_plan
         return [
-            plan.held(r.prompt_tokens, expected_tokens(r), now - slot.acquired_at, generated=r.engine_generated,
+            plan.held(r.prompt_tokens, predicted_length(r), now - slot.acquired_at, generated=r.engine_generated,
                       engine_prompt=r.engine_prompt_tokens)  # fmt: skip
             if plan is not None
             else Seq(float(r.prompt_tokens), expected_tokens(r))
@@ -342,7 +342,7 @@ class Scheduler:
         if plan is None or not self._kv_planned():
             return True
         return plan.fits(self._inflight_left(now) if left is None else left,
-                         plan.held(req.prompt_tokens, expected_tokens(req), 0.0))  # fmt: skip
+                         plan.held(req.prompt_tokens, predicted_length(req), 0.0))  # fmt: skip
 
     def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than
@@ -464,9 +464,12 @@ class Scheduler:
             preempted = snapshot.preemptions_delta
             if preempted and observed is None:
                 preempted = 0.0
+            certain = all(predicted_length(r).known for slot in self.ledger.held() for r in slot.requests)
             core.kv_plan.on_snapshot(
-                snapshot.kv_capacity_tokens, snapshot.kv_block_tokens, snapshot.tpot_seconds, preempted
+                snapshot.kv_capacity_tokens, snapshot.kv_block_tokens, snapshot.tpot_seconds, preempted, certain
             )
+        if snapshot is not None and snapshot.fresh:
+            self._pending.set_tpot(snapshot.tpot_seconds)  # aging at the engine's pace (admission.py)
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
             self.engine_cap = engine_cap(
                 snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio,

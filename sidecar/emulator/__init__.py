@@ -35,6 +35,9 @@ and behind it runs a token-step engine that batches the way vLLM does:
   emulated model emits EOS after a pseudo-random number of tokens drawn uniformly
   from [max(1, min_tokens), max_tokens], seeded from the emulator's seed, the
   request's ``seed`` and the prompt -- the same request gives the same answer.
+  With ``--answer-lengths FILE`` (``answers``) a prompt whose recorded answer is
+  listed there emits EOS after that many tokens instead (within ``max_tokens``),
+  so a replay of real traffic sends nothing that gives the length away.
   ``temperature`` and ``top_p`` are validated but do not change the output.
   Stop strings end a sequence (finish_reason "stop") once ``min_tokens`` are out,
   as in vLLM; in a stream, text already sent before a stop string that spans
@@ -49,7 +52,8 @@ assumptions. Its modules, in the order a request meets them:
 * ``openai_requests`` -- OpenAI request bodies parsed and validated like vLLM;
 * ``server`` -- the HTTP routes, response and SSE shapes, and ``Emulator``;
 * ``engine`` -- the step loop; ``kv_blocks`` -- admission, KV blocks, preemption;
-* ``model`` -- tokens, output words and lengths, sequences; ``metrics`` -- vLLM's
+* ``model`` -- tokens, output words and lengths, sequences; ``answers`` --
+  recorded answer lengths; ``metrics`` -- vLLM's
   Prometheus metrics; ``config`` -- ``EmulatorConfig``; ``cli`` -- the command.
 
 Tests start it in-process::

@@ -9,6 +9,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
+from .answers import AnswerLengthsError
 from .config import SCHEDULING_POLICIES, EmulatorConfig
 from .server import CannotListen, serve
 
@@ -83,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest request body; larger ones get HTTP 413 (default {d.max_request_body_bytes})")  # fmt: skip
     parser.add_argument("--receipts-file", default=d.receipts_file, metavar="FILE",
                         help="append every accepted prompt to FILE, one JSON string a line (default: off)")  # fmt: skip
+    parser.add_argument("--answer-lengths", default=d.answer_lengths, metavar="FILE",
+                        help="recorded answer lengths, JSON Lines {\"prompt_sha256\": ..., \"output_tokens\": N}: "
+                             "a prompt whose SHA-256 is listed ends after N tokens (within max_tokens), so a replay "
+                             "of real traffic forces no length in the request (default: off)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
@@ -107,6 +112,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         asyncio.run(serve(args.host, args.port, config))
     except CannotListen as err:
         print(f"binbatch emulate-engine: {err}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    except AnswerLengthsError as err:
+        print(f"binbatch emulate-engine: --answer-lengths {err}", file=sys.stderr)
         return EXIT_CANNOT_START
     return 0
 

@@ -48,6 +48,11 @@ class EmulatorConfig:
     receipts_file: str = ""
     """Append every prompt the engine accepts to this file, one JSON string a line, so
     a chaos bench can count prompts sent twice across engine restarts; "" is off."""
+    answer_lengths: str = ""
+    """A JSON Lines file of recorded answer lengths keyed by prompt (``answers.py``):
+    a prompt found there ends after its recorded count of tokens (within
+    ``max_tokens``), so a replay of real traffic sends nothing that gives the length
+    away; "" is off."""
 
     def __post_init__(self) -> None:
         if not self.model or not self.model.strip():

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .answers import prompt_key
 from .config import EmulatorConfig
 from .model import CHAT_ROLES, SeqEvent, Sequence, count_prompt_tokens, eos_position, render_chat, sequence_rng
 
@@ -31,10 +33,12 @@ def _bad(param: str, message: str) -> RequestError:
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """One prompt: what seeds it and how many tokens it costs."""
+    """One prompt: what seeds it, how many tokens it costs and the key of its
+    recorded answer (``answers.prompt_key``; "" for token ids: none)."""
 
     key: str
     tokens: int
+    answer_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +174,7 @@ def parse_prompts(value: Any) -> list[Prompt]:
     prompts = []
     for i, item in enumerate(value):
         if isinstance(item, str) and item.strip():
-            prompts.append(Prompt(key=item, tokens=count_prompt_tokens(item)))
+            prompts.append(Prompt(key=item, tokens=count_prompt_tokens(item), answer_key=prompt_key(item)))
         elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
             prompts.append(Prompt(key=",".join(map(str, item)), tokens=len(item)))
         else:
@@ -192,7 +196,8 @@ def parse_messages(value: Any) -> Prompt:
             raise _bad(f"{where}.role", f"must be one of {sorted(CHAT_ROLES)}, got {role!r}")
         rendered.append((role, _message_text(message.get("content"), f"{where}.content")))
     text = render_chat(rendered)
-    return Prompt(key=text, tokens=count_prompt_tokens(text))
+    asked = next((content for role, content in reversed(rendered) if role == "user"), None)
+    return Prompt(key=text, tokens=count_prompt_tokens(text), answer_key="" if asked is None else prompt_key(asked))
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -246,15 +251,22 @@ def _check_context(prompt: Prompt, sampling: SamplingSpec, config: EmulatorConfi
 
 
 def build_sequences(
-    parsed: ParsedRequest, config: EmulatorConfig, arrival: float, events: asyncio.Queue[SeqEvent]
+    parsed: ParsedRequest, config: EmulatorConfig, arrival: float, events: asyncio.Queue[SeqEvent],
+    answers: Mapping[str, int] | None = None,
 ) -> list[Sequence]:
-    """One sequence per prompt; without max_tokens a prompt may use the whole context."""
+    """One sequence per prompt; without max_tokens a prompt may use the whole context.
+    A prompt with a recorded answer in ``answers`` (``answers.py``) emits EOS after
+    its recorded count of tokens (at least ``min_tokens``; one longer than
+    ``max_tokens`` is cut there, finish reason "length")."""
     seqs = []
     s = parsed.sampling
     for index, prompt in enumerate(parsed.prompts):
         max_tokens = s.max_tokens if s.max_tokens is not None else config.max_model_len - prompt.tokens
         rng = sequence_rng(config.seed, s.seed, prompt.key)
         eos = eos_position(rng, max_tokens=max_tokens, min_tokens=s.min_tokens, ignore_eos=s.ignore_eos)
+        recorded = (answers or {}).get(prompt.answer_key)
+        if recorded is not None and not s.ignore_eos:  # past max_tokens it is cut there ("length")
+            eos = after if (after := max(recorded, s.min_tokens, 1)) <= max_tokens else None
         seqs.append(Sequence(index=index, prompt_tokens=prompt.tokens, max_tokens=max_tokens,
                              min_tokens=s.min_tokens, eos_after=eos, stop=s.stop, rng=rng,
                              arrival=arrival, events=events, priority=parsed.priority))  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .answers import load_answer_lengths
 from .config import EmulatorConfig
 from .engine import EmulatedEngine, EngineStopped
 from .metrics import EmulatorMetrics
@@ -116,6 +117,7 @@ class ReceiptLog:
 
 CONFIG_KEY = web.AppKey("emulator_config", EmulatorConfig)
 RECEIPTS_KEY = web.AppKey("emulator_receipts", ReceiptLog)
+ANSWERS_KEY = web.AppKey("emulator_answers", dict)  # recorded answer lengths by prompt key (answers.py)
 ENGINE_KEY = web.AppKey("emulator_engine", EmulatedEngine)
 METRICS_KEY = web.AppKey("emulator_metrics", EmulatorMetrics)
 
@@ -161,7 +163,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     body = await _read_json(request)
     parsed = parse_request(body, config, chat)
     events: asyncio.Queue[SeqEvent] = asyncio.Queue()
-    seqs = build_sequences(parsed, config, asyncio.get_running_loop().time(), events)
+    seqs = build_sequences(parsed, config, asyncio.get_running_loop().time(), events, request.app[ANSWERS_KEY])
     engine.submit(seqs)
     request.app[RECEIPTS_KEY].record(p.key for p in parsed.prompts)
     shape = ResponseShape(chat, config.model, token_ids=body.get("return_token_ids") is True)
@@ -246,6 +248,7 @@ def build_app(config: EmulatorConfig) -> web.Application:
     engine = EmulatedEngine(config, metrics)
     app[CONFIG_KEY], app[METRICS_KEY], app[ENGINE_KEY] = config, metrics, engine
     app[RECEIPTS_KEY] = ReceiptLog(config.receipts_file)
+    app[ANSWERS_KEY] = load_answer_lengths(config.answer_lengths) if config.answer_lengths else {}
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_get("/health", handle_health)

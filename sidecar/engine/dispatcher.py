@@ -51,7 +51,7 @@ from ..core.scheduler import (
 )
 from ..core.sizer import EngineSnapshot, SizeDecision
 from .breaker import outage_reason
-from .engine_client import EngineClient, EngineError, EngineRequest, EngineResult, StreamDelta
+from .engine_client import EngineClient, EngineError, EngineRequest, EngineResult
 from .sidecar_metrics import SidecarMetrics
 
 log = logging.getLogger("binbatch.dispatcher")
@@ -385,20 +385,25 @@ class Dispatcher:
                 self._finish(req, "failed", exc=EngineError("internal", None, f"dispatch failed: {exc}"))
 
     async def _run_single(self, req: Request, call: Call, batch_size: int) -> None:
-        """One request's own engine call (continuous mode); it holds a slot that ``_ended`` releases."""
+        """One request's own engine call (continuous mode); it holds a slot that ``_ended`` releases.
+
+        A streaming caller's call streams; so does a unary one's while the KV plan
+        is on (``memory.admission: Projected``): the plan reads each answer's
+        progress from the stream's chunks (the tokens it has produced condition
+        what remains, kv_plan.py), and the text is reassembled for the caller."""
         try:
-            if call.deltas is not None:
+            if call.deltas is not None or self.scheduler.core.kv_plan is not None:
                 result: EngineResult | EngineError | None = None
                 req.engine_generated = req.engine_prompt_tokens = None  # a requeued request starts over
                 try:
                     async for item in self.client.stream(call.engine_request, timeout=self.engine_timeout,
                                                          on_progress=functools.partial(_note_progress, req)):  # fmt: skip
-                        if isinstance(item, StreamDelta):
+                        if isinstance(item, EngineResult):
+                            result = item
+                        elif call.deltas is not None:
                             if call.first_token_at is None:
                                 self._first_token(req, call)
                             call.deltas.put_nowait(item.text)
-                        else:
-                            result = item
                 except EngineError as exc:
                     result = exc
                 if result is None:

@@ -132,7 +132,7 @@ def build_admission(cfg: SidecarConfig) -> AdmissionOrder:
     engine_priority = b.order == "EnginePriority"  # what queues here (B_t) is ordered shortest first too
     return AdmissionOrder(
         "fifo" if b.order == "Fifo" else "shortest_first",
-        aging=float(b.aging_tokens_per_second),
+        aging=None if b.aging == "EnginePace" else float(b.aging_tokens_per_second),  # None: at the engine's pace
         max_wait=b.max_queue_wait_milliseconds / 1000,
         follow_engine=b.follow_engine_queue and not engine_priority,
         engine_priority=engine_priority,

@@ -15,7 +15,7 @@ import pytest
 from bench_support import run_binbatch
 
 from binbatch_sidecar.bench import workloads
-from binbatch_sidecar.bench.e2e import RATIO_KEYS, ROW_KEYS
+from binbatch_sidecar.bench.e2e import RATIO_KEYS, ROW_KEYS, SHAREGPT_RATIO_KEYS
 
 BENCH_TIMEOUT = 300  # seconds; the quick e2e bench takes about a minute on 2 busy cores
 NUMBER_OR_NONE = (int, float, type(None))
@@ -57,11 +57,15 @@ async def test_quick_e2e_bench_prints_runs_direct_first_and_ratios_from_the_same
     assert {"direct", "engine-priority", "continuous", "gang", "ideal-gang"} == {r["mode"] for r in runs}
 
     ratios = doc["ratios"]
-    assert tuple(ratios) == RATIO_KEYS
-    for key, value in ratios.items():
+    assert tuple(ratios) == (*RATIO_KEYS, "sharegpt")
+    assert tuple(ratios["sharegpt"]) == SHAREGPT_RATIO_KEYS
+    for key, value in (*((k, v) for k, v in ratios.items() if k != "sharegpt"), *ratios["sharegpt"].items()):
         assert value is None or (type(value) is float and math.isfinite(value)), key
-    direct, sidecar = _row(runs, mode="direct", load=0.95), _row(runs, mode="continuous", load=0.95, k=4,
-                                                                  client="sidecar continuous k=4 hint")  # fmt: skip
+    # the ShareGPT replay: real prompts, recorded lengths the embedded engine ends each answer at, direct first
+    replay = [r["name"].split(" | ", 1)[1] for r in runs if r["name"].startswith("ShareGPT replay")]
+    assert replay[0] == "direct" and "sidecar, true length as hint (oracle)" in replay
+    direct = _row(runs, mode="direct", load=0.95, name_has="chat load")
+    sidecar = _row(runs, mode="continuous", load=0.95, k=4, client="sidecar continuous k=4 hint")
     # vLLM's priority scheduling (the embedded engine's twin) and the sidecar handing its order to it both answered
     assert _row(runs, mode="engine-priority", load=0.95)["requests_per_s"] > 0
     assert _row(runs, mode="continuous", load=0.95, k=4, name_has="order in engine")["requests_per_s"] > 0

@@ -47,7 +47,9 @@ async def test_quick_e2e_bench_against_real_vllm_runs_direct_first_and_reads_its
 
     burst = {r["mode"]: r for r in runs if r["name"].startswith("chat burst") and "online" not in r["name"]}
     assert burst["direct"]["preemptions"] > 0, "the squeezed KV cache must preempt a direct burst"
-    assert tuple(doc["ratios"]) == RATIO_KEYS
+    # the ShareGPT replay needs a 2,048-token context, more than this server's: left out, its ratios null
+    assert tuple(doc["ratios"]) == (*RATIO_KEYS, "sharegpt") and set(doc["ratios"].pop("sharegpt").values()) == {None}
+    assert not any(r["name"].startswith("ShareGPT") for r in runs)
     for key, value in doc["ratios"].items():
         assert type(value) is float and math.isfinite(value), (key, value)
     assert doc["ratios"]["preemptions_under_kv_pressure"] == pytest.approx(

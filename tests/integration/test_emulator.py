@@ -28,6 +28,7 @@ from binbatch_sidecar.emulator import (
     config_from_args,
     running_emulator,
 )
+from binbatch_sidecar.emulator.answers import AnswerLengthsError, load_answer_lengths, prompt_key
 
 FAST = EmulatorConfig(step_a=0.0005, step_c=0.00005)
 
@@ -531,3 +532,49 @@ async def test_a_body_over_max_request_body_bytes_gets_413_like_vllm():
             assert "Maximum request body size 2048 exceeded" in await resp.text()
         async with http.post(f"{url}/v1/completions", json={"prompt": "small", "max_tokens": 1}) as resp:
             assert resp.status == 200
+
+
+# ---------------------------------------------------------- recorded answer lengths
+
+
+def answers_file(tmp_path, lengths: dict[str, int]):
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps({"prompt_sha256": prompt_key(p), "output_tokens": n}) + "\n"
+                            for p, n in lengths.items()))  # fmt: skip
+    return str(path)
+
+
+async def test_a_prompt_with_a_recorded_answer_ends_at_its_length_within_max_tokens(http, tmp_path):
+    path = answers_file(tmp_path, {"how do tides work?": 37, "write a poem": 500})
+    async with running_emulator(replace(FAST, answer_lengths=path)) as base:
+        tides = await complete(http, base, prompt="how do tides work?", max_tokens=1024)
+        capped = await complete(http, base, prompt="write a poem", max_tokens=64)
+        floored = await complete(http, base, prompt="how do tides work?", max_tokens=1024, min_tokens=50)
+        forced = await complete(http, base, prompt="how do tides work?", max_tokens=60, ignore_eos=True)
+        status, chat = await post(http, f"{base}/v1/chat/completions", {
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "how do tides work?"}],
+            "max_tokens": 1024})  # fmt: skip
+        unlisted = await complete(http, base, prompt="how do tides work", max_tokens=1024, seed=1)
+
+    assert (tides["usage"]["completion_tokens"], tides["choices"][0]["finish_reason"]) == (37, "stop")
+    assert (capped["usage"]["completion_tokens"], capped["choices"][0]["finish_reason"]) == (64, "length")
+    assert floored["usage"]["completion_tokens"] == 50  # min_tokens still holds EOS back
+    assert forced["usage"]["completion_tokens"] == 60  # ignore_eos still ignores it
+    assert status == 200 and chat["usage"]["completion_tokens"] == 37  # keyed by the user's message, not the template
+    assert unlisted["usage"]["completion_tokens"] != 37  # a prompt not in the file draws its length as before
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("not json", "line 2: not JSON"),
+        ('["a"]', "line 2: expected an object"),
+        ('{"prompt_sha256": "ABC", "output_tokens": 3}', "line 2: prompt_sha256 must be 64 lowercase hex digits"),
+        ('{"prompt_sha256": "' + "0" * 64 + '", "output_tokens": 0}', "line 2: output_tokens must be a whole number"),
+    ],
+)
+def test_a_malformed_answer_lengths_file_is_refused_naming_the_line_and_field(tmp_path, line, problem):
+    path = tmp_path / "answers.jsonl"
+    path.write_text(json.dumps({"prompt_sha256": prompt_key("x"), "output_tokens": 3}) + "\n" + line + "\n")
+    with pytest.raises(AnswerLengthsError, match=f"{path} {problem}"):
+        load_answer_lengths(str(path))

@@ -123,7 +123,10 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ),  # fmt: skip
     ("batch", "max_queued_requests"): ({"batch": {"maxQueuedRequests": 55}}, lambda s: _core(s).former._max_queue, 55),  # fmt: skip
     ("batch", "order"): ({"batch": {"order": "Fifo"}}, lambda s: _core(s).admission.order, "fifo"),
-    ("batch", "aging_tokens_per_second"): ({"batch": {"agingTokensPerSecond": 7}}, lambda s: _core(s).admission.aging, 7.0),  # fmt: skip
+    ("batch", "aging"): ({"batch": {"aging": "Fixed"}}, lambda s: _core(s).admission.aging, 20.0),
+    ("batch", "aging_tokens_per_second"): (
+        {"batch": {"aging": "Fixed", "agingTokensPerSecond": 7}}, lambda s: _core(s).admission.aging, 7.0,
+    ),  # fmt: skip
     ("batch", "max_queue_wait_milliseconds"): ({"batch": {"maxQueueWaitMilliseconds": 1500}}, lambda s: _core(s).admission.max_wait, 1.5),  # fmt: skip
     ("batch", "follow_engine_queue"): ({"batch": {"followEngineQueue": False}}, lambda s: _core(s).admission.follow_engine, False),  # fmt: skip
     ("batch", "drain_order"): (

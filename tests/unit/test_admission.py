@@ -161,6 +161,29 @@ def test_aging_lets_a_long_request_pass_shorter_newcomers_before_the_max_wait():
     assert admitted.index("long") >= 5  # before aging caught up, the short ones went first
 
 
+def test_at_the_engines_pace_a_long_request_passes_newcomers_once_it_would_end_first():
+    """Aging None: a waiting request gains 1/TPOT tokens of rank a second, so it
+    goes first once it would end before a newcomer sent now.  A 900-token request
+    on an engine at 10 ms a token would end 9 s after it arrives; a 5-token one
+    arriving t seconds later, at t + 0.05 s -- it overtakes them after ~8.95 s.
+    At 5 ms a token the same happens after half that time: the queue re-keys when
+    the measured TPOT moves."""
+    for tpot, passes_after in ((0.010, 8.95), (0.005, 4.475)):
+        s, clock = make(AdmissionOrder("shortest_first", aging=None, max_wait=math.inf))
+        s.submit(req("s0", clock, 5))
+        running = s.step(clock.now()).dispatches
+        clock.advance(0.01)
+        s.on_snapshot(EngineSnapshot(tpot_seconds=tpot, fresh=True), clock.now())  # s0 ran since: its engine's TPOT
+        long = req("long", clock, 900)
+        s.submit(long)
+        for i in range(1, 200):
+            clock.advance(0.05)
+            s.submit(req(f"s{i}", clock, 5))
+            if "long" in finish_one(s, clock, running):
+                break
+        assert clock.now() - long.arrival == pytest.approx(passes_after, abs=0.051)
+
+
 def test_a_request_past_its_send_by_goes_after_those_that_can_still_meet_their_ttft():
     s, clock = make(AdmissionOrder("shortest_first"))
     s.submit(req("busy", clock, 900))
@@ -231,10 +254,11 @@ def test_the_policy_keys_reach_the_scheduling_core():
     from binbatch_sidecar.config import parse_config
     from binbatch_sidecar.server.assembly import build_core
 
-    cfg = parse_config({"batch": {"order": "ShortestFirst", "agingTokensPerSecond": 40, "maxQueueWaitMilliseconds": 2500}})
+    cfg = parse_config({"batch": {"order": "ShortestFirst", "aging": "Fixed", "agingTokensPerSecond": 40,
+                                  "maxQueueWaitMilliseconds": 2500}})  # fmt: skip
     assert build_core(cfg, ManualClock()).admission == AdmissionOrder("shortest_first", 40.0, 2.5, follow_engine=True)
     fifo = parse_config({"batch": {"order": "Fifo", "followEngineQueue": False}})
-    assert build_core(fifo, ManualClock()).admission == AdmissionOrder("fifo", 20.0, 30.0, follow_engine=False)
+    assert build_core(fifo, ManualClock()).admission == AdmissionOrder("fifo", None, 30.0, follow_engine=False)
 
 
 def test_engine_cap_holds_at_what_the_engine_runs_while_it_queues_and_grows_while_it_has_room():

@@ -25,7 +25,7 @@ def test_only_a_shape_plans_every_scenario_of_that_shape():
 
 def test_no_only_plans_everything_and_the_cli_offers_every_name():
     every = keys(())
-    assert len(every) == 7
+    assert len(every) == 8
     assert cli._E2E_SCENARIOS == e2e.SCENARIO_NAMES
     assert cli._E2E_CLIENTS == e2e.CLIENT_NAMES
     assert all(keys((name,)) for name in e2e.SCENARIO_NAMES)
@@ -60,7 +60,7 @@ def test_cli_client_keeps_only_those_clients(monkeypatch):
     plan = e2e.scenarios(seen["cfg"])
     assert {c.key for sc in plan for c in sc.clients} == {"direct", "hint"}
     assert {sc.key for sc in plan} == {"chat@0.5", "chat@0.8", "chat@0.95", "chat@1.1", "chat@burst", "short@ample",
-                                       "mixed@gang"}  # fmt: skip
+                                       "mixed@gang", "sharegpt"}  # fmt: skip
 
 
 def test_cli_capacity_flags_reach_the_plan_and_are_checked(monkeypatch, capsys):
@@ -117,6 +117,7 @@ def test_ratios_of_clients_left_out_are_null_and_the_priority_yardstick_is_noted
         acc.runs.append(RunResult(samples=[Sample(0.1 * e2e_s, e2e_s, 10), Sample(0.2, 3 * e2e_s, 20)], elapsed_s=4.0))
         accs[sc.key, client.key] = acc
     ratios, notes = e2e.compute_ratios(accs, cfg)
-    assert set(ratios) == set(e2e.RATIO_KEYS) and all(v is None for v in ratios.values())
+    assert set(ratios) == {*e2e.RATIO_KEYS, "sharegpt"} and all(ratios[k] is None for k in e2e.RATIO_KEYS)
+    assert ratios["sharegpt"] == dict.fromkeys(e2e.SHAREGPT_RATIO_KEYS)
     assert notes["vllm_priority_at_95pct_load"]["e2e_mean"] == pytest.approx(0.5)
     assert notes["goodput_load"] == 0.95

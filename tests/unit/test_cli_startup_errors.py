@@ -43,6 +43,16 @@ def test_an_emulator_receipts_file_it_cannot_create_is_one_line(tmp_path):
     )  # fmt: skip
 
 
+def test_an_emulator_answer_lengths_file_it_cannot_read_is_one_line(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    path.write_text('{"prompt_sha256": "abc", "output_tokens": 3}\n')
+    out = run("emulate-engine", "--port", "0", "--answer-lengths", str(path), cwd=tmp_path)
+    assert (out.returncode, out.stderr.splitlines()) == (
+        2, [f"binbatch emulate-engine: --answer-lengths {path} line 1: prompt_sha256 must be 64 lowercase hex "
+            "digits, got 'abc'"],
+    )  # fmt: skip
+
+
 def test_a_warm_start_that_is_no_model_names_the_field_and_exits_2(tmp_path):
     config = tmp_path / "sidecar.yaml"
     config.write_text(f"predictor:\n  kind: Learned\n  warmStart: {tmp_path / 'missing.npz'}\n")

@@ -48,6 +48,7 @@ batch:
   dispatch: Smdp
   smdpEngineWeight: 8
   order: Fifo
+  aging: Fixed
   agingTokensPerSecond: 25
   maxQueueWaitMilliseconds: 30000
   followEngineQueue: false

@@ -12,17 +12,20 @@ def test_client_filter_keeps_the_scenarios_and_drops_other_clients():
     plan = e2e.scenarios(replace(e2e.E2EConfig(), clients=("direct", "hint")))
 
     assert [sc.key for sc in plan] == ["chat@0.5", "chat@0.8", "chat@0.95", "chat@1.1", "chat@burst", "short@ample",
-                                       "mixed@gang"]  # fmt: skip
-    assert all([c.key for c in sc.clients] == ["direct", "hint"] for sc in plan[:5])
-    assert all([c.key for c in sc.clients] == ["direct"] for sc in plan[5:])
+                                       "mixed@gang", "sharegpt"]  # fmt: skip
+    assert all([c.key for c in sc.clients] == ["direct", "hint"] for sc in (*plan[:5], plan[7]))
+    assert all([c.key for c in sc.clients] == ["direct"] for sc in plan[5:7])
 
 
 def test_demo_plan_sends_direct_first_then_the_best_configuration_of_each_win():
-    plan = e2e.scenarios(demo.config())
+    cfg = demo.config()
+    plan = e2e.scenarios(cfg)
+    assert (cfg.sharegpt_requests, cfg.sharegpt_repeats) == (demo.SHAREGPT_REQUESTS, 1)  # the short version
 
     assert all(sc.clients[0].key == "direct" for sc in plan)
     assert {c.key for sc in plan for c in sc.clients} == set(demo.CLIENTS)
-    assert {c.ratio for w in demo.WINS for c in w.checks} == set(e2e.RATIO_KEYS) - {"gang_k8_gain_vs_ideal"}
+    assert {c.ratio for w in demo.WINS for c in w.checks} == (set(e2e.RATIO_KEYS) - {"gang_k8_gain_vs_ideal"}) | {
+        f"sharegpt.{k}" for k in e2e.SHAREGPT_RATIO_KEYS} | {"sharegpt_by_client.hint.e2e_p99"}  # fmt: skip
 
 
 def _doc(cfg: e2e.E2EConfig, ratios: dict[str, float | None]) -> dict:
@@ -40,13 +43,19 @@ def _doc(cfg: e2e.E2EConfig, ratios: dict[str, float | None]) -> dict:
                                                      "goodput_ceiling": 1.11,
                                                      "goodput_ratio_by_load": {"0.8": 1.0, "0.95": 1.02, "1.1": 1.5},
                                                      "engine_order_at_95pct_load": {"e2e_mean": 0.75, "e2e_p99": 1.29},
-                                                     "goodput_ratio_by_load_engine_order": {"0.8": 1.1}}}
+                                                     "goodput_ratio_by_load_engine_order": {"0.8": 1.1},
+                                                     "sharegpt_ordering_bound": 0.85,
+                                                     "sharegpt_by_client": {"hint": {
+                                                         "e2e_mean": 0.8, "e2e_p99": 1.3, "throughput": 1.0,
+                                                         "preemptions": 0.0}}}}  # fmt: skip
 
 
 def test_a_missed_target_is_judged_missed_with_the_figures_it_came_from():
     cfg = demo.config()
     ratios = dict.fromkeys(e2e.RATIO_KEYS, 1.0) | {"e2e_mean_at_95pct_load": 1.05, "preemptions_under_kv_pressure": 0.1,
-                                                   "gang_k4_gain_vs_ideal": None}  # fmt: skip
+                                                   "gang_k4_gain_vs_ideal": None,
+                                                   "sharegpt": {"e2e_mean": 0.95, "e2e_p99": 1.1, "throughput": 0.99,
+                                                                "preemptions": 0.1}}  # fmt: skip
     wins = {w["key"]: w for w in demo.judge(_doc(cfg, ratios), cfg)}
 
     latency = {c["ratio"]: c["met"] for c in wins["latency"]["checks"]}
@@ -63,6 +72,13 @@ def test_a_missed_target_is_judged_missed_with_the_figures_it_came_from():
     assert "more than 1.11x here" in wins["goodput"]["measured"] and "1.1: 1.50x" in wins["goodput"]["measured"]
     assert wins["gang"]["checks"][0]["met"] is None  # not measured is neither met nor missed
     assert "sidecar 2.00x" in wins["gang"]["measured"] and "ideal client 2.00x" in wins["gang"]["measured"]
+    # the ShareGPT replay: the judged sidecar has no hint; the oracle's p99 is judged too, from the notes
+    assert {c["label"]: c["met"] for c in wins["sharegpt"]["checks"]} == {
+        "mean E2E": False, "p99 E2E": True, "throughput": True, "preemptions": True, "oracle p99": False}
+    assert [r.split(" | ")[1] for r in wins["sharegpt"]["rows"]] == [
+        "direct", "sidecar, no hint, Learned (warm start)", "sidecar, true length as hint (oracle)"]
+    assert "preemptions direct and sidecar 40 and 4" in wins["sharegpt"]["measured"]
+    assert "would reach 0.85" in wins["sharegpt"]["measured"] and "p99 1.300x" in wins["sharegpt"]["measured"]
     for w in wins.values():
         assert w["rows"][0].endswith("| direct"), w["key"]
 

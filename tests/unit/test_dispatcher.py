@@ -13,11 +13,12 @@ import pytest
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
+from binbatch_sidecar.core.kv_plan import KvPlan
 from binbatch_sidecar.core.predictor import HintPredictor
 from binbatch_sidecar.core.request import Request
 from binbatch_sidecar.core.sizer import BatchSizer, EngineSnapshot, SizeDecision
 from binbatch_sidecar.engine.dispatcher import Call, Core, Dispatcher, Rejected
-from binbatch_sidecar.engine.engine_client import EngineError, EngineRequest, EngineResult, SamplingParams
+from binbatch_sidecar.engine.engine_client import EngineError, EngineRequest, EngineResult, SamplingParams, StreamDelta
 from binbatch_sidecar.engine.sidecar_metrics import SidecarMetrics
 
 
@@ -350,3 +351,46 @@ async def test_wakeup_wakes_once_for_several_sets_and_times_out_without_one():
     await asyncio.wait_for(waiter, 1)
     w.clear()
     await asyncio.wait_for(w.wait(0.001), 1)  # the armed timeout ends the wait (a real 1 ms)
+
+
+class StreamingClient(FakeClient):
+    """Also streams: two chunks of progress (3 then 7 tokens of a 40-token prompt), then the answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.progress_seen: list[tuple[int | None, int | None]] = []
+        self.streamed: list[EngineRequest] = []
+
+    async def stream(self, request, *, timeout=None, on_progress=None):
+        self.streamed.append(request)
+        for generated, piece in ((3, "ab"), (7, "cd")):
+            on_progress(generated, 40)
+            yield StreamDelta(piece)
+        (result,) = await self.complete_batch([request])
+        yield result
+
+
+async def test_with_the_kv_plan_a_unary_call_streams_so_the_plan_sees_its_progress_and_is_reassembled():
+    clock = ManualClock()
+    binner = FixedBinner(())
+    former = BatchFormer(binner, clock, target_size=4, max_wait=0.0, max_queue=100)
+    core = Core(HintPredictor(), binner, former, BatchSizer(mode="static", static_size=4), kv_plan=KvPlan())
+    client = StreamingClient()
+    d = Dispatcher(core, client, clock, SidecarMetrics(), mode="continuous")
+    req, call = submit(d, 1, max_tokens=10)  # unary: no deltas queue
+    d._step()
+    await settle()
+    assert client.streamed == [call.engine_request] and (req.engine_generated, req.engine_prompt_tokens) == (7, 40)
+    reqs, fut = client.calls[0]
+    fut.set_result([EngineResult("abcd", "length", 40, 10)])
+    done = await call.future
+    assert (done.result.text, done.result.completion_tokens) == ("abcd", 10)
+
+
+async def test_without_the_kv_plan_a_unary_continuous_call_is_one_whole_answer():
+    d, client, _ = make(mode="continuous", static=4, max_wait=0.0)
+    d.client = StreamingClient()
+    _, call = submit(d, 1)
+    d._step()
+    await settle()
+    assert d.client.streamed == [] and len(d.client.calls) == 1

@@ -57,9 +57,12 @@ def core(clock: ManualClock, sizing: str) -> Core:
     return Core(HintPredictor(), binner, former, sizer, kv_plan=KvPlan() if projected else None)
 
 
-def engine(kind: str):
-    # Gang: the seed's servers, one time unit per token.  Continuous: a small KV budget, so it preempts.
-    return BatchServers() if kind == "servers" else ContinuousEngine(a=0.02, c=0.002, kv_tokens=300, max_num_seqs=8)
+def engine(kind: str, sizing: str):
+    # Gang: the seed's servers, one time unit per token.  Continuous: a small KV budget, so it preempts; under the
+    # KV plan every call streams (the dispatcher asks for the engine's counts), so the model tells each its progress
+    if kind == "servers":
+        return BatchServers()
+    return ContinuousEngine(a=0.02, c=0.002, kv_tokens=300, max_num_seqs=8, streams=sizing == "projected")
 
 
 class EngineModelClient:
@@ -75,6 +78,11 @@ class EngineModelClient:
         fut = asyncio.get_running_loop().create_future()
         self.waiting.append((reqs, fut))
         return await fut
+
+    async def stream(self, engine_request, *, timeout=None, on_progress=None):
+        """The whole answer at its end; the model tells the request its progress itself (``streams``)."""
+        (result,) = await self.complete_batch([engine_request])
+        yield result
 
     def finish(self, done: set[Request]) -> None:
         still = []
@@ -94,7 +102,7 @@ async def settle() -> None:
 async def through_the_dispatcher(sp, mode: str, kind: str, sizing: str, scrape: bool):
     clock = ManualClock()
     reqs = requests(sp)
-    model = engine(kind)
+    model = engine(kind, sizing)
     client = EngineModelClient(model, clock, {r.id: r for r in reqs})
     d = Dispatcher(core(clock, sizing), client, clock, SidecarMetrics(), mode=mode, max_inflight_batches=2)  # type: ignore[arg-type]
     log: list[tuple[float, int, tuple[str, ...]]] = []
@@ -150,7 +158,7 @@ async def through_the_dispatcher(sp, mode: str, kind: str, sizing: str, scrape: 
 def through_the_simulator(sp, mode: str, kind: str, sizing: str, scrape: bool):
     clock = ManualClock()
     s = Scheduler(core(clock, sizing), clock, mode=mode, max_inflight_batches=2)  # type: ignore[arg-type]
-    model = engine(kind)
+    model = engine(kind, sizing)
     res = drive(s, model, iter(requests(sp)), clock, full_latency_only=False,
                 snapshot=(lambda: engine_snapshot(model)) if scrape else None,
                 scrape_interval=SCRAPE if scrape else None)  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -64,3 +65,13 @@ def test_conditional_quantiles_are_monotone_and_exceed_what_is_produced(xs, p, g
     assert q <= d.cap
     assert d.quantile(min(1.0, p + 0.1), produced=g) >= q - 1e-9
     assert 0 <= d.cdf(g) <= 1
+
+
+def test_the_chance_an_answer_is_still_running_is_its_conditional_survival() -> None:
+    d = LengthDist.from_samples([10, 20, 40, 80, 160, 320, 640], cap=1024)
+    steps = np.array([0.0, 5.0, 50.0, 300.0, 2000.0])
+    for produced in (0.0, 30.0, 500.0):
+        gone = d.cdf(produced) if produced else 0.0
+        expected = [(1 - d.cdf(produced + s)) / (1 - gone) for s in steps]
+        assert d.still_running(steps, produced) == pytest.approx(expected)
+    assert LengthDist.exact(100).known and not d.known

@@ -60,21 +60,23 @@ def test_at_95pct_load_the_sidecars_order_matches_vllms_priority_scheduling_told
     ====  =========================  ==================  =======  ===============
     seed  direct waits (of its E2E)  priority, true len  sidecar  p99: prio, ours
     ====  =========================  ==================  =======  ===============
-    1     30%                        0.742               0.824    1.67, 1.20
-    2     12%                        0.997               0.969    1.87, 1.04
-    3     17%                        0.939               0.892    2.03, 1.06
-    4     44%                        0.640               0.676    2.36, 1.36
-    5     13%                        0.969               0.946    1.50, 1.01
+    1     30%                        0.742               0.822    1.67, 1.01
+    2     12%                        0.997               0.967    1.87, 1.02
+    3     17%                        0.939               0.898    2.03, 0.99
+    4     44%                        0.640               0.752    2.36, 1.17
+    5     13%                        0.969               0.946    1.50, 1.00
     ====  =========================  ==================  =======  ===============
 
-    So the sidecar's mean equals the engine's own oracle shortest-first (0.861
-    against 0.857) and its p99 is 1.13x direct's where the oracle's is 1.89x: vLLM's
-    priority policy preempts the longest running request, again and again.  Neither
-    reaches the issue's 0.7 on the mean: direct waits only 12-44% of its E2E at this
-    load, so even an order that removed all waiting would reach 0.77 -- the
-    engine's concurrency is set by its KV cache, which fits more short answers when
-    they come, so its queue stays shallow.  A FIFO sidecar (the order off) is 1.06x
-    direct."""
+    So the sidecar's mean is within 2.5% of the engine's own oracle shortest-first
+    (0.877 against 0.857) and its p99 is 1.04x direct's where the oracle's is
+    1.89x: vLLM's priority policy preempts the longest running request, again and
+    again.  The sidecar ages its queue at the engine's pace (admission.py): with a
+    fixed 20 tokens a second instead, its mean was 0.861 and its p99 1.13x (seed 4:
+    0.676 and 1.36x).  Neither reaches the issue's 0.7 on the mean: direct waits
+    only 12-44% of its E2E at this load, so even an order that removed all waiting
+    would reach 0.77 -- the engine's concurrency is set by its KV cache, which fits
+    more short answers when they come, so its queue stays shallow.  A FIFO sidecar
+    (the order off) is 1.06x direct."""
     ours, oracle, bounds, ours_p99, oracle_p99 = [], [], [], [], []
     for seed in (1, 2, 3, 4, 5):
         direct_engine = _engine()
@@ -90,7 +92,7 @@ def test_at_95pct_load_the_sidecars_order_matches_vllms_priority_scheduling_told
         ours_p99.append(side.latency_quantile(0.99) / direct.latency_quantile(0.99))
         oracle_p99.append(prio.latency_quantile(0.99) / direct.latency_quantile(0.99))
     assert mean(oracle) < 0.95  # ordering pays at this load
-    assert mean(ours) <= 1.02 * mean(oracle)
-    assert mean(ours_p99) <= 1.2 < 1.5 <= mean(oracle_p99)
+    assert mean(ours) <= 1.03 * mean(oracle)
+    assert mean(ours_p99) <= 1.1 < 1.5 <= mean(oracle_p99)
     assert mean(bounds) > 0.7  # the issue's target is below what removing all waiting reaches
     assert all(o >= b for o, b in zip(ours, bounds))
