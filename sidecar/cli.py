@@ -24,12 +24,25 @@ DESCRIPTION = (
 )
 
 
-def _progress(quiet: bool):
+def _progress(args: argparse.Namespace, command: str):
+    """Progress lines on stderr, prefixed with the command (none with --quiet)."""
+
     def say(msg: str) -> None:
-        if not quiet:
-            print(f"[bench theory] {msg}", file=sys.stderr, flush=True)
+        if not args.quiet:
+            print(f"[{command}] {msg}", file=sys.stderr, flush=True)
 
     return say
+
+
+def _report(args: argparse.Namespace, doc: dict, print_tables, plot: str | None = None) -> None:
+    """Write ``doc`` as JSON with --json, else the command's tables (and where the plot went)."""
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    print_tables()
+    if plot:
+        print(f"plot written to {plot}")
 
 
 def _bench_theory(args: argparse.Namespace) -> int:
@@ -38,17 +51,11 @@ def _bench_theory(args: argparse.Namespace) -> int:
     cfg = theory.TheoryConfig(seed=args.seed)
     if args.requests is not None:
         cfg = replace(cfg, requests=args.requests)
-    doc = theory.run(cfg, _progress(args.quiet))
+    doc = theory.run(cfg, _progress(args, "bench theory"))
     if args.plot:
         theory.plot(doc, args.plot)
         doc["plot"] = args.plot
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        theory.print_tables(doc)
-        if args.plot:
-            print(f"plot written to {args.plot}")
+    _report(args, doc, lambda: theory.print_tables(doc), args.plot)
     return 0
 
 
@@ -59,13 +66,9 @@ def _bench_chaos(args: argparse.Namespace) -> int:
         args.quick, overload_seconds=args.overload_seconds, outage_seconds=args.outage_seconds,
         phase_seconds=args.phase_seconds, scenarios=tuple(args.only) if args.only else None,
     )  # fmt: skip
-    say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench chaos] {m}", file=sys.stderr, flush=True))
+    say = _progress(args, "bench chaos")
     doc = chaos.run(cfg, say)
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        chaos.print_tables(doc)
+    _report(args, doc, lambda: chaos.print_tables(doc))
     return 0 if doc["lost"] == doc["duplicated"] == doc["hung"] == 0 else 1
 
 
@@ -99,17 +102,11 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     if cfg.capacity_requests < 3 * cfg.capacity_concurrency:
         raise SystemExit(f"binbatch bench e2e: --capacity-requests must be at least 3x --capacity-concurrency "
                          f"(warm-up, window, drain), got {cfg.capacity_requests} for {cfg.capacity_concurrency}")
-    say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench e2e] {m}", file=sys.stderr, flush=True))
+    say = _progress(args, "bench e2e")
     doc = e2e.run(cfg, say)
     if args.plot:
         e2e.plot(doc, args.plot)
-    if args.json:
-        json.dump({"runs": doc["runs"], "ratios": doc["ratios"]}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        e2e.print_tables(doc)
-        if args.plot:
-            print(f"plot written to {args.plot}")
+    _report(args, {"runs": doc["runs"], "ratios": doc["ratios"]}, lambda: e2e.print_tables(doc), args.plot)
     return 0
 
 
@@ -118,30 +115,22 @@ def _bench_overhead(args: argparse.Namespace) -> int:
 
     cfg = overhead.quick() if args.quick else overhead.OverheadConfig()
     cfg = replace(cfg, profile=args.profile) if args.profile else cfg
-    say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench overhead] {m}", file=sys.stderr, flush=True))
+    say = _progress(args, "bench overhead")
     doc = overhead.run(cfg, say)
-    if args.json:
-        json.dump({k: doc[k] for k in overhead.JSON_KEYS}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        overhead.print_table(doc)
+    _report(args, {k: doc[k] for k in overhead.JSON_KEYS}, lambda: overhead.print_table(doc))
     return 0
 
 
 def _bench_predictor(args: argparse.Namespace) -> int:
     from .bench import predictor, sharegpt
 
-    say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench predictor] {m}", file=sys.stderr, flush=True))
+    say = _progress(args, "bench predictor")
     try:
         doc = predictor.run(predictor.PredictorBenchConfig(seed=args.seed), say)
     except sharegpt.DatasetMissing as exc:
         print(f"binbatch bench predictor: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        predictor.print_tables(doc)
+    _report(args, doc, lambda: predictor.print_tables(doc))
     return 0
 
 
@@ -156,13 +145,9 @@ def _bench_operator(args: argparse.Namespace) -> int:
                   audit_log=args.audit_log) if args.kubeconfig else cfg  # fmt: skip
     if args.kubeconfig is None and (args.operator_kubeconfig or args.audit_log):
         raise SystemExit("binbatch bench operator: --operator-kubeconfig and --audit-log need --kubeconfig (a real API server)")
-    say = (lambda m: None) if args.quiet else (lambda m: print(f"[bench operator] {m}", file=sys.stderr, flush=True))
+    say = _progress(args, "bench operator")
     doc = fleet.run(cfg, say)
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        fleet.print_table(doc)
+    _report(args, doc, lambda: fleet.print_table(doc))
     return 0
 
 
@@ -171,17 +156,11 @@ def _demo(args: argparse.Namespace) -> int:
 
     cfg = demo.config(quick=args.quick, seed=args.seed, requests=args.requests, repeats=args.repeats,
                       load_requests=args.load_requests)
-    say = (lambda m: None) if args.quiet else (lambda m: print(f"[demo] {m}", file=sys.stderr, flush=True))
+    say = _progress(args, "demo")
     doc = demo.run(cfg, say)
     if args.plot:
         e2e.plot({**doc, "_setup": doc["setup"]}, args.plot)
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        demo.print_report(doc)
-        if args.plot:
-            print(f"plot written to {args.plot}")
+    _report(args, doc, lambda: demo.print_report(doc), args.plot)
     return 0
 
 
