@@ -92,24 +92,6 @@ class HintPredictor:
         pass
 
 
-class _Estimate:
-    """Running mean that turns into an EWMA: weight max(1/n, alpha) on each sample.
-
-    The first 1/alpha samples are averaged exactly (no bias toward a start value);
-    after that old samples fade with factor (1 - alpha).  Two numbers per key.
-    """
-
-    __slots__ = ("n", "mean")
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.mean = 0.0
-
-    def add(self, x: float, alpha: float) -> None:
-        self.n += 1
-        self.mean += max(1 / self.n, alpha) * (x - self.mean)
-
-
 def prompt_bucket(prompt_tokens: int) -> int:
     """Powers of two: 0 -> 0, 1 -> 1, 2-3 -> 2, 4-7 -> 3, ... (``int.bit_length``)."""
     return max(0, int(prompt_tokens)).bit_length()
@@ -120,47 +102,55 @@ class OnlinePredictor:
 
     A request with a hint gets the hint (capped at ``max_tokens``): the client knows
     its request better than an average of others.  Otherwise, keys, finest first:
-    (request_class, prompt_bucket), (request_class,), global.  ``predict`` uses the
-    finest key with at least ``min_samples`` observations, else the ``HintPredictor``
-    rule; the result is capped at ``max_tokens`` when that is > 0 and floored at
-    ``min_tokens`` so it is always > 0.
+    (request_class, prompt_bucket), (request_class,), global.  ``predict`` gives the
+    empirical distribution of the last ``window`` lengths of the finest key with at
+    least ``min_samples`` of them (the global one from ``GLOBAL_MIN_SAMPLES``: a
+    spread learned from two answers plans the KV cache better than ``max_tokens``
+    taken as exact), else the ``HintPredictor`` rule; within [``min_tokens``,
+    ``max_tokens``] (when that is > 0).
 
-    Memory is bounded: per key a two-number estimate (``_Estimate``: exact mean for
-    the first 1/alpha samples, then EWMA, so it follows drift), and at most
-    ``max_keys`` keys (fine and class keys together, least recently used evicted;
-    both ``predict`` and ``observe`` count as use).  Class names come from clients,
-    so without the bound a stream of distinct classes would grow without limit.
+    A distribution, not a mean taken as exact: the KV plan holds an uncertain total
+    at its upper quantile, where a bucket's mean planned every answer as known (on
+    the ShareGPT replay in the engine model, seeds 1-3: mean E2E 1.61x -> 1.03x
+    direct's, throughput 0.97x -> 1.00x).  The window follows drift: only the last
+    ``window`` answers count.
+
+    Memory is bounded: at most ``window`` numbers per key and ``max_keys`` keys (fine
+    and class keys together, least recently used evicted; both ``predict`` and
+    ``observe`` count as use).  Class names come from clients, so without the bound a
+    stream of distinct classes would grow without limit.
     """
 
     name = "online"
+    GLOBAL_MIN_SAMPLES = 2
 
     def __init__(
         self,
         *,
         min_samples: int = 8,
-        alpha: float = 0.05,
+        window: int = 64,
         max_keys: int = 4096,
         min_tokens: float = 1.0,
         fallback: HintPredictor | None = None,
     ) -> None:
         if min_samples < 1:
             raise ValueError(f"min_samples must be >= 1, got {min_samples}")
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if window < max(min_samples, self.GLOBAL_MIN_SAMPLES):
+            raise ValueError(f"window must be >= min_samples ({min_samples}) and >= {self.GLOBAL_MIN_SAMPLES}, got {window}")  # fmt: skip
         if max_keys < 2:
             raise ValueError(f"max_keys must be >= 2, got {max_keys}")
         if not (math.isfinite(min_tokens) and min_tokens > 0):
             raise ValueError(f"min_tokens must be finite and > 0, got {min_tokens}")
         self.min_samples = min_samples
-        self.alpha = alpha
+        self.window = window
         self.max_keys = max_keys
         self.min_tokens = float(min_tokens)
         self.fallback = fallback or HintPredictor()
-        self._keys: OrderedDict[_Key, _Estimate] = OrderedDict()
-        self._global = _Estimate()
+        self._keys: OrderedDict[_Key, deque[float]] = OrderedDict()
+        self._global: deque[float] = deque(maxlen=window)
 
     def __len__(self) -> int:
-        """Keys held (at most ``max_keys``; the global estimate is not counted)."""
+        """Keys held (at most ``max_keys``; the global window is not counted)."""
         return len(self._keys)
 
     @staticmethod
@@ -168,39 +158,36 @@ class OnlinePredictor:
         return (req.request_class, prompt_bucket(req.prompt_tokens)), (req.request_class,)
 
     def predict(self, req: Request) -> float:
-        """The estimate as an exact length (a bucket keeps a mean, not its spread)."""
         hint = _hinted(req)
         if hint is not None:
             return _set(req, LengthDist.exact(max(hint, self.min_tokens), _cap(req)), "hint")
-        estimate = self._learned(req)
-        if estimate is None:
-            estimate = self.fallback.predict(req)
-            source = req.prediction_source
-        else:
-            source = "online"
-        estimate = max(min(estimate, _cap(req)), self.min_tokens)
-        return _set(req, LengthDist.exact(estimate, max(_cap(req), estimate)), source)
+        lengths = self._learned(req)
+        if lengths is None:
+            estimate = max(min(self.fallback.predict(req), _cap(req)), self.min_tokens)
+            return _set(req, LengthDist.exact(estimate, max(_cap(req), estimate)), req.prediction_source)
+        floor = self.min_tokens
+        return _set(req, LengthDist.from_samples((max(x, floor) for x in lengths), max(_cap(req), floor)), "online")
 
-    def _learned(self, req: Request) -> float | None:
+    def _learned(self, req: Request) -> deque[float] | None:
         for key in self._key_chain(req):
-            est = self._keys.get(key)
-            if est is not None:
+            lengths = self._keys.get(key)
+            if lengths is not None:
                 self._keys.move_to_end(key)
-                if est.n >= self.min_samples:
-                    return est.mean
-        return self._global.mean if self._global.n >= self.min_samples else None
+                if len(lengths) >= self.min_samples:
+                    return lengths
+        return self._global if len(self._global) >= min(self.min_samples, self.GLOBAL_MIN_SAMPLES) else None
 
     def observe(self, req: Request, actual_tokens: float) -> None:
         if not (math.isfinite(actual_tokens) and actual_tokens >= 0):
             raise ValueError(f"actual_tokens must be finite and >= 0, got {actual_tokens}")
         x = float(actual_tokens)
         for key in self._key_chain(req):
-            est = self._keys.get(key)
-            if est is None:
-                est = self._keys[key] = _Estimate()
+            lengths = self._keys.get(key)
+            if lengths is None:
+                lengths = self._keys[key] = deque(maxlen=self.window)
             self._keys.move_to_end(key)
-            est.add(x, self.alpha)
-        self._global.add(x, self.alpha)
+            lengths.append(x)
+        self._global.append(x)
         while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)  # LRU eviction
 

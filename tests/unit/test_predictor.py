@@ -162,10 +162,39 @@ def test_hint_predictor_caps_the_hint_at_max_tokens():
 def test_online_predictor_needs_min_samples_before_trusting_a_key():
     p = OnlinePredictor(min_samples=4)
     for _ in range(3):
-        p.observe(req(request_class="a"), 40.0)
-    assert p.predict(req(request_class="a", max_tokens=300)) == 300.0
-    p.observe(req(request_class="a"), 40.0)
-    assert p.predict(req(request_class="a", max_tokens=300)) == 40.0
+        p.observe(req(request_class="a", prompt_tokens=10), 40.0)
+    p.observe(req(request_class="b", prompt_tokens=10), 400.0)
+    # class "a" has 3 < 4 answers: the global window (40, 40, 40, 400) answers
+    assert p.predict(req(request_class="a", prompt_tokens=10, max_tokens=1000)) == 40.0
+    glob = req(request_class="a", prompt_tokens=10, max_tokens=1000)
+    p.predict(glob)
+    assert glob.length.quantile(0.98) > 300  # the global spread, with "b"'s 400
+    p.observe(req(request_class="a", prompt_tokens=10), 40.0)
+    own = req(request_class="a", prompt_tokens=10, max_tokens=1000)
+    p.predict(own)
+    assert own.length.quantile(0.98) == 40.0  # its own key now: all four were 40
+
+
+def test_online_predictor_answers_from_two_completions_before_the_max_tokens_rule():
+    p = OnlinePredictor()
+    assert p.predict(req(max_tokens=1024)) == 1024.0  # nothing learned: the hint rule
+    p.observe(req(), 100.0)
+    assert p.predict(req(max_tokens=1024)) == 1024.0
+    p.observe(req(), 300.0)
+    r = req(max_tokens=1024)
+    assert p.predict(r) == 200.0 and r.prediction_source == "online"
+    assert not r.length.known and r.length.quantile(0.02) < 110 and r.length.quantile(0.98) > 290
+
+
+def test_online_predictor_gives_the_spread_of_a_keys_answers_not_their_mean_as_exact():
+    p = OnlinePredictor(min_samples=1)
+    for x in range(10, 1010, 10):  # 100 answers, 10..1000 tokens: the window keeps the last 64
+        p.observe(req(request_class="a"), float(x))
+    r = req(request_class="a", max_tokens=2000)
+    p.predict(r)
+    assert not r.length.known
+    assert r.length.median == pytest.approx(685, abs=10)  # the median of 370..1000
+    assert r.length.quantile(0.9) == pytest.approx(937, abs=10)
 
 
 def test_online_predictor_never_predicts_above_max_tokens():
@@ -182,7 +211,7 @@ def test_online_predictor_always_predicts_a_positive_length():
 
 
 def test_online_predictor_follows_a_drift_in_lengths():
-    p = OnlinePredictor(min_samples=1, alpha=0.1)
+    p = OnlinePredictor(min_samples=1, window=64)
     for _ in range(200):
         p.observe(req(request_class="a"), 100.0)
     for _ in range(100):
@@ -211,8 +240,8 @@ def test_online_predictor_evicts_the_least_recently_used_key():
     ("kw", "field"),
     [
         ({"min_samples": 0}, "min_samples"),
-        ({"alpha": 0.0}, "alpha"),
-        ({"alpha": 1.5}, "alpha"),
+        ({"window": 1}, "window"),
+        ({"min_samples": 9, "window": 8}, "window"),
         ({"max_keys": 1}, "max_keys"),
         ({"min_tokens": 0.0}, "min_tokens"),
     ],
