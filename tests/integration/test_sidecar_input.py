@@ -181,7 +181,7 @@ async def test_stats_report_hint_and_learned_accuracy_apart(tmp_path):
         await sc.inference.Generate(prompt_request(1, 20, expected_output_tokens=20), timeout=30)
         await sc.inference.Generate(prompt_request(2, 20), timeout=30)
         predictor = (await sc.stats()).predictor
-        assert predictor.name == "online" and predictor.samples == 2
+        assert predictor.name == "learned" and predictor.samples == 2  # the default predictor
         by_source = {s.source: s for s in predictor.sources}
         assert set(by_source) == {"hint", "max_tokens"}
         assert by_source["hint"].samples == 1 and by_source["hint"].bin_accuracy == 1.0

@@ -297,9 +297,10 @@ async def test_a_warm_start_that_is_no_model_is_refused_and_the_running_config_k
         base = sidecar_config(url)
         async with running_sidecar(base, tmp_path) as sc:
             before = await sc.admin.GetConfig(pb.GetConfigRequest())
+            running = _core(sc.sidecar).predictor
             sc.write_config(_merged(base, {"predictor": {"kind": "Learned", "warmStart": str(tmp_path / "none.npz")}}))
             assert not await sc.sidecar.watcher.check()
             view = await sc.admin.GetConfig(pb.GetConfigRequest())
             assert (view.generation, view.config_json) == (before.generation, before.config_json)
             assert "predictor.warmStart: cannot read" in view.last_reload_error
-            assert _core(sc.sidecar).predictor.name == "online"
+            assert _core(sc.sidecar).predictor is running and running.warm_start == ""

@@ -17,7 +17,7 @@ import yaml
 from binbatch_sidecar.config import parse_config
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.length_dist import LEVELS, LengthDist
-from binbatch_sidecar.core.predictor import ExternalFirst, OnlinePredictor
+from binbatch_sidecar.core.predictor import ExternalFirst, LearnedPredictor, OnlinePredictor
 from binbatch_sidecar.core.request import Request
 from binbatch_sidecar.engine.engine_client import EngineRequest, SamplingParams
 from binbatch_sidecar.engine.external_predictor import ANSWER_LIMIT, Invalid, parse_answer, query
@@ -146,7 +146,7 @@ def test_a_config_with_a_service_wraps_the_predictor_and_a_reload_keeps_what_it_
     clock = ManualClock()
     with_service = parse_config({"predictor": {"external": {"url": "http://p:9000/predict"}}})
     core = build_core(with_service, clock)
-    assert isinstance(core.predictor, ExternalFirst) and isinstance(core.predictor.inner, OnlinePredictor)
+    assert isinstance(core.predictor, ExternalFirst) and isinstance(core.predictor.inner, LearnedPredictor)  # the default
     learned = core.predictor.inner
     reloaded = build_core(with_service, clock, previous=core)
     assert isinstance(reloaded.predictor, ExternalFirst) and reloaded.predictor.inner is learned
