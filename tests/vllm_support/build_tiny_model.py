@@ -94,7 +94,7 @@ def make_corpus(seed: int, lines: int = 6000) -> list[str]:
     return out
 
 
-def build_tokenizer(corpus: list[str], vocab: int) -> Any:
+def build_tokenizer(corpus: list[str], vocab: int, positions: int = 2048) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -128,14 +128,14 @@ def build_tokenizer(corpus: list[str], vocab: int) -> Any:
         pad_token=PAD,
         unk_token=UNK,
         additional_special_tokens=ROLE_TOKENS,
-        model_max_length=2048,
+        model_max_length=positions,
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build_model(tokenizer: Any, layers: int, hidden: int, seed: int) -> Any:
+def build_model(tokenizer: Any, layers: int, hidden: int, seed: int, positions: int = 2048) -> Any:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -155,7 +155,7 @@ def build_model(tokenizer: Any, layers: int, hidden: int, seed: int) -> Any:
         num_attention_heads=heads,
         num_key_value_heads=heads,
         head_dim=head_dim,
-        max_position_embeddings=2048,
+        max_position_embeddings=positions,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         hidden_act="silu",
@@ -195,6 +195,8 @@ def stamp_for(args: argparse.Namespace) -> str:
             "hidden": args.hidden,
             "vocab": args.vocab,
             "seed": args.seed,
+            # only when not the default, so the folders built before it are reused
+            **({"positions": args.positions} if args.positions != 2048 else {}),
         },
         sort_keys=True,
     )
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--positions", type=int, default=2048, help="the longest context (max_position_embeddings)")
     args = parser.parse_args(argv)
     # Everything is local: never reach for the hub, and keep the output readable.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -233,8 +236,8 @@ def build(args: argparse.Namespace, out: Path) -> int:
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
         corpus = make_corpus(args.seed)
-        tokenizer = build_tokenizer(corpus, args.vocab)
-        model = build_model(tokenizer, args.layers, args.hidden, args.seed)
+        tokenizer = build_tokenizer(corpus, args.vocab, args.positions)
+        model = build_model(tokenizer, args.layers, args.hidden, args.seed, args.positions)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         n_params = sum(p.numel() for p in model.parameters())

@@ -38,7 +38,7 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -57,10 +57,12 @@ class TinyModelSpec:
     hidden: int = 256
     vocab: int = 4096
     seed: int = 0
+    positions: int = 2048  # max_position_embeddings: the longest context vLLM may serve
 
     @property
     def dirname(self) -> str:
-        return f"tiny-llama-l{self.layers}-h{self.hidden}-v{self.vocab}-s{self.seed}"
+        longer = f"-p{self.positions}" if self.positions != 2048 else ""
+        return f"tiny-llama-l{self.layers}-h{self.hidden}-v{self.vocab}-s{self.seed}{longer}"
 
 
 SMALL_MODEL = TinyModelSpec()
@@ -105,11 +107,12 @@ PROFILES: dict[str, dict[str, object]] = {
     },
     # The large model for the ShareGPT replay (`bench e2e --only sharegpt
     # --sharegpt-scale 0.25`): replayed prompts reach 2,901 of this tokenizer's tokens
-    # (mean 286), so the context is 4,096; 128 blocks of 32 tokens (4,096, the least
-    # vLLM accepts for that context) hold about 11 of the replay's mean sequences.
+    # (mean 286), so the context is 4,096: the large model built with 4,096 positions
+    # (the same weights; RoPE has none). 129 blocks of 32 tokens (one is vLLM's null block: 4,096 usable, the least
+    # it accepts for that context) hold about 11 of the replay's mean sequences.
     "large_sharegpt": {
-        "model_spec": LARGE_MODEL,
-        "extra_args": ("--num-gpu-blocks-override", "128", "--block-size", "32"),
+        "model_spec": replace(LARGE_MODEL, positions=4096),
+        "extra_args": ("--num-gpu-blocks-override", "129", "--block-size", "32"),
         "max_model_len": 4096,
     },
 }
@@ -205,6 +208,8 @@ def ensure_tiny_model(spec: TinyModelSpec = SMALL_MODEL, timeout: float = 900) -
             str(spec.vocab),
             "--seed",
             str(spec.seed),
+            "--positions",
+            str(spec.positions),
         ],
         f"tiny model {spec.dirname}",
         timeout,
