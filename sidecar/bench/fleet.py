@@ -142,6 +142,7 @@ def kmock_emulator(history: int | None = None) -> Any:
         ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),
         ("v1/secrets", "Secret", True, set()),
         ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False, set()),
+        ("coordination.k8s.io/v1/leases", "Lease", True, set()),
     ]:  # fmt: skip
         api.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, subresources=sub, verbs=verbs)
     return api
