@@ -7,6 +7,10 @@ Here the choice follows client-go's leader election over a Lease:
 
 - every replica runs a ``LeaseElector`` in a thread with its own API client and
   a timeout on each request, so a busy event loop delays no renewal;
+- the holder renews with one request, a patch conditional on the resourceVersion
+  it last wrote, which may take until its renew deadline: at 1,000 policies a
+  leader's start keeps a shared API server busy for a while (a Lease GET took
+  1.4 s), and two round trips capped at ``RETRY_PERIOD`` each ran out of time;
 - a follower takes the Lease only once its holder's record has stayed unchanged
   for ``LEASE_DURATION`` by the follower's own clock;
 - a holder that has not renewed within ``RENEW_DEADLINE`` of its last renewal
@@ -69,6 +73,7 @@ class LeaseElector:
         self._wait = wait or self._stopped.wait
         self.leading = False
         self._renewed = 0.0  # clock() when the last successful renewal started
+        self._held: tuple[str, int] | None = None  # the resourceVersion and leaseTransitions this replica last wrote
         self._seen: tuple[Any, ...] | None = None  # the holder's record as last seen, and since when
         self._seen_at = 0.0
 
@@ -95,7 +100,7 @@ class LeaseElector:
     def step(self) -> bool:
         """One attempt to acquire or renew; False once leadership is lost (``on_lost`` was called)."""
         started = self._clock()
-        timeout = max(0.1, min(RETRY_PERIOD, self._left())) if self.leading else RETRY_PERIOD
+        timeout = max(0.1, self._left()) if self.leading else RETRY_PERIOD
         try:
             transitions = self._try_acquire_or_renew(started, timeout)
         except Exception as exc:  # noqa: BLE001 - an API error or a timeout: this attempt failed
@@ -114,6 +119,13 @@ class LeaseElector:
 
     def _try_acquire_or_renew(self, now: float, timeout: float) -> int | None:
         """The Lease's leaseTransitions if this replica holds it after this call, else None."""
+        if self.leading and self._held is not None:
+            try:
+                return self._renew(*self._held, timeout)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                self._held = None  # another replica wrote the Lease: read what it holds now
         try:
             lease = self._api.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
         except ApiException as exc:
@@ -121,7 +133,8 @@ class LeaseElector:
                 raise
             body = {"metadata": {"name": self.name, "namespace": self.namespace},
                     "spec": self._spec(None, transitions=0)}  # fmt: skip
-            self._api.create_namespaced_lease(self.namespace, body, _request_timeout=timeout)
+            created = self._api.create_namespaced_lease(self.namespace, body, _request_timeout=timeout)
+            self._held = (created.metadata.resource_version, 0)
             return 0
         spec = lease.spec
         record = (spec.holder_identity, spec.renew_time, spec.lease_transitions)
@@ -135,8 +148,18 @@ class LeaseElector:
         # The resourceVersion makes the patch conditional (409 if another replica wrote in between).
         patch = {"metadata": {"resourceVersion": lease.metadata.resource_version},
                  "spec": self._spec(spec.acquire_time if renewing else None, transitions)}  # fmt: skip
-        self._api.patch_namespaced_lease(self.name, self.namespace, patch, _request_timeout=timeout,
-                                         _content_type="application/merge-patch+json")  # fmt: skip
+        return self._patch(patch, transitions, timeout)
+
+    def _renew(self, version: str, transitions: int, timeout: float) -> int:
+        """Renew with one patch, conditional on ``version`` (409 if another replica wrote since)."""
+        now = micro_time(datetime.datetime.now(datetime.UTC))
+        return self._patch({"metadata": {"resourceVersion": version},
+                            "spec": {"holderIdentity": self.identity, "renewTime": now}}, transitions, timeout)  # fmt: skip
+
+    def _patch(self, patch: dict[str, Any], transitions: int, timeout: float) -> int:
+        patched = self._api.patch_namespaced_lease(self.name, self.namespace, patch, _request_timeout=timeout,
+                                                   _content_type="application/merge-patch+json")  # fmt: skip
+        self._held = (patched.metadata.resource_version, transitions)
         return transitions
 
     def _spec(self, acquired: datetime.datetime | None, transitions: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from binbatch_operator.leadership import LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD, LeaseElector, holder_priority, micro_time
@@ -17,35 +18,56 @@ def micro(text: str) -> datetime.datetime:
 
 
 class FakeLeases:
-    """The three Lease calls the elector makes, on one in-memory Lease; ``failing`` makes writes fail."""
+    """The three Lease calls the elector makes, on one in-memory Lease with a resourceVersion.
 
-    def __init__(self, held_by: str | None = None) -> None:
+    ``failing`` makes writes fail; each call takes ``delay`` seconds of ``clock`` and times out
+    (urllib3's error) if that is over its ``_request_timeout``; ``calls`` counts them.
+    """
+
+    def __init__(self, clock: list[float] | None = None, held_by: str | None = None) -> None:
         self.spec: dict[str, Any] | None = None
+        self.version = 0
         self.failing = False
+        self.clock, self.delay, self.calls = clock or [0.0], 0.0, 0
         if held_by:  # renewed just now by another replica
             now = micro_time(datetime.datetime.now(datetime.UTC))
             self.spec = {"holderIdentity": held_by, "renewTime": now, "acquireTime": now, "leaseTransitions": 0,
                          "leaseDurationSeconds": LEASE_DURATION}  # fmt: skip
 
     def read_namespaced_lease(self, name: str, namespace: str, _request_timeout: float) -> Any:
+        self._take(_request_timeout)
         if self.spec is None:
             raise ApiException(status=404)
         s = self.spec  # the client deserializes MicroTimes to datetimes
-        return SimpleNamespace(metadata=SimpleNamespace(resource_version="1"), spec=SimpleNamespace(
+        return SimpleNamespace(metadata=self._meta(), spec=SimpleNamespace(
             holder_identity=s["holderIdentity"], renew_time=micro(s["renewTime"]), acquire_time=micro(s["acquireTime"]),
             lease_transitions=s["leaseTransitions"], lease_duration_seconds=s["leaseDurationSeconds"]))  # fmt: skip
 
-    def create_namespaced_lease(self, namespace: str, body: dict[str, Any], _request_timeout: float) -> None:
-        self._write(body["spec"])
+    def create_namespaced_lease(self, namespace: str, body: dict[str, Any], _request_timeout: float) -> Any:
+        self._take(_request_timeout)
+        return self._write(body["spec"])
 
     def patch_namespaced_lease(self, name: str, namespace: str, patch: Any, _request_timeout: float,
-                               _content_type: str) -> None:  # fmt: skip
-        self._write(patch["spec"])
+                               _content_type: str) -> Any:  # fmt: skip
+        self._take(_request_timeout)
+        if patch["metadata"]["resourceVersion"] != str(self.version):
+            raise ApiException(status=409, reason="Conflict")
+        return self._write({**(self.spec or {}), **patch["spec"]})  # a merge patch
 
-    def _write(self, spec: dict[str, Any]) -> None:
+    def _take(self, timeout: float) -> None:
+        self.calls += 1
+        self.clock[0] += min(self.delay, timeout)
+        if self.delay > timeout:
+            raise urllib3.exceptions.ReadTimeoutError(None, "/leases", "Read timed out.")
+
+    def _write(self, spec: dict[str, Any]) -> Any:
         if self.failing:
             raise ApiException(status=503, reason="Service Unavailable")
-        self.spec = dict(spec)
+        self.spec, self.version = dict(spec), self.version + 1
+        return SimpleNamespace(metadata=self._meta())
+
+    def _meta(self) -> Any:
+        return SimpleNamespace(resource_version=str(self.version))
 
 
 class Candidate:
@@ -58,7 +80,8 @@ class Candidate:
 
 @pytest.fixture
 def world() -> tuple[FakeLeases, list[float]]:
-    return FakeLeases(), [1000.0]
+    clock = [1000.0]
+    return FakeLeases(clock), clock
 
 
 def test_the_first_candidate_takes_the_lease_and_a_second_waits(world):
@@ -119,3 +142,30 @@ def test_a_restarted_replica_waits_for_the_lease_its_former_run_held(world):
     clock[0] += LEASE_DURATION
     again.elector.step()
     assert again.led == [1]
+
+
+def test_the_holder_renews_with_one_request_and_a_slow_one_still_counts(world):
+    """At 1,000 policies a leader's start kept the API server busy: a Lease GET took 1.4 s and the
+    holder, renewing by a GET and a patch each cut off at RETRY_PERIOD, ran out of time and exited."""
+    leases, clock = world
+    a = Candidate(leases, "a", clock)
+    a.elector.step()
+    leases.calls = 0
+    clock[0] += RETRY_PERIOD
+    assert a.elector.step()
+    assert leases.calls == 1  # a conditional patch, no read
+    leases.delay = RETRY_PERIOD + 1.0  # slower than a retry period, within the renew deadline
+    for _ in range(5):
+        assert a.elector.step()
+    assert a.lost == [] and leases.spec["holderIdentity"] == "a" and leases.calls == 6
+
+
+def test_a_holder_whose_lease_another_replica_wrote_reads_it_and_stops_renewing(world):
+    leases, clock = world
+    a = Candidate(leases, "a", clock)
+    a.elector.step()
+    leases.spec["holderIdentity"], leases.version = "b", leases.version + 1  # b took it (a's clock stood still)
+    assert a.elector.step()  # the conditional patch conflicts; a reads b's claim and leaves it
+    assert leases.spec["holderIdentity"] == "b"
+    clock[0] += RENEW_DEADLINE
+    assert not a.elector.step() and a.lost
