@@ -29,6 +29,9 @@ from .crd import CONFIG_SECTIONS, GROUP, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
 from .takeover import SIDECAR_PORT_NAMES, TakeOverPlan
 
 CONFIG_KEY = "sidecar.yaml"
+# libyaml's emitter where PyYAML has it: the same text as yaml.safe_dump, about 4x faster, and every
+# policy's check builds it (1,000 of them at once when a replica takes over).
+CONFIG_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 CONFIG_DIR = "/etc/binbatch"
 SIDECAR_CONTAINER = "binbatch-sidecar"
 CONFIG_VOLUME = "binbatch-config"
@@ -138,7 +141,7 @@ def _labels(policy: str) -> dict[str, str]:
 
 def build_configmap(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     """The owned ConfigMap the sidecars mount; its one key is the config file."""
-    text = yaml.safe_dump(sidecar_config(spec), sort_keys=True)
+    text = yaml.dump(sidecar_config(spec), Dumper=CONFIG_DUMPER, sort_keys=True)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
