@@ -218,9 +218,11 @@ def covers(current: Any, desired: Any) -> bool:
 
 
 def selector_matches(match_labels: Mapping[str, str], labels: Mapping[str, str] | None) -> bool:
-    """``matchLabels`` semantics: every pair present (an empty selector matches nothing here)."""
-    labels = labels or {}
-    return bool(match_labels) and all(labels.get(key) == value for key, value in match_labels.items())
+    """``matchLabels`` semantics: every pair present (an empty selector matches nothing here).
+
+    A subset test of the items (in C for dicts): each policy check matches its pods against the
+    namespace's other policies, 500 selectors a policy at 100 policies a namespace."""
+    return bool(match_labels) and match_labels.items() <= (labels or {}).items()
 
 
 def matching_policies(policies: Iterable[Mapping[str, Any]], pod_labels: Mapping[str, str] | None) -> list[str]:

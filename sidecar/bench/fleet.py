@@ -598,16 +598,18 @@ async def one_failover(cfg: FleetConfig, policies: int, say: Callable[[str], Non
                 say(f"kill {index}: follower op-{index} started; the leader is killed in {cfg.failover_settle_seconds:g} s")
                 await asyncio.sleep(cfg.failover_settle_seconds)  # ok-sleep: the follower's watches list the fleet
                 ns, name = where[(index * 37) % len(where)]
-                boundary = 1000 + index
+                path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}"
+                boundary = (await api.call("GET", path))["spec"]["bins"]["boundaries"][0] + 1  # new even on a kept fleet
                 gone |= {p for p in running if exited(p)}
                 if not exited(leader):
                     leader.kill()
                 killed = time.time()
                 running.remove(leader)
-                await api.patch(f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}",
-                                {"spec": {"bins": {"boundaries": [boundary]}}})
+                await api.patch(path, {"spec": {"bins": {"boundaries": [boundary]}}})
                 configmap = await until_configmap(api, ns, name, f"- {boundary}\n")
                 lease = await api.call("GET", f"/apis/coordination.k8s.io/v1/namespaces/binbatch-system/leases/{PEERING}")
+                if lease["spec"]["holderIdentity"] == f"op-{index - 1}":
+                    raise RuntimeError(f"the ConfigMap of {ns}/{name} changed while the killed op-{index - 1} held the Lease")
                 gone |= {p for p in running if exited(p)}
                 kills.append({"killed": killed, "configmap": configmap, "lease_acquired": lease["spec"]["acquireTime"],
                               "holder": lease["spec"]["holderIdentity"], "self_exits": len(gone)})  # fmt: skip
