@@ -284,7 +284,7 @@ def test_defaults_render_the_operator_with_peering_and_nothing_optional():
     kinds = sorted(o["kind"] for o in objects())
     assert kinds == sorted([
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment",
-        "MutatingWebhookConfiguration", "PodDisruptionBudget", "Role", "RoleBinding",  # the Lease's
+        "MutatingWebhookConfiguration", "PodDisruptionBudget", "Role", "RoleBinding", "FlowSchema",  # the Lease's
     ])  # fmt: skip
     single = sorted(o["kind"] for o in objects(SINGLE))
     assert single == sorted([
@@ -489,6 +489,20 @@ def test_several_replicas_elect_a_leader_with_kopf_peering_and_roll_without_a_ga
     assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": spec["selector"]["matchLabels"]}}
     assert not [o for o in objects({"operator": {"replicas": 3, "podDisruptionBudget": False}})
                 if o["kind"] == "PodDisruptionBudget"]  # fmt: skip
+
+
+def test_the_leaders_lease_requests_go_to_the_leader_election_priority_level():
+    """API Priority and Fairness: the operator's own burst of writes must not queue its Lease renewals."""
+    schema = one(objects(), "FlowSchema")
+    assert schema["metadata"]["name"] == f"{RELEASE}-leader-election"
+    spec = schema["spec"]
+    assert spec["priorityLevelConfiguration"] == {"name": "leader-election"}
+    assert spec["matchingPrecedence"] < 9000  # ahead of the built-in service-accounts schema (workload-low)
+    (rule,) = spec["rules"]
+    assert rule["subjects"] == [{"kind": "ServiceAccount", "serviceAccount": {"name": RELEASE, "namespace": NAMESPACE}}]
+    assert rule["resourceRules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                      "verbs": ["get", "create", "patch"], "namespaces": [NAMESPACE]}]  # fmt: skip
+    assert not [o for o in objects(SINGLE) if o["kind"] == "FlowSchema"]  # one replica: no Lease
 
 
 def test_operator_runs_non_root_on_a_read_only_root_filesystem():
