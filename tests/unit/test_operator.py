@@ -71,6 +71,19 @@ def test_the_configmap_text_is_the_one_pure_python_yaml_writes():
         assert text == yaml.safe_dump(builders.sidecar_config(spec), sort_keys=True)
 
 
+def test_a_policys_config_is_built_once_per_spec():
+    """Every check rebuilds the ConfigMap to compare it: an unchanged spec costs no new YAML."""
+    spec = {**SPEC, "batch": {"maxBatchSize": 63}}  # a spec no other test builds
+    before = builders.config_text.cache_info()
+    first = builders.build_configmap("fast", "llm", spec)
+    again = builders.build_configmap("other", "ns", {**spec})  # an equal spec in another object
+    after = builders.config_text.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    assert first["data"] == again["data"]
+    changed = builders.build_configmap("fast", "llm", {**spec, "batch": {"maxBatchSize": 62}})
+    assert "maxBatchSize: 62" in changed["data"][builders.CONFIG_KEY]
+
+
 def test_service_selects_injected_pods_on_the_sidecar_ports():
     svc = builders.build_service("fast", "llm", SPEC)
     assert svc["spec"]["selector"] == {builders.POLICY_LABEL: "fast"}
