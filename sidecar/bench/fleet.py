@@ -527,7 +527,8 @@ class Fleet:
 
 async def made_fleet(stack: contextlib.AsyncExitStack, cfg: FleetConfig, policies: int, folder: Path,
                      say: Callable[[str], None]) -> Fleet:  # fmt: skip
-    """The API server (kmock, or cfg's), the fake sidecar and the fleet, all undone when ``stack`` closes."""
+    """The API server (kmock, or cfg's), the fake sidecar and the fleet.  ``stack`` closes the first two;
+    on a real server the caller removes the fleet (``remove_fleet``) while an operator still runs."""
     kmock_api = None
     if cfg.kubeconfig is None:
         import kmock
@@ -545,8 +546,6 @@ async def made_fleet(stack: contextlib.AsyncExitStack, cfg: FleetConfig, policie
     started = time.monotonic()
     where = await make_fleet(api, policies, cfg.pods_per_policy, grpc_port, real=kmock_api is None)
     made = time.monotonic() - started
-    if kmock_api is None:  # a real server keeps them: removed while an operator still runs (entered after this)
-        stack.push_async_callback(remove_fleet, api, policies)
     return Fleet(api, cfg.operator_kubeconfig or bench_config, kmock_api, sidecar, grpc_port, where, made)
 
 
@@ -559,6 +558,8 @@ async def one_fleet(cfg: FleetConfig, policies: int, say: Callable[[str], None])
             webhook_port = free_port()
             proc = await stack.enter_async_context(
                 running_operator(fleet.kubeconfig, webhook_port, cfg.stats_interval, folder))
+            if fleet.kmock_api is None:  # a real server keeps them: removed while the operator still runs
+                stack.push_async_callback(remove_fleet, api, policies)
             ready = await until_ready(api, where, timeout=max(300.0, policies * 1.0), say=say)
             count = RequestCount(cfg, fleet.kmock_api)
             settled = await settle(count, 2 * cfg.stats_interval)
@@ -584,8 +585,12 @@ async def one_failover(cfg: FleetConfig, policies: int, say: Callable[[str], Non
             fleet = await made_fleet(stack, cfg, policies, folder, say)
             api, where = fleet.api, fleet.where
 
+            replicas = await stack.enter_async_context(contextlib.AsyncExitStack())
+            if fleet.kmock_api is None:  # a real server keeps them: removed while the last leader still runs
+                stack.push_async_callback(remove_fleet, api, policies)
+
             async def replica(index: int) -> Any:
-                return await stack.enter_async_context(
+                return await replicas.enter_async_context(
                     running_operator(fleet.kubeconfig, free_port(), cfg.stats_interval, folder, replica=f"op-{index}"))
 
             leader = await replica(0)
