@@ -14,6 +14,7 @@ plain dicts, so the handlers in ``main.py`` stay thin and these are tested alone
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -29,6 +30,8 @@ from .crd import CONFIG_SECTIONS, GROUP, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
 from .takeover import SIDECAR_PORT_NAMES, TakeOverPlan
 
 CONFIG_KEY = "sidecar.yaml"
+# libyaml's emitter where PyYAML has it: the same text as yaml.safe_dump, about 4x faster.
+CONFIG_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 CONFIG_DIR = "/etc/binbatch"
 SIDECAR_CONTAINER = "binbatch-sidecar"
 CONFIG_VOLUME = "binbatch-config"
@@ -138,13 +141,20 @@ def _labels(policy: str) -> dict[str, str]:
 
 def build_configmap(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     """The owned ConfigMap the sidecars mount; its one key is the config file."""
-    text = yaml.safe_dump(sidecar_config(spec), sort_keys=True)
+    text = config_text(json.dumps(spec, sort_keys=True, default=dict))  # default: kopf's view of the spec
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": child_name(name), "namespace": namespace, "labels": _labels(name)},
         "data": {CONFIG_KEY: text},
     }
+
+
+@functools.lru_cache(maxsize=4096)
+def config_text(spec_json: str) -> str:
+    """The config file for a spec given as JSON.  Cached: every policy's check (1,000 at once when a
+    replica takes over, then each every 15 s) rebuilds it, and a spec seldom changes."""
+    return yaml.dump(sidecar_config(json.loads(spec_json)), Dumper=CONFIG_DUMPER, sort_keys=True)
 
 
 def _service_ports(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -215,9 +225,11 @@ def covers(current: Any, desired: Any) -> bool:
 
 
 def selector_matches(match_labels: Mapping[str, str], labels: Mapping[str, str] | None) -> bool:
-    """``matchLabels`` semantics: every pair present (an empty selector matches nothing here)."""
-    labels = labels or {}
-    return bool(match_labels) and all(labels.get(key) == value for key, value in match_labels.items())
+    """``matchLabels`` semantics: every pair present (an empty selector matches nothing here).
+
+    A subset test of the items (in C for dicts): each policy check matches its pods against the
+    namespace's other policies, 500 selectors a policy at 100 policies a namespace."""
+    return bool(match_labels) and match_labels.items() <= (labels or {}).items()
 
 
 def matching_policies(policies: Iterable[Mapping[str, Any]], pod_labels: Mapping[str, str] | None) -> list[str]:

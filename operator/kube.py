@@ -25,6 +25,7 @@ from kubernetes.client.exceptions import ApiException
 
 from .builders import covers
 from .crd import GROUP, PLURAL, VERSION
+from .leadership import LEASE_GATE
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
@@ -238,23 +239,34 @@ class KubeApi:
                 return None
             raise
 
-    # -- kopf peering (several replicas) ----------------------------------------
+    # -- leadership (several replicas) ---------------------------------------------
 
-    async def ensure_cluster_peering(self, name: str) -> bool:
-        """Create the ClusterKopfPeering ``name`` unless it exists; True if this call made it.
+    async def ensure_cluster_peering(self, name: str, gate: Mapping[str, Any]) -> bool:
+        """Create the ClusterKopfPeering ``name`` unless it exists, and set its entry ``LEASE_GATE``
+        to ``gate`` (see leadership.py); True if this call made the object.
 
         kopf does not create its peering object, and without it every replica
         stays paused; shipping it beside its CRD in one ``kubectl apply`` fails on
         a fresh cluster (the CRD is not served yet), so the operator makes it.
+        Writing the entry is also what makes every replica's kopf look at the
+        peering again (a watch event), e.g. once a new holder's priority is up.
         """
         body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
+        created = True
         try:
             await self._call(self.custom.create_cluster_custom_object, "kopf.dev", "v1", "clusterkopfpeerings", body)
         except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
-        return True
+            if exc.status != 409:
+                raise
+            created = False
+        # The status is the object's own (kopf's CRD has no status subresource).
+        await self._call(self.custom.patch_cluster_custom_object, "kopf.dev", "v1", "clusterkopfpeerings", name,
+                         {"status": {LEASE_GATE: dict(gate)}}, _content_type=MERGE_PATCH)  # fmt: skip
+        return created
+
+    def leases(self) -> kubernetes.client.CoordinationV1Api:
+        """The Lease API on a client of its own (its own connections), for the elector's thread."""
+        return kubernetes.client.CoordinationV1Api(kubernetes.client.ApiClient(self.client.configuration))
 
     # -- watches -------------------------------------------------------------------
 

@@ -28,8 +28,9 @@ the policies and the others stay paused, while every replica serves the webhook.
 The watches are the operator's own, not kopf's, so they run on every replica,
 leader or not: every replica's webhook answers from a current view of the
 policies (no API request per pod CREATE), and a follower takes over with one.
-The oldest replica leads; a leader that stops answering is taken for dead after
-``PEERING_LIFETIME`` seconds.
+The replica holding the Lease NAME in POD_NAMESPACE leads (``leadership.py``):
+one that stops renewing it is replaced within about ``LEASE_DURATION`` seconds,
+and a leader that cannot renew it in time exits before that.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +50,7 @@ from .builders import POLICY_LABEL, as_native_sidecar, child_name, headless_name
 from .crd import GROUP, PLURAL, VERSION
 from .indexes import Seen, Watched
 from .kube import KubeApi
+from .leadership import LeaseElector, gate_entry, holder_priority
 from .reconcile import Context, Outcome, admit, candidate, cleanup, deleting, reconcile
 from .sidecar_stats import SidecarStats
 from .status import changed_fields
@@ -56,10 +59,6 @@ from .webhook import WEBHOOK_PATH_ID, WebhookServer, service_hostnames, shared_c
 DEFAULT_IMAGE = "ghcr.io/binbatch/binbatch:0.1.0"
 STATS_INTERVAL = float(os.environ.get("BINBATCH_STATS_INTERVAL_SECONDS", "15"))
 MAX_RETRY_DELAY = 300.0  # seconds: a failing policy is retried at least every 5 minutes
-# A replica whose keep-alive is older than this is taken for dead (kopf's default, 60 s, made a
-# failover take up to a minute; Kubernetes' own leader election hands over in about 15 s).  kopf
-# renews it every 1-5 s at this value: a few requests a minute per replica, whatever the fleet.
-PEERING_LIFETIME = 10
 WEBHOOK_WAIT_SECONDS = 5.0  # the API server calls the webhook with a 10 s timeout
 POLICY = (GROUP, VERSION, PLURAL)
 
@@ -74,13 +73,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     settings.posting.level = 30  # events for warnings and errors only (logging.WARNING)
     settings.posting.loggers = True  # handlers' log warnings/errors become Events (`kubectl describe bp`)
 
-    if not settings.peering.standalone:
-        settings.peering.priority = peering_priority()
-        settings.peering.lifetime = PEERING_LIFETIME
     kube = KubeApi.from_environment()
-    if not settings.peering.standalone and settings.peering.name:
-        if await kube.ensure_cluster_peering(settings.peering.name):
+    if not settings.peering.standalone:
+        settings.peering.priority = follower_priority()
+        if await kube.ensure_cluster_peering(settings.peering.name, gate_entry()):
             logger.info("created ClusterKopfPeering %s", settings.peering.name)
+        memo.elector = elector(kube, settings, logger)
+        memo.elector.start()
     memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE,
                        stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
                        webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""))  # fmt: skip
@@ -98,14 +97,32 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     settings.admission.managed = None  # the install owns the configuration (service-based)
 
 
-def peering_priority() -> int:
-    """A priority unique to this replica that falls as its start time rises: the oldest replica leads.
+def follower_priority() -> int:
+    """A kopf priority unique to this replica and below the Lease's gate (0): paused until it holds the Lease.
 
-    Equal priorities would pause every replica.  The oldest rather than the
-    newest, so a replica that restarts after a crash comes back behind the one
-    that took over instead of taking the lead back (another hand-over).
+    Unique, since equal priorities make kopf warn of a conflict; it falls as the
+    start time rises, so that kopf's log of the peers reads oldest first.
     """
     return -(time.time_ns() // 1000)
+
+
+def elector(kube: KubeApi, settings: kopf.OperatorSettings, logger: Any) -> LeaseElector:
+    """This replica's candidacy for the Lease named like the peering, in POD_NAMESPACE (see leadership.py)."""
+    loop, name = asyncio.get_running_loop(), settings.peering.name
+
+    def on_leading(transitions: int) -> None:
+        # kopf reads its priority at each peering event; the gate's write makes one on every replica.
+        settings.peering.priority = holder_priority(transitions)
+        asyncio.run_coroutine_threadsafe(kube.ensure_cluster_peering(name, gate_entry()), loop)
+
+    def on_lost(reason: str) -> None:
+        # Stop at once, whatever the event loop is doing: a follower may take the Lease soon.
+        logger.error("%s: exiting so that only one replica acts (it restarts as a follower)", reason)
+        os._exit(1)
+
+    identity = os.environ.get("POD_ID") or f"{socket.gethostname()}/{os.getpid()}"
+    namespace = os.environ.get("POD_NAMESPACE", "default")
+    return LeaseElector(kube.leases(), name, namespace, identity, on_leading, on_lost)
 
 
 async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookServer:
@@ -146,6 +163,8 @@ async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookSer
 async def close(memo: kopf.Memo, **_: Any) -> None:
     for informer in memo.get("informers", ()):
         informer.stop()
+    if "elector" in memo:
+        memo.elector.stop()
     if "ctx" in memo:
         memo.ctx.kube.close()
 

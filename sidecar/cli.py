@@ -141,6 +141,7 @@ def _bench_operator(args: argparse.Namespace) -> int:
     cfg = replace(cfg, policies=tuple(args.policies)) if args.policies else cfg
     cfg = replace(cfg, idle_seconds=args.idle_seconds) if args.idle_seconds else cfg
     cfg = replace(cfg, stats_interval=args.stats_interval) if args.stats_interval else cfg
+    cfg = replace(cfg, failover_kills=args.failover) if args.failover else cfg
     cfg = replace(cfg, kubeconfig=args.kubeconfig, operator_kubeconfig=args.operator_kubeconfig,
                   audit_log=args.audit_log) if args.kubeconfig else cfg  # fmt: skip
     if args.kubeconfig is None and (args.operator_kubeconfig or args.audit_log):
@@ -330,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--idle-seconds", type=_positive_float, help="length of the idle window (default 120)")
     op.add_argument("--stats-interval", type=_positive_float,
                     help="the operator's BINBATCH_STATS_INTERVAL_SECONDS (default 15)")
+    op.add_argument("--failover", type=_positive_int, nargs="?", const=3, metavar="KILLS",
+                    help="measure failover instead: replicas with peering, the leader killed (SIGKILL) KILLS times "
+                         "(default 3), each time seconds to the new Lease holder and to a changed policy's ConfigMap")
     op.add_argument("--kubeconfig", metavar="FILE",
                     help="a real API server with the CRD and the install applied (default: kmock in this process)")
     op.add_argument("--operator-kubeconfig", metavar="FILE",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import ssl
@@ -54,6 +55,7 @@ from binbatch_operator.crd import GROUP, KIND, PLURAL, VERSION
 from .chaos_load import percentile
 
 POLICIES_PER_NAMESPACE = 100
+PEERING = "binbatch"  # the chart's peering, and so its Lease's name (in binbatch-system)
 OPERATOR_USER_AGENT_PREFIXES = ("kopf/", "OpenAPI-Generator/")  # kopf's own client and the kubernetes client's
 
 
@@ -70,12 +72,14 @@ class FleetConfig:
     operator_kubeconfig: str | None = None  # None: the same as the bench's
     audit_log: str | None = None  # the real API server's, to count the operator's requests
     operator_user: str = "system:serviceaccount:binbatch-system:binbatch"
+    failover_kills: int = 0  # > 0: measure failover instead (replicas with peering, the leader killed this often)
+    failover_settle_seconds: float = 30.0  # a new follower runs this long before the leader is killed
 
 
 def quick() -> FleetConfig:
     """The seconds-long version (the test suite's)."""
     return FleetConfig(policies=(4,), pods_per_policy=2, idle_seconds=3.0, stats_interval=0.5, spec_changes=4,
-                       admission_seconds=1.0)  # fmt: skip
+                       admission_seconds=1.0, failover_settle_seconds=3.0)  # fmt: skip
 
 
 # -- the API server ------------------------------------------------------------------
@@ -142,6 +146,7 @@ def kmock_emulator(history: int | None = None) -> Any:
         ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),
         ("v1/secrets", "Secret", True, set()),
         ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False, set()),
+        ("coordination.k8s.io/v1/leases", "Lease", True, set()),
     ]:  # fmt: skip
         api.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, subresources=sub, verbs=verbs)
     return api
@@ -307,26 +312,31 @@ async def fake_sidecar() -> AsyncIterator[tuple[FakeSidecar, int]]:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(kubeconfig: str, webhook_port: int, stats_interval: float, folder: Path) -> AsyncIterator[Any]:
-    """The operator as the chart starts it (one replica, the built-in certificate), as a process."""
+async def running_operator(kubeconfig: str, webhook_port: int, stats_interval: float, folder: Path,
+                           replica: str | None = None) -> AsyncIterator[Any]:  # fmt: skip
+    """The operator as the chart starts it (the built-in certificate), as a process: the only replica
+    (``--standalone``), or with ``replica`` one of several (``--peering``, that POD_ID)."""
     import psutil
 
     env = {**os.environ, "KUBECONFIG": kubeconfig, "HOME": str(folder), "POD_NAMESPACE": "binbatch-system",
+           "POD_ID": replica or "operator",
            "BINBATCH_WEBHOOK_SERVICE": "binbatch-webhook", "BINBATCH_WEBHOOK_ADDRESS": "127.0.0.1",
            "BINBATCH_WEBHOOK_PORT": str(webhook_port), "BINBATCH_WEBHOOK_HOSTNAMES": "127.0.0.1",
            "BINBATCH_STATS_INTERVAL_SECONDS": str(stats_interval)}  # fmt: skip
     for name in ("BINBATCH_WEBHOOK_CONFIG", "BINBATCH_WEBHOOK_CERT_SECRET"):
         env.pop(name, None)
     kopf = str(Path(sys.executable).with_name("kopf"))
-    log = open(folder / "operator.log", "wb")  # noqa: SIM115 - closed below
+    log = open(folder / f"{replica or 'operator'}.log", "wb")  # noqa: SIM115 - closed below
+    peering = f"--peering={PEERING}" if replica else "--standalone"
     proc = await asyncio.create_subprocess_exec(kopf, "run", "-m", "binbatch_operator.main", "--all-namespaces",
-                                                "--standalone", "--log-format=json", cwd=folder, env=env,
+                                                peering, "--log-format=json", cwd=folder, env=env,
                                                 stdout=log, stderr=log)  # fmt: skip
     try:
         yield psutil.Process(proc.pid)
     finally:
         if proc.returncode is None:
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):  # killed by the failover measure
+                proc.terminate()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), 60)
         if proc.returncode is None:
@@ -502,58 +512,164 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class Fleet:
+    """A fleet made for one measure: the bench's API client and the operator's kubeconfig, where the policies are."""
+
+    api: Api
+    kubeconfig: str
+    kmock_api: Any  # None on a real API server
+    sidecar: FakeSidecar
+    grpc_port: int
+    where: list[tuple[str, str]]
+    made_seconds: float
+
+
+async def made_fleet(stack: contextlib.AsyncExitStack, cfg: FleetConfig, policies: int, folder: Path,
+                     say: Callable[[str], None]) -> Fleet:  # fmt: skip
+    """The API server (kmock, or cfg's), the fake sidecar and the fleet.  ``stack`` closes the first two;
+    on a real server the caller removes the fleet (``remove_fleet``) while an operator still runs."""
+    kmock_api = None
+    if cfg.kubeconfig is None:
+        import kmock
+
+        kmock_api = kmock_emulator(history=0)
+        await stack.enter_async_context(kmock_api)
+        await stack.enter_async_context(kmock.Server(kmock_api))
+        bench_config = kubeconfig_for(str(kmock_api.url).rstrip("/"), folder)
+    else:
+        bench_config = cfg.kubeconfig
+    api = Api(bench_config)
+    stack.push_async_callback(api.close)
+    sidecar, grpc_port = await stack.enter_async_context(fake_sidecar())
+    say(f"{policies} policies, {policies * cfg.pods_per_policy} pods: making them")
+    started = time.monotonic()
+    where = await make_fleet(api, policies, cfg.pods_per_policy, grpc_port, real=kmock_api is None)
+    made = time.monotonic() - started
+    return Fleet(api, cfg.operator_kubeconfig or bench_config, kmock_api, sidecar, grpc_port, where, made)
+
+
 async def one_fleet(cfg: FleetConfig, policies: int, say: Callable[[str], None]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="binbatch-fleet-") as tmp:
         folder = Path(tmp)
         async with contextlib.AsyncExitStack() as stack:
-            kmock_api = None
-            if cfg.kubeconfig is None:
-                import kmock
-
-                kmock_api = kmock_emulator(history=0)
-                await stack.enter_async_context(kmock_api)
-                await stack.enter_async_context(kmock.Server(kmock_api))
-                bench_config = kubeconfig_for(str(kmock_api.url).rstrip("/"), folder)
-            else:
-                bench_config = cfg.kubeconfig
-            api = Api(bench_config)
-            stack.push_async_callback(api.close)
-            sidecar, grpc_port = await stack.enter_async_context(fake_sidecar())
-            pods = policies * cfg.pods_per_policy
-            say(f"{policies} policies, {pods} pods: making them")
-            started = time.monotonic()
-            where = await make_fleet(api, policies, cfg.pods_per_policy, grpc_port, real=kmock_api is None)
-            made = time.monotonic() - started
+            fleet = await made_fleet(stack, cfg, policies, folder, say)
+            api, where, pods = fleet.api, fleet.where, policies * cfg.pods_per_policy
             webhook_port = free_port()
             proc = await stack.enter_async_context(
-                running_operator(cfg.operator_kubeconfig or bench_config, webhook_port, cfg.stats_interval, folder))
-            if kmock_api is None:  # a real server keeps them: removed while the operator still runs
+                running_operator(fleet.kubeconfig, webhook_port, cfg.stats_interval, folder))
+            if fleet.kmock_api is None:  # a real server keeps them: removed while the operator still runs
                 stack.push_async_callback(remove_fleet, api, policies)
             ready = await until_ready(api, where, timeout=max(300.0, policies * 1.0), say=say)
-            count = RequestCount(cfg, kmock_api)
+            count = RequestCount(cfg, fleet.kmock_api)
             settled = await settle(count, 2 * cfg.stats_interval)
             say(f"all Ready after {ready:.1f} s, quiet after {settled:.0f} s more; idle window of {cfg.idle_seconds:.0f} s")
-            idle = await idle_window(cfg, count, proc, sidecar, policies, pods)
+            idle = await idle_window(cfg, count, proc, fleet.sidecar, policies, pods)
             say(f"{cfg.spec_changes} spec changes")
-            changes = await spec_changes(api, where, cfg.spec_changes, grpc_port)
+            changes = await spec_changes(api, where, cfg.spec_changes, fleet.grpc_port)
             await until_webhook(webhook_port)
             say(f"admission at {cfg.admission_rate:g}/s for {cfg.admission_seconds:g} s")
             admission = await admissions(webhook_port, where[0][0], cfg.admission_rate, cfg.admission_seconds)
-            return {"policies": policies, "pods": pods, "api_server": "kmock" if kmock_api is not None else "real",
-                    "made_seconds": round(made, 1), "ready_seconds": round(ready, 1), **idle,
+            return {"policies": policies, "pods": pods, "api_server": "kmock" if fleet.kmock_api is not None else "real",
+                    "made_seconds": round(fleet.made_seconds, 1), "ready_seconds": round(ready, 1), **idle,
                     "spec_to_configmap_seconds": changes, "admission_seconds": admission,
                     "stats_interval_seconds": cfg.stats_interval}  # fmt: skip
+
+
+async def one_failover(cfg: FleetConfig, policies: int, say: Callable[[str], None]) -> dict[str, Any]:
+    """Replicas with peering: ``cfg.failover_kills`` times a new follower starts, runs a while, and the leader is
+    killed (SIGKILL) with one policy's spec changed right after; until its ConfigMap carries the change."""
+    with tempfile.TemporaryDirectory(prefix="binbatch-fleet-") as tmp:
+        folder = Path(tmp)
+        async with contextlib.AsyncExitStack() as stack:
+            fleet = await made_fleet(stack, cfg, policies, folder, say)
+            api, where = fleet.api, fleet.where
+
+            replicas = await stack.enter_async_context(contextlib.AsyncExitStack())
+            if fleet.kmock_api is None:  # a real server keeps them: removed while the last leader still runs
+                stack.push_async_callback(remove_fleet, api, policies)
+
+            async def replica(index: int) -> Any:
+                return await replicas.enter_async_context(
+                    running_operator(fleet.kubeconfig, free_port(), cfg.stats_interval, folder, replica=f"op-{index}"))
+
+            leader = await replica(0)
+            running, gone = [leader], set()  # replicas not killed; those of them that exited on their own
+            ready = await until_ready(api, where, timeout=max(300.0, policies * 1.0), say=say)
+            kills = []
+            for index in range(1, cfg.failover_kills + 1):
+                follower = await replica(index)
+                running.append(follower)
+                say(f"kill {index}: follower op-{index} started; the leader is killed in {cfg.failover_settle_seconds:g} s")
+                await asyncio.sleep(cfg.failover_settle_seconds)  # ok-sleep: the follower's watches list the fleet
+                ns, name = where[(index * 37) % len(where)]
+                path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}"
+                boundary = (await api.call("GET", path))["spec"]["bins"]["boundaries"][0] + 1  # new even on a kept fleet
+                gone |= {p for p in running if exited(p)}
+                if not exited(leader):
+                    leader.kill()
+                killed = time.time()
+                running.remove(leader)
+                await api.patch(path, {"spec": {"bins": {"boundaries": [boundary]}}})
+                configmap = await until_configmap(api, ns, name, f"- {boundary}\n")
+                lease = await api.call("GET", f"/apis/coordination.k8s.io/v1/namespaces/binbatch-system/leases/{PEERING}")
+                if lease["spec"]["holderIdentity"] == f"op-{index - 1}":
+                    raise RuntimeError(f"the ConfigMap of {ns}/{name} changed while the killed op-{index - 1} held the Lease")
+                gone |= {p for p in running if exited(p)}
+                kills.append({"killed": killed, "configmap": configmap, "lease_acquired": lease["spec"]["acquireTime"],
+                              "holder": lease["spec"]["holderIdentity"], "self_exits": len(gone)})  # fmt: skip
+                say(json.dumps(failover_figures(kills[-1:])))
+                leader = follower
+            return {"policies": policies, "pods": policies * cfg.pods_per_policy,
+                    "api_server": "kmock" if fleet.kmock_api is not None else "real",
+                    "ready_seconds": round(ready, 1), "failover": failover_figures(kills)}  # fmt: skip
+
+
+async def until_configmap(api: Api, namespace: str, policy: str, text: str, timeout: float = 120.0) -> float:
+    """The time (time.time()) at which the policy's ConfigMap carries ``text``, polled every 0.1 s."""
+    start = time.monotonic()
+    while True:
+        found = await api.call("GET", f"/api/v1/namespaces/{namespace}/configmaps/{policy}-binbatch")
+        if text in ((found or {}).get("data") or {}).get("sidecar.yaml", ""):
+            return time.time()
+        if time.monotonic() - start > timeout:
+            raise RuntimeError(f"the ConfigMap of {namespace}/{policy} lacks {text!r} after {timeout:.0f} s")
+        await asyncio.sleep(0.1)  # ok-sleep: polling a cluster, bounded by the timeout
+
+
+def exited(proc: Any) -> bool:
+    """Whether an operator process (psutil's) ended, e.g. a leader that could not renew its Lease."""
+    import psutil
+
+    try:
+        return bool(proc.status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def failover_figures(kills: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per kill, seconds from the kill (``killed``, time.time()) to the Lease's new ``acquireTime`` and to the
+    changed ConfigMap, and how many replicas had exited on their own by then; the worst of each."""
+    rows = [{"kill_to_lease_s": round(datetime.datetime.fromisoformat(k["lease_acquired"]).timestamp() - k["killed"], 2),
+             "kill_to_configmap_s": round(k["configmap"] - k["killed"], 2), "holder": k["holder"],
+             "self_exits": k["self_exits"]} for k in kills]  # fmt: skip
+    return {"kills": rows, "kill_to_lease_max_s": max((r["kill_to_lease_s"] for r in rows), default=None),
+            "kill_to_configmap_max_s": max((r["kill_to_configmap_s"] for r in rows), default=None),
+            "self_exits": max((r["self_exits"] for r in rows), default=0)}  # fmt: skip
 
 
 def run(cfg: FleetConfig, say: Callable[[str], None]) -> dict[str, Any]:
     runs = []
     for n in cfg.policies:
-        runs.append(asyncio.run(one_fleet(cfg, n, say)))
+        runs.append(asyncio.run((one_failover if cfg.failover_kills else one_fleet)(cfg, n, say)))
         say(json.dumps(runs[-1]))  # each size's figures as soon as it is done
     return {"runs": runs}
 
 
 def print_table(doc: dict[str, Any]) -> None:
+    if any("failover" in r for r in doc["runs"]):
+        print_failover_table(doc)
+        return
     rows = [("policies", "pods", "API server", "idle req/policy/min", "counted from", "spec→CM p50 s", "spec→CM p99 s",
              "admission p50 ms", "admission p99 ms", "RSS MiB", "CPU % idle", "GetStats/pod/min")]
     for r in doc["runs"]:
@@ -562,6 +678,19 @@ def print_table(doc: dict[str, Any]) -> None:
                      f"{r['spec_to_configmap_seconds']['p99']:.2f}", f"{1e3 * r['admission_seconds']['p50']:.1f}",
                      f"{1e3 * r['admission_seconds']['p99']:.1f}", f"{r['operator_rss_bytes'] / 2**20:.0f}",
                      f"{r['operator_cpu_percent_idle']:.1f}", f"{r['stats_calls_per_pod_minute']:.2f}"))  # fmt: skip
+    print_rows(rows)
+
+
+def print_failover_table(doc: dict[str, Any]) -> None:
+    rows = [("policies", "pods", "API server", "kill", "kill→Lease s", "kill→ConfigMap s", "new leader", "self-exits")]
+    for r in doc["runs"]:
+        for i, k in enumerate(r["failover"]["kills"], 1):
+            rows.append((str(r["policies"]), str(r["pods"]), r["api_server"], str(i), f"{k['kill_to_lease_s']:.2f}",
+                         f"{k['kill_to_configmap_s']:.2f}", k["holder"], str(k["self_exits"])))  # fmt: skip
+    print_rows(rows)
+
+
+def print_rows(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))

@@ -65,6 +65,16 @@ def test_the_chart_installs_with_helm(cluster: Cluster, helm_release: str) -> No
     import helm_python as helm
 
     operator_pods_admitted(cluster, helm_release)
+
+    def leader_election_schema() -> dict[str, str] | None:  # its priority level exists: not Dangling
+        (schema,) = json.loads(cluster.kubectl("get", "flowschemas", "-l", f"app.kubernetes.io/instance={helm_release}",
+                                               "-o", "json"))["items"]  # fmt: skip
+        conditions = {c["type"]: c["status"] for c in (schema.get("status") or {}).get("conditions") or []}
+        return conditions if "Dangling" in conditions else None
+
+    conditions = wait_for("the chart's FlowSchema's conditions", leader_election_schema, timeout=60,
+                          diagnose=cluster.diagnostics)  # fmt: skip
+    assert conditions["Dangling"] == "False"
     # The chart as Helm renders it for a second release, sent to the server as a dry run.
     with helm.Config(kubeconfig_path=cluster.kubeconfig, namespace=helm_release) as config, \
             helm.Chart.load(CHART) as chart:  # fmt: skip

@@ -30,3 +30,11 @@ def test_the_operator_bench_refuses_real_server_options_without_a_real_server():
         assert "--audit-log need --kubeconfig" in str(exc)
     else:
         raise AssertionError("accepted --audit-log without --kubeconfig")
+
+
+def test_the_quick_failover_bench_kills_the_leader_and_the_follower_takes_over_within_15_s(capsys):
+    assert main(["bench", "operator", "--quick", "--failover", "1", "--json", "--quiet"]) == 0
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    (kill,) = run["failover"]["kills"]
+    assert kill["holder"] == "op-1" and kill["self_exits"] == 0, run
+    assert 0 < kill["kill_to_lease_s"] <= kill["kill_to_configmap_s"] < 15, run

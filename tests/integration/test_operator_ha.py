@@ -27,6 +27,7 @@ from typing import Any
 
 import helm_python
 import jsonpatch
+import kmock
 import kopf
 import pytest
 import yaml
@@ -37,6 +38,7 @@ from test_operator_kmock import (  # noqa: F401 - the cluster fixture
 )
 
 from binbatch_operator.builders import SIDECAR_CONTAINER
+from binbatch_operator.leadership import LEASE_DURATION
 
 PEERING = "/apis/kopf.dev/v1/clusterkopfpeerings"
 
@@ -186,6 +188,35 @@ async def test_two_chart_replicas_elect_the_oldest_both_inject_and_a_kill_hands_
         print(f"kill -9 of the leader: the follower took over after {took:.1f} s")
         assert took <= 15.0
         assert await injects(second, ca_pem)
+    finally:
+        for replica in (first, second):
+            if replica is not None:
+                await replica.stop()
+
+
+async def test_a_leader_that_cannot_renew_its_lease_stops_before_the_follower_may_take_over(
+    cluster: Any, tmp_path: Path
+) -> None:
+    """Issue 23: at 1,000 policies the leader's keep-alives came late, the follower resumed and the
+    leader went on acting (kopf's leader never stops on its own): two replicas acted at once. Now a
+    leader whose renewals fail exits within RENEW_DEADLINE, before a follower may take the Lease."""
+    api, container = cluster, chart_container()
+    first = await start_replica(container, "operator-a", tmp_path)
+    second = None
+    try:
+        await api.post(POLICIES, json=policy_doc("fast"))
+        await until(lambda: obj(api, "configmaps", "fast-binbatch"), "the first replica to lead")
+        second = await start_replica(container, "operator-b", tmp_path)
+        await until(lambda: "operator-b" in peers(api), "the second replica's keep-alive")
+
+        api["patch", kmock.resource("coordination.k8s.io/v1/leases")] << 503  # every renewal fails from now on
+        failing = time.monotonic()
+        code = await asyncio.wait_for(first.proc.wait(), DEADLINE)
+        stopped = time.monotonic() - failing
+        print(f"renewals failing: the leader exited after {stopped:.1f} s")
+        assert code == 1 and first.logged("could not renew the Lease")
+        assert stopped < LEASE_DURATION  # before anyone may take the Lease
+        assert not second.logged("Resuming operations")  # the follower cannot take it either
     finally:
         for replica in (first, second):
             if replica is not None:

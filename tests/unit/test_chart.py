@@ -184,9 +184,9 @@ def objects(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    found = [o for o in objs if o["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
     return found[0]
 
 
@@ -284,7 +284,7 @@ def test_defaults_render_the_operator_with_peering_and_nothing_optional():
     kinds = sorted(o["kind"] for o in objects())
     assert kinds == sorted([
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment",
-        "MutatingWebhookConfiguration", "PodDisruptionBudget",
+        "MutatingWebhookConfiguration", "PodDisruptionBudget", "Role", "RoleBinding", "FlowSchema",  # the Lease's
     ])  # fmt: skip
     single = sorted(o["kind"] for o in objects(SINGLE))
     assert single == sorted([
@@ -414,24 +414,29 @@ def test_rbac_rules_have_no_wildcard():
 PEERING_RULES = {r for r in EXPECTED_RULES if r[0] == "kopf.dev"}
 CA_PATCH_RULES = {r for r in EXPECTED_RULES if r[1] == "mutatingwebhookconfigurations"}
 SECRET_RULES = {("", "secrets", ("create",), ()), ("", "secrets", ("get", "update"), (f"{RELEASE}-webhook-cert",))}
+LEASE_RULES = {("coordination.k8s.io", "leases", ("create",), ()),
+               ("coordination.k8s.io", "leases", ("get", "patch"), (RELEASE,))}  # fmt: skip
 
 
 def test_rbac_grants_exactly_what_the_operator_needs():
     assert _grants(one(objects(), "ClusterRole")) == EXPECTED_RULES
-    assert _grants(one(objects(), "Role")) == SECRET_RULES  # the shared built-in certificate
-    # One replica: no peering. cert-manager: no CA patching and no Secret writing.
+    assert _grants(one(objects(), "Role", RELEASE)) == SECRET_RULES  # the shared built-in certificate
+    assert _grants(one(objects(), "Role", f"{RELEASE}-leader")) == LEASE_RULES  # the leader's Lease
+    # One replica: no peering, no Lease. cert-manager: no CA patching and no Secret writing.
     assert _grants(one(objects(SINGLE), "ClusterRole")) == EXPECTED_RULES - PEERING_RULES
+    assert [o["metadata"]["name"] for o in objects(SINGLE) if o["kind"] == "Role"] == [RELEASE]
     cert_manager = objects(CERT_MANAGER)
     read_only = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get",), (RELEASE,))}
     assert _grants(one(cert_manager, "ClusterRole")) == EXPECTED_RULES - CA_PATCH_RULES | read_only
-    assert not [o for o in cert_manager if o["kind"] in ("Role", "RoleBinding")]
+    assert [o["metadata"]["name"] for o in cert_manager if o["kind"] in ("Role", "RoleBinding")] == [f"{RELEASE}-leader"] * 2
 
 
-def test_role_for_the_certificate_secret_is_bound_in_the_release_namespace():
+def test_the_roles_for_the_certificate_secret_and_the_lease_are_bound_in_the_release_namespace():
     objs = objects()
-    binding, role = one(objs, "RoleBinding"), one(objs, "Role")
-    assert binding["roleRef"]["name"] == role["metadata"]["name"] and role["metadata"]["namespace"] == NAMESPACE
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
+    for name in (RELEASE, f"{RELEASE}-leader"):
+        binding, role = one(objs, "RoleBinding", name), one(objs, "Role", name)
+        assert binding["roleRef"]["name"] == name and role["metadata"]["namespace"] == NAMESPACE
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
 
 
 def test_webhook_configuration_access_is_restricted_to_the_releases_own():
@@ -484,6 +489,20 @@ def test_several_replicas_elect_a_leader_with_kopf_peering_and_roll_without_a_ga
     assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": spec["selector"]["matchLabels"]}}
     assert not [o for o in objects({"operator": {"replicas": 3, "podDisruptionBudget": False}})
                 if o["kind"] == "PodDisruptionBudget"]  # fmt: skip
+
+
+def test_the_leaders_lease_requests_go_to_the_leader_election_priority_level():
+    """API Priority and Fairness: the operator's own burst of writes must not queue its Lease renewals."""
+    schema = one(objects(), "FlowSchema")
+    assert schema["metadata"]["name"] == f"{RELEASE}-leader-election"
+    spec = schema["spec"]
+    assert spec["priorityLevelConfiguration"] == {"name": "leader-election"}
+    assert spec["matchingPrecedence"] < 9000  # ahead of the built-in service-accounts schema (workload-low)
+    (rule,) = spec["rules"]
+    assert rule["subjects"] == [{"kind": "ServiceAccount", "serviceAccount": {"name": RELEASE, "namespace": NAMESPACE}}]
+    assert rule["resourceRules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                      "verbs": ["get", "create", "patch"], "namespaces": [NAMESPACE]}]  # fmt: skip
+    assert not [o for o in objects(SINGLE) if o["kind"] == "FlowSchema"]  # one replica: no Lease
 
 
 def test_operator_runs_non_root_on_a_read_only_root_filesystem():

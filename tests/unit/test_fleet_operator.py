@@ -15,6 +15,7 @@ from binbatch_operator.builders import INJECTED_ANNOTATION, POLICY_LABEL, SIDECA
 from binbatch_operator.indexes import Watched, child_entry, pod_entry
 from binbatch_operator.reconcile import candidate
 from binbatch_operator.kube import namespace_is_terminating
+from binbatch_operator.leadership import gate_entry
 from binbatch_operator.sidecar_stats import SidecarStats
 
 
@@ -160,8 +161,8 @@ def test_the_namespace_terminating_refusal_is_told_from_other_403s():
     assert not namespace_is_terminating(ConnectionError())
 
 
-def test_the_oldest_replica_has_the_highest_priority(monkeypatch: pytest.MonkeyPatch):
+def test_a_follower_priority_is_unique_and_below_the_leases_gate(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(main.time, "time_ns", lambda: 1_700_000_000_000_000_000)
-    older = main.peering_priority()
+    older = main.follower_priority()
     monkeypatch.setattr(main.time, "time_ns", lambda: 1_700_000_000_000_001_000)
-    assert main.peering_priority() < older
+    assert main.follower_priority() < older < gate_entry()["priority"]

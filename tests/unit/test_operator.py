@@ -62,6 +62,28 @@ def test_configmap_carries_the_sidecar_config_the_sidecar_loads():
     assert list(cfg.bins.boundaries) == [64, 256] and cfg.batch.max_batch_size == 64
 
 
+def test_the_configmap_text_is_the_one_pure_python_yaml_writes():
+    """The faster emitter changes no byte: an upgraded operator rewrites no ConfigMap (no sidecar reloads)."""
+    long_url = "http://prometheus.monitoring.svc.cluster.local:9090/" + "x" * 80  # past the 80-column fold
+    for spec in (SPEC, {**SPEC, "engine": {"url": "http://localhost:8000/"}},
+                 {**SPEC, "metrics": {"source": "PromQL", "url": long_url}}, {"batch": {"staticSize": 16}}):  # fmt: skip
+        text = builders.build_configmap("fast", "llm", spec)["data"][builders.CONFIG_KEY]
+        assert text == yaml.safe_dump(builders.sidecar_config(spec), sort_keys=True)
+
+
+def test_a_policys_config_is_built_once_per_spec():
+    """Every check rebuilds the ConfigMap to compare it: an unchanged spec costs no new YAML."""
+    spec = {**SPEC, "batch": {"maxBatchSize": 63}}  # a spec no other test builds
+    before = builders.config_text.cache_info()
+    first = builders.build_configmap("fast", "llm", spec)
+    again = builders.build_configmap("other", "ns", {**spec})  # an equal spec in another object
+    after = builders.config_text.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    assert first["data"] == again["data"]
+    changed = builders.build_configmap("fast", "llm", {**spec, "batch": {"maxBatchSize": 62}})
+    assert "maxBatchSize: 62" in changed["data"][builders.CONFIG_KEY]
+
+
 def test_service_selects_injected_pods_on_the_sidecar_ports():
     svc = builders.build_service("fast", "llm", SPEC)
     assert svc["spec"]["selector"] == {builders.POLICY_LABEL: "fast"}

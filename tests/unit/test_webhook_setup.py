@@ -24,6 +24,7 @@ from cryptography import x509
 import binbatch_operator.main as main
 from binbatch_operator.builders import SIDECAR_CONTAINER, build_pod_patch, sidecar_hash
 from binbatch_operator.webhook import certificate_usable, self_signed_certificate, shared_certificate
+from test_leadership import FakeLeases
 
 NS, SECRET = "binbatch-system", "binbatch-webhook-cert"
 HOSTS = [f"binbatch-webhook.{NS}.svc", f"binbatch-webhook.{NS}.svc.cluster.local", f"binbatch-webhook.{NS}",
@@ -124,10 +125,14 @@ class FakeKube:
     def informers(self, *_: Any, **__: Any) -> list[Any]:
         return []  # configure() starts the watches; these tests watch nothing
 
-    async def ensure_cluster_peering(self, name: str) -> bool:
+    async def ensure_cluster_peering(self, name: str, gate: dict[str, Any]) -> bool:
         made = name not in self.peerings
         self.peerings.add(name)
+        self.gate = gate
         return made
+
+    def leases(self) -> FakeLeases:
+        return FakeLeases(held_by="another-replica")  # these replicas stay followers
 
 
 @pytest.fixture
@@ -261,9 +266,11 @@ async def test_each_peering_replica_gets_its_own_priority(monkeypatch):
         settings, memo = kopf.OperatorSettings(), kopf.Memo()
         settings.peering.standalone, settings.peering.name = False, "binbatch"
         await main.configure(settings=settings, memo=memo, logger=logging.getLogger("test"))
+        memo.elector.stop()
         replicas.append(settings.peering.priority)
     assert replicas[0] != replicas[1]
     assert kube.peerings == {"binbatch"}  # kopf would wait paused forever without its peering object
+    assert max(replicas) < kube.gate["priority"]  # paused behind the Lease's gate until holding the Lease
     settings, memo = kopf.OperatorSettings(), kopf.Memo()
     settings.peering.standalone = True
     await main.configure(settings=settings, memo=memo, logger=logging.getLogger("test"))
