@@ -161,12 +161,35 @@ async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookSer
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    closing(memo).set()  # policy daemons kopf spawns while it stops end too (follow_policy)
     for informer in memo.get("informers", ()):
         informer.stop()
     if "elector" in memo:
         memo.elector.stop()
     if "ctx" in memo:
         memo.ctx.kube.close()
+
+
+def closing(memo: kopf.Memo) -> asyncio.Event:
+    """Set once the operator stops.  kopf stops every policy daemon when it exits, but an event it
+    was still processing may spawn one after that, which nothing would stop: the exit then waited
+    5 s for it, cancelled it and failed with a TimeoutError."""
+    if "closing" not in memo:
+        memo.closing = asyncio.Event()
+    return memo.closing
+
+
+async def _rest(stopped: kopf.DaemonStopped, memo: kopf.Memo, delay: float) -> bool:
+    """Wait ``delay`` seconds or until the daemon is stopped or the operator closes; True: stop."""
+    ending = closing(memo)
+    if not ending.is_set():
+        waits = [asyncio.ensure_future(stopped.wait(delay)), asyncio.ensure_future(ending.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+    return stopped.is_set() or ending.is_set()
 
 
 def _not_deleting(meta: kopf.Meta, **_: Any) -> bool:
@@ -226,14 +249,20 @@ async def follow_policy(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf
     their GetStats calls) spread out instead of ticking together.
     """
     delay, failing = random.uniform(0, STATS_INTERVAL), 0
-    while not await stopped.wait(delay):
+    while not await _rest(stopped, memo, delay):
         # A re-check can wait behind the fleet's stats calls; deleting the policy must not wait for
         # it (kopf would cancel the daemon after a while and log that as a warning, an Event).
         checking, stopping = asyncio.ensure_future(reconcile_once(memo, body, logger)), asyncio.ensure_future(stopped.wait())
-        await asyncio.wait([checking, stopping], return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not checking.done():
-            checking.cancel()
+        try:
+            await asyncio.wait([checking, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Cancelled here too (kopf cancels a daemon that outlives the operator's exit): leave
+            # no task behind, or the exit waits for them and fails with a TimeoutError.
+            stopping.cancel()
+            checked = checking.done()
+            if not checked:
+                checking.cancel()
+        if not checked:
             return
         outcome = checking.result()
         if outcome.terminating:

@@ -594,3 +594,26 @@ async def test_an_invalid_spec_is_warned_about_once_not_on_every_tick(caplog):
         first = (await reconcile(ctx, policy_body(spec=bad), Seen(), log)).status
         await reconcile(ctx, policy_body(spec=bad, status=first), Seen(), log)
     assert len(caplog.records) == 1 and "spec.batch.maxBatchSize" in caplog.records[0].getMessage()
+
+
+async def test_a_policy_daemon_spawned_while_the_operator_stops_ends_with_it():
+    """kopf stops every policy daemon when it exits, but an event it was still processing can
+    spawn one after that, whose own stop flag nothing sets: the exit waited for it, cancelled it
+    and failed (`kopf run` exited 1 with a TimeoutError).  The operator's close ends it too."""
+    import asyncio
+
+    from binbatch_operator import main
+
+    memo = kopf.Memo()
+    memo.ctx = Context(kube=FakeKube(), sidecar_image=IMAGE)
+    memo.watched = Watched(candidate)
+    from kopf._cogs.aiokits.aioenums import AsyncFlagWaiter, FlagSetter  # no public name: kopf makes them
+
+    never = AsyncFlagWaiter(FlagSetter())  # the late daemon's stop flag: nothing sets it
+    memo.ctx.kube.close = lambda: None  # the API client close() ends
+    await main.close(memo=memo)
+    daemon = asyncio.ensure_future(main.follow_policy(stopped=never, body=kopf.Body(policy_body("fast")), memo=memo,
+                                                      logger=logging.getLogger("t")))  # fmt: skip
+    done, _ = await asyncio.wait([daemon], timeout=main.STATS_INTERVAL * 2)  # its first re-check would come within one
+    daemon.cancel()
+    assert done == {daemon} and memo.ctx.kube.calls == []
