@@ -180,12 +180,16 @@ def closing(memo: kopf.Memo) -> asyncio.Event:
 
 
 async def _rest(stopped: kopf.DaemonStopped, memo: kopf.Memo, delay: float) -> bool:
-    """Wait ``delay`` seconds or until the daemon is stopped or the operator closes; True: stop."""
+    """Wait ``delay`` seconds or until the daemon is stopped or the operator closes; True: stop.
+
+    Not ``stopped.wait(delay)``: its time limit runs in a task of kopf's own, which a daemon
+    cancelled at the operator's exit could leave finished with a TimeoutError, and kopf's exit
+    re-raises what its leftover tasks raised (``kopf run`` then exits 1)."""
     ending = closing(memo)
     if not ending.is_set():
-        waits = [asyncio.ensure_future(stopped.wait(delay)), asyncio.ensure_future(ending.wait())]
+        waits = [asyncio.ensure_future(stopped.wait()), asyncio.ensure_future(ending.wait())]
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for wait in waits:
                 wait.cancel()
