@@ -7,7 +7,7 @@ the training split's first turns and the later turns of its conversations, what
 first turns, through the same ``predict`` the sidecar calls (features included),
 with no ``max_tokens`` cap so the model itself is measured:
 
-* ``online``: today's ``Online``, a mean per prompt-length bucket (the prompt's
+* ``online``: ``Online``, the spread of each prompt-length bucket's last answers (the prompt's
   tokens estimated as the front door does, from its bytes);
 * ``learned``: ``Learned`` (``core/length_model.py``), fitted on the training split;
 * ``oracle``: the true length, the yardstick.
