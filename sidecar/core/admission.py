@@ -323,8 +323,15 @@ class AdmissionQueue(Generic[T]):
         e = self._by_length[hi - 1][3]
         return e.item, e.req
 
+    def behind(self, head: Request, n: int) -> list[tuple[T, Request]]:
+        """Up to ``n`` entries that come after ``head`` by rank, for backfilling
+        (scheduler.py; shortest_first only, and not those already moved behind
+        for a passed ``send_by``)."""
+        live = (x for x in self._ranked if x[-1].live and x[-1].req is not head)
+        return [(e.item, e.req) for *_, e in heapq.nsmallest(n, live)]
+
     def remove(self, req: Request) -> None:
-        """Remove ``req``'s entry (as given by ``packed``)."""
+        """Remove ``req``'s entry (as given by ``packed`` or ``behind``)."""
         self._remove(self._entry_of[req])
 
     def pop(self, now: float, backlog: Backlog | None = None) -> tuple[T, Request] | None:

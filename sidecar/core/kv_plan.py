@@ -246,3 +246,18 @@ class KvPlan:
         if not seqs:
             return True  # an empty engine takes anything that fits its context at all
         return peak_tokens([*seqs, new], self.block) <= budget
+
+    def start_step(self, inflight: Iterable[Seq], new: Seq) -> float:
+        """The engine step from which the cache holds ``new`` (0: now): the first
+        planned end of a sequence in flight after which the rest, each that many
+        tokens further on and taken to end at its plan (``left``), leave room for
+        it.  What backfilling (scheduler.py) may not outlast: a request admitted
+        past a blocked head must end by then, so the head starts no later."""
+        seqs = list(inflight)
+        if self.fits(seqs, new):
+            return 0.0
+        for end in sorted({max(s.left, 1.0) for s in seqs}):
+            rest = [Seq(s.held + end, s.left - end, s.exact) for s in seqs if s.left > end]
+            if self.fits(rest, new):
+                return end
+        return math.inf  # not reached: the last end leaves the engine empty, which takes anything

@@ -48,6 +48,8 @@ Mode = Literal["gang", "continuous"]
 AdjustmentField = Literal["batchSize", "binBoundaries", "binCount"]
 ADJUSTMENT_FIELDS: tuple[AdjustmentField, ...] = get_args(AdjustmentField)
 REBALANCE_REASON = "rebalance"
+# Requests behind a head the KV cache does not hold yet that backfilling looks at (``_backfill``).
+BACKFILL_LOOKAHEAD = 8
 Verdict = Literal["completed", "failed", "requeued"]
 
 
@@ -287,9 +289,15 @@ class Scheduler:
             limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
             if self.engine_cap is not None:
                 limit = min(limit, self.engine_cap)
-            if self.inflight_requests >= limit or not (packing or self._kv_fits(req, now, left)):
+            if self.inflight_requests >= limit:
                 return
-            self._take(pending, req, packing, now, backlog)
+            if packing or self._kv_fits(req, now, left):
+                self._take(pending, req, packing, now, backlog)
+            elif (behind := self._backfill(pending, req, now, left, sizes)) is not None:
+                batch, req = behind
+                pending.remove(req)
+            else:
+                return
             if req.expired(now):
                 if self.end(req, "expired"):
                     out.expired.append(req)
@@ -337,12 +345,41 @@ class Scheduler:
         """Does the engine's KV cache hold ``req`` and every request in flight
         (``left``, ``_inflight_left`` if listed already) until each finishes
         (``core.kv_plan``; no plan: yes)?  The head of the queue waits when it does
-        not: a later, smaller one is not sent past it (but see ``AdmissionQueue.packed``)."""
+        not; a later one goes past it only if it ends before the head could start
+        (``_backfill``; and see ``AdmissionQueue.packed``)."""
         plan = self.core.kv_plan
         if plan is None or not self._kv_planned():
             return True
         return plan.fits(self._inflight_left(now) if left is None else left,
                          plan.held(req.prompt_tokens, predicted_length(req), 0.0))  # fmt: skip
+
+    def _backfill(
+        self, pending: AdmissionQueue, head: Request, now: float, left: list[Seq] | None, sizes: tuple[int, ...]
+    ) -> tuple[Batch, Request] | None:  # fmt: skip
+        """A request to send past ``head``, which the KV cache does not hold yet:
+        of the ``BACKFILL_LOOKAHEAD`` next by rank, the first the cache holds now
+        (within its bin's B_t) that is planned to end before ``head`` could start
+        (``KvPlan.start_step``) -- EASY backfilling: it fills room that would stand
+        empty and does not delay the head.  Without it one long prompt at the head
+        held the queue while the engine ran a single sequence: on the real vLLM
+        test server (ShareGPT x0.25, 4,128 KV tokens, a tenth of the prompts over
+        1,000 tokens) the engine ran 1 request for seconds at a time, 21 waiting
+        here.  None: no such request (or the order is FIFO, kept pure)."""
+        plan = self.core.kv_plan
+        if plan is None or pending.order.order == "fifo":
+            return None
+        left = self._inflight_left(now) if left is None else left
+        start: float | None = None
+        for batch, req in pending.behind(head, BACKFILL_LOOKAHEAD):
+            limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
+            seq = plan.held(req.prompt_tokens, predicted_length(req), 0.0)
+            if req not in self._open or self.inflight_requests >= limit or not plan.fits(left, seq):
+                continue
+            if start is None:
+                start = plan.start_step(left, plan.held(head.prompt_tokens, predicted_length(head), 0.0))
+            if seq.left <= start:
+                return batch, req
+        return None
 
     def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than

@@ -292,7 +292,8 @@ def test_once_a_bursts_arrivals_stop_the_longest_request_the_cache_holds_goes_ne
     """First fit decreasing (admission.py).  Two of 40 + 150 tokens in flight in a
     cache of 500 tokens: beside them 40 + 200 would peak at 571.5 tokens, 40 + 120
     at 481.5.  So the 120 goes first, then the 10 -- where the critical-path rule
-    held the queue for the 200 (on the critical path, it would not fit)."""
+    heads the queue with the 200 (on the critical path, it would not fit) and only
+    backfills past it."""
 
     def admitted_after(now: float, drain: Drain = "longest_fit_first") -> list[str]:
         s, _ = _scheduler(KvPlan(prompt_scale=1.0), AdmissionOrder("shortest_first", drain=drain))
@@ -308,8 +309,9 @@ def test_once_a_bursts_arrivals_stop_the_longest_request_the_cache_holds_goes_ne
     assert admitted_after(0.0) == ["short", "mid"]
     # a moment later none came for QUIET_GAPS mean gaps: a batch is left, the longest that fits first
     assert admitted_after(0.001) == ["mid", "short"]
-    # the default drain order: the 200 is on the critical path and holds the queue until it fits
-    assert admitted_after(0.001, "shortest_first") == []
+    # the default drain order: the 200 is on the critical path and heads the queue until it fits, at
+    # step 150 when the two in flight end; the two that end by then go past it (backfilling)
+    assert admitted_after(0.001, "shortest_first") == ["short", "mid"]
 
 
 @pytest.mark.parametrize("streams", [False, True])
@@ -409,3 +411,34 @@ def test_uncertain_lengths_are_planned_at_the_totals_upper_quantile_not_each_at_
     drawn = sorted(_sampled_peak(seqs, rng) for _ in range(2000))
     assert drawn[1000] < plan < drawn[1800]
     assert plan < 0.4 * peak_tokens([Seq(s.held, s.left) for s in seqs])
+
+
+def test_the_start_step_is_the_first_planned_end_after_which_the_cache_holds_the_new_one():
+    plan = KvPlan(capacity=500, block=1)
+    inflight = [Seq(100, 50), Seq(100, 150), Seq(40, 300)]  # peaks ahead: 450 now, rising
+    assert plan.start_step(inflight, Seq(10, 5)) == 0.0  # fits now
+    # 250 + 10 tokens: 530 at its end if sent now, 520 if sent when the first ends (at step 50), 460 when
+    # the second ends (at 150: the third holds 190 then)
+    assert plan.start_step(inflight, Seq(250, 10)) == 150.0
+    assert plan.start_step(inflight, Seq(480, 10)) == 300.0  # only an empty engine holds it
+
+
+def test_a_request_that_ends_before_a_blocked_head_could_start_goes_past_it_and_one_that_would_not_waits():
+    """Two of 40 + 100 tokens in flight in 500 tokens; the head (shortest first) has a
+    prompt of 420 and 5 tokens out: it fits only once they end, at step 100.  Behind
+    it, 40 + 50 fits now and ends by then: it is backfilled; 40 + 120 also fits now
+    but would still run at step 100, so it waits behind the head."""
+    s, _ = _scheduler(KvPlan(prompt_scale=1.0), AdmissionOrder("shortest_first"))
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=500, kv_block_tokens=1, tpot_seconds=0.01, fresh=True), 0.0)
+    for name in ("run0", "run1"):
+        s.submit(Request(id=name, arrival=0.0, prompt_tokens=40, max_tokens=100, hint_tokens=100))
+    assert len(s.step(0.0).dispatches) == 2
+    s.submit(Request(id="head", arrival=0.0, prompt_tokens=420, max_tokens=5, hint_tokens=5))
+    s.submit(Request(id="long", arrival=0.0, prompt_tokens=40, max_tokens=120, hint_tokens=120))
+    s.submit(Request(id="fill", arrival=0.0, prompt_tokens=40, max_tokens=50, hint_tokens=50))
+    assert [r.id for d in s.step(0.0).dispatches for r in d.requests] == ["fill"]
+    fifo, _ = _scheduler(KvPlan(prompt_scale=1.0), AdmissionOrder("fifo"))  # FIFO stays first come, first served
+    fifo.on_snapshot(EngineSnapshot(kv_capacity_tokens=500, kv_block_tokens=1, tpot_seconds=0.01, fresh=True), 0.0)
+    for name, prompt, tokens in [("run0", 40, 100), ("run1", 40, 100), ("head", 420, 5), ("fill", 40, 50)]:
+        fifo.submit(Request(id=name, arrival=0.0, prompt_tokens=prompt, max_tokens=tokens, hint_tokens=tokens))
+    assert [r.id for d in fifo.step(0.0).dispatches for r in d.requests] == ["run0", "run1"]
