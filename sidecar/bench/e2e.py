@@ -226,8 +226,11 @@ SG_LEARNED = Client("learned", "sidecar, no hint, Learned (warm start)", "contin
 SG_COLD = Client("cold", "sidecar, no hint, Learned (cold start)", "continuous", 4, "sg-cold", hint=False)
 SG_ONLINE = Client("online", "sidecar, no hint, Online", "continuous", 4, "sg-online", hint=False)
 SG_HINT = Client("hint", "sidecar, true length as hint (oracle)", "continuous", 4, "sg-hint")
+# the judged sidecar handing its order to an engine started with --scheduling-policy priority
+SG_ENGINE_ORDER = Client("learned-engine-order", "sidecar, no hint, Learned (warm start), order in engine",
+                         "continuous", 4, "sg-engine-order", hint=False, engine="sharegpt-priority")  # fmt: skip
 CLIENT_NAMES = tuple(c.key for c in (DIRECT, PRIORITY, HINT, ENGINE_ORDER, PACKED, ONLINE, FREE, IDEAL1, IDEAL4, IDEAL8,
-                                     GANG1, GANG4, GANG8, SG_LEARNED, SG_COLD))  # fmt: skip
+                                     GANG1, GANG4, GANG8, SG_LEARNED, SG_COLD, SG_ENGINE_ORDER))  # fmt: skip
 
 
 def scenarios(cfg: E2EConfig) -> list[Scenario]:
@@ -244,13 +247,17 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
         Scenario("mixed@gang", "mixed burst, gang", "ample", "mixed", cfg.gang_requests, None,
                  (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8), cfg.gang_scale),  # fmt: skip
         Scenario("sharegpt", f"ShareGPT replay, load {RATIO_LOAD:g}", "sharegpt", "sharegpt", cfg.sharegpt_requests,
-                 RATIO_LOAD, (DIRECT, SG_LEARNED, SG_COLD, SG_ONLINE, SG_HINT), 1.0),  # fmt: skip
+                 RATIO_LOAD, (DIRECT, SG_LEARNED, SG_COLD, SG_ONLINE, SG_HINT, *((SG_ENGINE_ORDER,) if there else ())),
+                 1.0),  # fmt: skip
     ]
     if cfg.only:
         plan = [sc for sc in plan if sc.key in cfg.only or sc.shape in cfg.only]
     if cfg.clients:
         plan = [replace(sc, clients=tuple(c for c in sc.clients if c.key in cfg.clients)) for sc in plan]
     return [sc for sc in plan if sc.clients]
+
+
+WARM_STARTED = {"sg-learned", "sg-engine-order"}  # the sidecars that start from the training split's model
 
 
 def sharegpt_context(cfg: E2EConfig) -> int:
@@ -278,15 +285,15 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
                "memory": memory, "latency": slo}  # fmt: skip
     sharegpt_cap = max(1, round(workloads.SHAREGPT_MAX_TOKENS * cfg.sharegpt_scale))
     sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap}, "batch": cont, "memory": memory}
+    # vLLM orders the queue (--scheduling-policy priority): nothing held here by a KV plan or an engine cap
+    engine_order = {"memory": {"admission": "BatchSize"},
+                    "batch": {**cont, "order": "EnginePriority", "followEngineQueue": False}}
     return {
         "kv-hint": ("kv", kv_hint),
         "kv-packed": ("kv", {**kv_hint, "batch": {**cont, "drainOrder": "LongestFitFirst"}}),
         "kv-online": ("kv", {**kv_hint, "predictor": {"kind": "Online"}}),
-        # vLLM orders the queue (--scheduling-policy priority): nothing held here by a KV plan or an engine cap;
-        # B_t only from the TPOT SLO
-        "kvp-hint": ("kv-priority", {**kv_hint, "memory": {"admission": "BatchSize"},
-                                     "batch": {**cont, "sizing": "Sla", "order": "EnginePriority",
-                                               "followEngineQueue": False}}),  # fmt: skip
+        # the same, B_t only from the TPOT SLO
+        "kvp-hint": ("kv-priority", {**kv_hint, **engine_order, "batch": {**engine_order["batch"], "sizing": "Sla"}}),
         "ample-free": ("ample", {"predictor": {"kind": "Hint"},
                                  "bins": {"count": 4, "maxOutputTokens": workloads.longest("short", cfg.scale)},
                                  "batch": cont}),  # fmt: skip
@@ -298,6 +305,8 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
         "sg-cold": ("sharegpt", {**sharegpt, "predictor": {"kind": "Learned"}}),
         "sg-online": ("sharegpt", {**sharegpt, "predictor": {"kind": "Online"}}),
         "sg-hint": ("sharegpt", {**sharegpt, "predictor": {"kind": "Hint"}}),
+        "sg-engine-order": ("sharegpt-priority", {**sharegpt, "predictor": {"kind": "Learned", "warmStart": warm_start},
+                                                  **engine_order}),  # fmt: skip
     }
 
 
@@ -494,7 +503,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         urls = dict.fromkeys(("kv", "ample", "sharegpt"), cfg.engine_url.rstrip("/"))
         say(f"engine {urls['kv']} (every scenario on it)")
         if cfg.priority_engine_url:
-            urls["kv-priority"] = cfg.priority_engine_url.rstrip("/")
+            urls["kv-priority"] = urls["sharegpt-priority"] = cfg.priority_engine_url.rstrip("/")
             say(f"engine {urls['kv-priority']} (started with --scheduling-policy priority: the priority client)")
     else:
         shapes = [("kv", cfg.kv_engine), ("ample", cfg.ample_engine)]
@@ -506,6 +515,8 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
             write_answer_lengths(answers, ((r.prompt, r.output_tokens) for r in workloads.sharegpt_replay(
                 most, rate=None, seed=cfg.seed, scale=cfg.sharegpt_scale)))  # fmt: skip
             shapes.append(("sharegpt", replace(cfg.sharegpt_engine, answer_lengths=str(answers))))
+            if any(c.engine == "sharegpt-priority" for sc in plan for c in sc.clients):
+                shapes.append(("sharegpt-priority", replace(shapes[-1][1], scheduling_policy="priority")))
         for name, shape in shapes:
             engine = EngineProcess(shape, tmp)
             await engine.start()
@@ -524,7 +535,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
             f"answers (up to {needed - workloads.SHAREGPT_PROMPT_TOKENS}) need a context of {needed} tokens, the engine "
             f"serves {context} (a smaller --sharegpt-scale shortens the answers)")  # fmt: skip
     used = {c.sidecar for sc in plan for c in sc.clients}
-    warm_start = await asyncio.to_thread(_warm_start, cfg, tmp / "sharegpt-train.npz") if "sg-learned" in used else ""
+    warm_start = await asyncio.to_thread(_warm_start, cfg, tmp / "sharegpt-train.npz") if used & WARM_STARTED else ""
     channels: dict[str, grpc.aio.Channel] = {}
     for key, (engine, overrides) in sidecar_overrides(cfg, warm_start).items():
         if key not in used:

@@ -90,6 +90,24 @@ def test_vllms_priority_scheduling_is_measured_where_an_engine_runs_it():
     assert e2e.PRIORITY.engine == "kv-priority" and e2e.PRIORITY.sidecar is None
 
 
+def _sharegpt_clients(cfg: e2e.E2EConfig) -> list[str]:
+    (sc,) = [sc for sc in e2e.scenarios(cfg) if sc.key == "sharegpt"]
+    return [c.key for c in sc.clients]
+
+
+def test_the_sharegpt_replay_hands_the_judged_sidecars_order_to_vllm_where_an_engine_runs_priority_scheduling():
+    judged = ["direct", "learned", "cold", "online", "hint"]
+    assert _sharegpt_clients(e2e.E2EConfig()) == [*judged, "learned-engine-order"]
+    assert _sharegpt_clients(e2e.E2EConfig(engine_url="http://127.0.0.1:8000")) == judged
+    both = e2e.E2EConfig(engine_url="http://127.0.0.1:8000", priority_engine_url="http://127.0.0.1:8001")
+    assert _sharegpt_clients(both) == [*judged, "learned-engine-order"]
+    engine, doc = e2e.sidecar_overrides(both, "model.npz")["sg-engine-order"]
+    assert engine == e2e.SG_ENGINE_ORDER.engine == "sharegpt-priority"
+    assert doc["predictor"] == {"kind": "Learned", "warmStart": "model.npz"}  # the judged sidecar, no hint
+    assert (doc["batch"]["order"], doc["batch"]["followEngineQueue"], doc["memory"]["admission"]) == (
+        "EnginePriority", False, "BatchSize")
+
+
 def test_cli_priority_engine_needs_an_engine(monkeypatch):
     seen = {}
     monkeypatch.setattr(e2e, "run", lambda cfg, say: seen.setdefault("cfg", cfg) and {"runs": [], "ratios": {}})
