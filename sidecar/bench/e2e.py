@@ -627,9 +627,14 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
 def _warm_start(cfg: E2EConfig, path: Path) -> str:
     """The judged ShareGPT sidecar's model: fitted on the training split's records
     (its first turns and later turns; the first ``warm_start_records`` of them when
-    set), as ``binbatch predictor train`` fits one, written to ``path``."""
-    records = sharegpt.records("train")
-    save_model(path, train(records[: cfg.warm_start_records or None]))
+    set), as ``binbatch predictor train`` fits one, written to ``path``.  Their
+    answers are shortened as the replay's are (``sharegpt_scale``): the lengths a
+    user of that engine logged.  (Fitted on the full lengths, the model predicted
+    four times the answers of the real-vLLM run at x0.25, most of them at its cap.)"""
+    cap = workloads.sharegpt_scaled(workloads.SHAREGPT_MAX_TOKENS, cfg.sharegpt_scale)
+    records = [replace(r, output_tokens=min(workloads.sharegpt_scaled(r.output_tokens, cfg.sharegpt_scale), cap))
+               for r in sharegpt.records("train")[: cfg.warm_start_records or None]]  # fmt: skip
+    save_model(path, train(records))
     return str(path)
 
 

@@ -153,13 +153,18 @@ def sharegpt_replay(count: int, *, rate: float | None, seed: int, scale: float =
     prompts stay as written)."""
     if rate is not None and not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"rate: must be a finite number > 0, got {rate}")
-    if not 0 < scale <= 1:
-        raise ValueError(f"scale: must be in (0, 1], got {scale}")
-    cap = max(1, round(SHAREGPT_MAX_TOKENS * scale))
+    cap = sharegpt_scaled(SHAREGPT_MAX_TOKENS, scale)
     arrival_rng = random.Random(f"{seed}/sharegpt/arrivals")
     t, out = 0.0, []
     for i, turn in enumerate(sharegpt_turns(count, seed)):
         if rate is not None and i > 0:
             t += arrival_rng.expovariate(1.0) / rate
-        out.append(BenchRequest(turn.prompt, max(1, min(round(turn.output_tokens * scale), cap)), t, cap))
+        out.append(BenchRequest(turn.prompt, min(sharegpt_scaled(turn.output_tokens, scale), cap), t, cap))
     return out
+
+
+def sharegpt_scaled(tokens: int, scale: float) -> int:
+    """A recorded length shortened by ``scale`` in (0, 1] (``sharegpt_replay``), at least 1."""
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale: must be in (0, 1], got {scale}")
+    return max(1, round(tokens * scale))

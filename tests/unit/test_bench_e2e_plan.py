@@ -139,3 +139,16 @@ def test_ratios_of_clients_left_out_are_null_and_the_priority_yardstick_is_noted
     assert ratios["sharegpt"] == dict.fromkeys(e2e.SHAREGPT_RATIO_KEYS)
     assert notes["vllm_priority_at_95pct_load"]["e2e_mean"] == pytest.approx(0.5)
     assert notes["goodput_load"] == 0.95
+
+
+def test_the_warm_start_is_fitted_on_answers_shortened_as_the_replay_shortens_them(monkeypatch, tmp_path):
+    """With --sharegpt-scale 0.25 the engine ends every answer at a quarter of its
+    recorded length: the judged sidecar's model learns those lengths, not four times them."""
+    fitted = {}
+    monkeypatch.setattr(e2e, "train", lambda records: fitted.setdefault("records", records))
+    monkeypatch.setattr(e2e, "save_model", lambda path, model: None)
+    full = e2e.sharegpt.records("train")[:200]
+    e2e._warm_start(e2e.E2EConfig(sharegpt_scale=0.25, warm_start_records=200), tmp_path / "m.npz")
+    got = fitted["records"]
+    assert [r.prompt for r in got] == [r.prompt for r in full]
+    assert [r.output_tokens for r in got] == [min(max(1, round(r.output_tokens / 4)), 256) for r in full]
