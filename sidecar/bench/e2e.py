@@ -257,6 +257,7 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
     return [sc for sc in plan if sc.clients]
 
 
+VLLM_MAX_NUM_SEQS = 256  # vLLM's default --max-num-seqs
 WARM_STARTED = {"sg-learned", "sg-engine-order"}  # the sidecars that start from the training split's model
 
 
@@ -305,8 +306,11 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
         "sg-cold": ("sharegpt", {**sharegpt, "predictor": {"kind": "Learned"}}),
         "sg-online": ("sharegpt", {**sharegpt, "predictor": {"kind": "Online"}}),
         "sg-hint": ("sharegpt", {**sharegpt, "predictor": {"kind": "Hint"}}),
+        # with no SLO nothing bounds B_t but b_mem, which held a fifth of the engine's throughput back here:
+        # vLLM's own limit (its default --max-num-seqs), so every request reaches its ordered queue at once
         "sg-engine-order": ("sharegpt-priority", {**sharegpt, "predictor": {"kind": "Learned", "warmStart": warm_start},
-                                                  **engine_order}),  # fmt: skip
+                                                  **engine_order, "batch": {**engine_order["batch"], "sizing": "Static",
+                                                                            "staticSize": VLLM_MAX_NUM_SEQS}}),  # fmt: skip
     }
 
 
