@@ -261,9 +261,14 @@ VLLM_MAX_NUM_SEQS = 256  # vLLM's default --max-num-seqs
 WARM_STARTED = {"sg-learned", "sg-engine-order"}  # the sidecars that start from the training split's model
 
 
+def sharegpt_cap(cfg: E2EConfig) -> int:
+    """The replay's ``max_tokens``: the client's usual cap, shortened by ``sharegpt_scale``."""
+    return workloads.sharegpt_scaled(workloads.SHAREGPT_MAX_TOKENS, cfg.sharegpt_scale)
+
+
 def sharegpt_context(cfg: E2EConfig) -> int:
     """The context the ShareGPT replay needs: its longest prompt and its answers' cap."""
-    return workloads.SHAREGPT_PROMPT_TOKENS + max(1, round(workloads.SHAREGPT_MAX_TOKENS * cfg.sharegpt_scale))
+    return workloads.SHAREGPT_PROMPT_TOKENS + sharegpt_cap(cfg)
 
 
 def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[str, dict[str, Any]]]:
@@ -284,8 +289,7 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
     gang_bins = {"mode": "Auto", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}
     kv_hint = {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max}, "batch": cont,
                "memory": memory, "latency": slo}  # fmt: skip
-    sharegpt_cap = max(1, round(workloads.SHAREGPT_MAX_TOKENS * cfg.sharegpt_scale))
-    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap}, "batch": cont, "memory": memory}
+    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap(cfg)}, "batch": cont, "memory": memory}
     # vLLM orders the queue (--scheduling-policy priority): nothing held here by a KV plan or an engine cap
     engine_order = {"memory": {"admission": "BatchSize"},
                     "batch": {**cont, "order": "EnginePriority", "followEngineQueue": False}}
@@ -635,7 +639,7 @@ def _warm_start(cfg: E2EConfig, path: Path) -> str:
     answers are shortened as the replay's are (``sharegpt_scale``): the lengths a
     user of that engine logged.  (Fitted on the full lengths, the model predicted
     four times the answers of the real-vLLM run at x0.25, most of them at its cap.)"""
-    cap = workloads.sharegpt_scaled(workloads.SHAREGPT_MAX_TOKENS, cfg.sharegpt_scale)
+    cap = sharegpt_cap(cfg)
     records = [replace(r, output_tokens=min(workloads.sharegpt_scaled(r.output_tokens, cfg.sharegpt_scale), cap))
                for r in sharegpt.records("train")[: cfg.warm_start_records or None]]  # fmt: skip
     save_model(path, train(records))
