@@ -193,17 +193,19 @@ async def test_a_slow_service_costs_one_deadline_then_the_breaker_skips_it(tmp_p
 
 
 async def test_a_service_that_is_down_falls_back_and_opens_the_breaker(tmp_path, caplog):
-    with socket.socket() as s:  # a port nothing listens on
+    caplog.set_level(logging.INFO, LOG)
+    # a port nothing listens on, held bound (not listening) for the whole test: closed at once, the
+    # sidecar's own HTTP door, started next on port 0, once got the same number and answered its 404s
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    caplog.set_level(logging.INFO, LOG)
-    async with sidecar(tmp_path, external(f"http://127.0.0.1:{port}/predict")) as sc:
-        for n in (64, 48, 32):
-            done = await sc.inference.Generate(prompt_request(n, n), timeout=WAIT)
-            assert done.predicted_output_tokens == n  # the built-in predictor: max_tokens
-        families = await sc.scrape()
-        assert calls(families) == {"answered": 0, "timeout": 0, "error": 1, "invalid": 0, "skipped": 2}
-        assert counter(families, "binbatch_external_predictor_breaker_opens") == 1
+        async with sidecar(tmp_path, external(f"http://127.0.0.1:{port}/predict")) as sc:
+            for n in (64, 48, 32):
+                done = await sc.inference.Generate(prompt_request(n, n), timeout=WAIT)
+                assert done.predicted_output_tokens == n  # the built-in predictor: max_tokens
+            families = await sc.scrape()
+            assert calls(families) == {"answered": 0, "timeout": 0, "error": 1, "invalid": 0, "skipped": 2}
+            assert counter(families, "binbatch_external_predictor_breaker_opens") == 1
     warned = [r for r in caplog.records if r.name == LOG and r.levelno == logging.WARNING]
     assert len(warned) == 1 and "tried again in 600 s" in warned[0].getMessage()
 
