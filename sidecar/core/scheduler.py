@@ -286,10 +286,7 @@ class Scheduler:
             if req not in self._open:  # cancelled while waiting: ended already
                 self._take(pending, req, packing, now, backlog)
                 continue
-            limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
-            if self.engine_cap is not None:
-                limit = min(limit, self.engine_cap)
-            if self.inflight_requests >= limit:
+            if self.inflight_requests >= self._bin_limit(batch.bin, sizes):
                 return
             if packing or self._kv_fits(req, now, left):
                 self._take(pending, req, packing, now, backlog)
@@ -350,15 +347,24 @@ class Scheduler:
         plan = self.core.kv_plan
         if plan is None or not self._kv_planned():
             return True
-        return plan.fits(self._inflight_left(now) if left is None else left,
-                         plan.held(req.prompt_tokens, predicted_length(req), 0.0))  # fmt: skip
+        return plan.fits(self._inflight_left(now) if left is None else left, self._queued_seq(req))
+
+    def _bin_limit(self, bin_: int, sizes: tuple[int, ...]) -> int:
+        """The most requests the engine may hold when one of bin ``bin_`` goes in:
+        its bin's B_t (``sizes``: the former's target sizes), capped by ``engine_cap``."""
+        limit = sizes[bin_] if bin_ < len(sizes) else min(sizes)
+        return limit if self.engine_cap is None else min(limit, self.engine_cap)
+
+    def _queued_seq(self, req: Request) -> Seq:
+        """``req``, still waiting here, as the KV plan would hold it once sent (needs a plan)."""
+        return self.core.kv_plan.held(req.prompt_tokens, predicted_length(req), 0.0)
 
     def _backfill(
         self, pending: AdmissionQueue, head: Request, now: float, left: list[Seq] | None, sizes: tuple[int, ...]
     ) -> tuple[Batch, Request] | None:  # fmt: skip
         """A request to send past ``head``, which the KV cache does not hold yet:
         of the ``BACKFILL_LOOKAHEAD`` next by rank, the first the cache holds now
-        (within its bin's B_t) that is planned to end before ``head`` could start
+        (within its bin's B_t and the engine's cap) that is planned to end before ``head`` could start
         (``KvPlan.start_step``) -- EASY backfilling: it fills room that would stand
         empty and does not delay the head.  Without it one long prompt at the head
         held the queue while the engine ran a single sequence: on the real vLLM
@@ -371,12 +377,12 @@ class Scheduler:
         left = self._inflight_left(now) if left is None else left
         start: float | None = None
         for batch, req in pending.behind(head, BACKFILL_LOOKAHEAD):
-            limit = sizes[batch.bin] if batch.bin < len(sizes) else min(sizes)
-            seq = plan.held(req.prompt_tokens, predicted_length(req), 0.0)
-            if req not in self._open or self.inflight_requests >= limit or not plan.fits(left, seq):
+            seq = self._queued_seq(req)
+            if req not in self._open or self.inflight_requests >= self._bin_limit(batch.bin, sizes) \
+                    or not plan.fits(left, seq):  # fmt: skip
                 continue
             if start is None:
-                start = plan.start_step(left, plan.held(head.prompt_tokens, predicted_length(head), 0.0))
+                start = plan.start_step(left, self._queued_seq(head))
             if seq.left <= start:
                 return batch, req
         return None
