@@ -36,7 +36,9 @@ and a leader that cannot renew it in time exits before that.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import shutil
 import random
 import socket
 import tempfile
@@ -118,11 +120,26 @@ def elector(kube: KubeApi, settings: kopf.OperatorSettings, logger: Any) -> Leas
     def on_lost(reason: str) -> None:
         # Stop at once, whatever the event loop is doing: a follower may take the Lease soon.
         logger.error("%s: exiting so that only one replica acts (it restarts as a follower)", reason)
+        _remove_folders()  # os._exit runs no atexit hook
         os._exit(1)
 
     identity = os.environ.get("POD_ID") or f"{socket.gethostname()}/{os.getpid()}"
     namespace = os.environ.get("POD_NAMESPACE", "default")
     return LeaseElector(kube.leases(), name, namespace, identity, on_leading, on_lost)
+
+
+_FOLDERS: list[Path] = []  # written by this process, removed when it exits
+
+
+def remove_at_exit(folder: Path) -> None:
+    if not _FOLDERS:
+        atexit.register(_remove_folders)
+    _FOLDERS.append(folder)
+
+
+def _remove_folders() -> None:
+    while _FOLDERS:
+        shutil.rmtree(_FOLDERS.pop(), ignore_errors=True)
 
 
 async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookServer:
@@ -151,6 +168,9 @@ async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookSer
         return WebhookServer(**listen, extra_sans=hosts[1:], on_ca=publish_ca)
     cert_pem, key_pem = await shared_certificate(kube, secret, namespace, hosts)
     folder = Path(tempfile.mkdtemp(prefix="binbatch-webhook-"))
+    # kopf's server loads the files when it starts and watches them after: the private key
+    # stays on disk while the operator runs and goes when it exits (``remove_at_exit``).
+    remove_at_exit(folder)
     (folder / "tls.crt").write_bytes(cert_pem)
     key_file = folder / "tls.key"
     key_file.touch(mode=0o600)

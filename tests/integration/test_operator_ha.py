@@ -133,6 +133,13 @@ def chart_container() -> dict[str, Any]:
     return container
 
 
+def replica_tmp(tmp_path: Path, pod_id: str) -> Path:
+    """The replica's TMPDIR, where it writes the shared certificate's files for kopf's server."""
+    folder = tmp_path / f"tmp-{pod_id}"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 async def start_replica(container: dict[str, Any], pod_id: str, tmp_path: Path) -> Replica:
     live_port, hook_port = free_port(), free_port()
     command = [f"--liveness=http://127.0.0.1:{live_port}/healthz" if a.startswith("--liveness=") else a
@@ -142,7 +149,8 @@ async def start_replica(container: dict[str, Any], pod_id: str, tmp_path: Path) 
             "BINBATCH_WEBHOOK_ADDRESS": "127.0.0.1", "BINBATCH_WEBHOOK_CONFIG": WEBHOOK_CONFIG,
             "BINBATCH_WEBHOOK_HOSTNAMES": env["BINBATCH_WEBHOOK_HOSTNAMES"] + ",127.0.0.1",
             "BINBATCH_STATS_INTERVAL_SECONDS": "0.5", "KUBECONFIG": os.environ["KUBECONFIG"],
-            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path)}  # fmt: skip
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path),
+            "TMPDIR": str(replica_tmp(tmp_path, pod_id))}  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         *command, cwd=tmp_path, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
@@ -217,6 +225,12 @@ async def test_a_leader_that_cannot_renew_its_lease_stops_before_the_follower_ma
         assert code == 1 and first.logged("could not renew the Lease")
         assert stopped < LEASE_DURATION  # before anyone may take the Lease
         assert not second.logged("Resuming operations")  # the follower cannot take it either
+        # Neither leaves the certificate's private key behind: not the one that exited at once
+        # (os._exit), nor the one stopped by SIGTERM.
+        assert list(replica_tmp(tmp_path, "operator-a").iterdir()) == []
+        assert list(replica_tmp(tmp_path, "operator-b").iterdir()) != []  # running: kopf's server reads them
+        assert await second.stop() == 0
+        assert list(replica_tmp(tmp_path, "operator-b").iterdir()) == []
     finally:
         for replica in (first, second):
             if replica is not None:
