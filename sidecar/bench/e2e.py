@@ -267,22 +267,23 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
     # ShortestFirst with followEngineQueue: the queue forms here, ordered (the config defaults, spelled out)
     cont = {"mode": "Continuous", "sizing": "Combined", "maxWaitMilliseconds": 0, "order": "ShortestFirst",
             "followEngineQueue": True}  # fmt: skip
-    # memory: each request enters only if the KV cache holds it to its end (kv_plan.py): no preemption with hints;
-    # then the KV cache is what the queue waits for, and shortest first measures a request by the KV it holds
+    # memory: each request enters only if the KV cache holds it to its end (kv_plan.py): no preemption with hints
     memory = {"admission": "Projected"}
-    cont_kv = {**cont, "shortestBy": "KvArea"}
     gang = {"mode": "Gang", "sizing": "Static", "staticSize": cfg.gang_batch, "maxWaitMilliseconds": 200,
             "maxInflightBatches": 1}  # fmt: skip
     # bins learned from the arriving hints (what a user who does not know the length distribution sets): a
     # batch-locked engine's bins are those with the least expected batch time, here cut between the two peaks
     gang_bins = {"mode": "Auto", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}
-    kv_hint = {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max}, "batch": cont_kv,
+    kv_hint = {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max}, "batch": cont,
                "memory": memory, "latency": slo}  # fmt: skip
     sharegpt_cap = max(1, round(workloads.SHAREGPT_MAX_TOKENS * cfg.sharegpt_scale))
-    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap}, "batch": cont_kv, "memory": memory}
+    # real prompts run from a few words to thousands of tokens, as long as the answers: the KV cache a request
+    # holds is its prompt's as much as its answer's, so shortest first weighs both (batch.shortestBy, admission.py)
+    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap},
+                "batch": {**cont, "shortestBy": "KvFootprint"}, "memory": memory}  # fmt: skip
     return {
         "kv-hint": ("kv", kv_hint),
-        "kv-packed": ("kv", {**kv_hint, "batch": {**cont_kv, "drainOrder": "LongestFitFirst"}}),
+        "kv-packed": ("kv", {**kv_hint, "batch": {**cont, "drainOrder": "LongestFitFirst"}}),
         "kv-online": ("kv", {**kv_hint, "predictor": {"kind": "Online"}}),
         # vLLM orders the queue (--scheduling-policy priority): nothing held here by a KV plan or an engine cap;
         # B_t only from the TPOT SLO
