@@ -277,10 +277,7 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
     kv_hint = {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max}, "batch": cont,
                "memory": memory, "latency": slo}  # fmt: skip
     sharegpt_cap = max(1, round(workloads.SHAREGPT_MAX_TOKENS * cfg.sharegpt_scale))
-    # real prompts run from a few words to thousands of tokens, as long as the answers: the KV cache a request
-    # holds is its prompt's as much as its answer's, so shortest first weighs both (batch.shortestBy, admission.py)
-    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap},
-                "batch": {**cont, "shortestBy": "KvFootprint"}, "memory": memory}  # fmt: skip
+    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap}, "batch": cont, "memory": memory}
     return {
         "kv-hint": ("kv", kv_hint),
         "kv-packed": ("kv", {**kv_hint, "batch": {**cont, "drainOrder": "LongestFitFirst"}}),

@@ -39,7 +39,10 @@ is ours to choose (issue 11, win 1):
     test_sharegpt_replay_model 1.32x (1.17x by footprint).  Where prompts vary
     little beside the answers it buys nothing: the bench's chat load at 0.95 with
     hints (test_order_vs_engine_priority, five seeds) 0.877x -> 0.888x, one seed
-    of five 0.75x -> 0.81x, p99 1.04x -> 1.03x;
+    of five 0.75x -> 0.81x, p99 1.04x -> 1.03x.  The prompt is the sidecar's
+    estimate (bytes / 4): where it is far off the engine's count (the embedded
+    engine counts words; code and unspaced scripts) the weight is too, and the
+    ShareGPT replay modelled so gave mean 1.041x -> 0.947x but p99 1.03x -> 1.25x;
   - a request that waited ``max_wait`` goes before every other, the oldest first:
     the hard bound on how long any request waits here while the engine admits;
   - a higher priority (request class) still goes first;

@@ -1,6 +1,5 @@
 """The ShareGPT replay in the engine model (issue 24): the bench's sidecar for it
-(``sg-*``: ShortestFirst at the engine's pace, each token weighed by its request's KV
-footprint, the KV plan) against direct at 0.95
+(``sg-*``: ShortestFirst at the engine's pace, the KV plan) against direct at 0.95
 of direct's capacity, with no hint -- a calibrated stand-in for a learned predictor
 that ranks the answers at Kendall tau ~0.45 -- and with the true length as the
 hint (the oracle).  The engine is the bench's ShareGPT engine (e2e.SHAREGPT_KV:
@@ -93,32 +92,27 @@ def test_the_stand_in_ranks_the_answers_as_a_learned_model_is_expected_to():
 
 
 def test_without_a_hint_the_sidecar_keeps_direct_throughput_with_a_fifth_of_its_preemptions_and_a_bounded_tail(runs):
-    """Seeds 1-3: throughput 0.984x direct's, preemptions 0.08x, p99 E2E 1.17x, mean
-    E2E 0.945x.  Ranked by predicted output tokens alone (``batch.shortestBy:
-    OutputTokens``) the mean was 1.02x (p99 1.13x, preemptions 0.10x): a ranking of
-    tau 0.45 won back no more than the KV plan's caution cost, a short answer to a
-    long prompt holding the cache as long as a long answer.  Aged at a fixed 20 tokens
-    a second instead of the engine's pace (by output tokens), the answers predicted
-    long waited behind every shorter arrival: p99 1.77x (mean 0.94x)."""
+    """Seeds 1-3: throughput 0.984x direct's, preemptions 0.10x, p99 E2E 1.13x -- and
+    mean E2E 1.02x: a ranking of tau 0.45 wins back no more than the KV plan's
+    caution costs (the oracle below: 0.83x).  Aged at a fixed 20 tokens a second
+    instead of the engine's pace, the answers predicted long waited behind every
+    shorter arrival: p99 1.77x (mean 0.94x)."""
     learned = {k: mean(r[k] for r in runs["learned"]) for k in runs["learned"][0]}
     assert learned["throughput"] >= 0.97
     assert learned["preemptions"] <= 0.2
     assert learned["p99"] <= 1.3
-    assert learned["mean"] <= 0.97
 
 
 def test_with_the_true_length_the_sidecar_is_faster_on_the_mean_and_no_slower_at_p99(runs):
-    """Seeds 1-3: mean E2E 0.77x direct's, p99 0.96x, no preemptions; ranked by
-    output tokens alone 0.83x and 1.03x (0.78x and 1.11x aged at a fixed 20 tokens
-    a second)."""
+    """Seeds 1-3: mean E2E 0.83x direct's, p99 1.03x, no preemptions (0.78x
+    and 1.11x aged at a fixed 20 tokens a second)."""
     oracle = {k: mean(r[k] for r in runs["oracle"]) for k in runs["oracle"][0]}
-    assert oracle["mean"] <= 0.8 and oracle["p99"] <= 1.25 and oracle["preemptions"] <= 0.01
+    assert oracle["mean"] <= 0.9 and oracle["p99"] <= 1.25 and oracle["preemptions"] <= 0.01
 
 
 def test_the_online_predictor_plans_by_the_spread_it_has_seen_not_by_a_mean_taken_as_exact():
     """Seeds 1-3 with today's Online (no hint, prompt-length buckets that rank almost
-    nothing): mean E2E 0.96x direct's, p99 0.98x, throughput 1.00x, preemptions 0.20x
-    (ranked by output tokens alone: 1.01x, 0.93x, 1.00x, 0.21x).
+    nothing): mean E2E 1.01x direct's, p99 0.93x, throughput 1.00x, preemptions 0.21x.
     A bucket's mean planned as an exact length gave 1.61x, 1.22x, 0.97x: its start
     planned every answer at max_tokens and an answer past the mean as nearly done."""
     ratios = []
