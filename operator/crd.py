@@ -120,6 +120,10 @@ SPEC_RULES = [
              " || (has(self.memory) && has(self.memory.admission) && self.memory.admission == 'Projected')",
      "message": "batch.drainOrder LongestFitFirst needs memory.admission Projected (it packs by the projected KV plan)",
      "fieldPath": ".batch.drainOrder"},
+    {"rule": "!has(self.batch) || !has(self.batch.shortestBy) || self.batch.shortestBy != 'KvFootprint'"
+             " || (has(self.memory) && has(self.memory.admission) && self.memory.admission == 'Projected')",
+     "message": "batch.shortestBy KvFootprint needs memory.admission Projected (only the projected KV plan limits the KV)",
+     "fieldPath": ".batch.shortestBy"},
     {"rule": "!has(self.batch) || !has(self.batch.order) || self.batch.order != 'EnginePriority'"
              " || !has(self.memory) || !has(self.memory.admission) || self.memory.admission != 'Projected'",
      "message": "memory.admission Projected holds requests in the sidecar; with batch.order EnginePriority the queue "

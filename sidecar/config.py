@@ -22,7 +22,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
                 maxQueuedRequests, dispatch: MaxWait|Smdp, smdpEngineWeight, order: Fifo|ShortestFirst|EnginePriority,
                 aging: EnginePace|Fixed, agingTokensPerSecond, maxQueueWaitMilliseconds, followEngineQueue,
-                drainOrder: ShortestFirst|LongestFitFirst}
+                drainOrder: ShortestFirst|LongestFitFirst, shortestBy: OutputTokens|KvFootprint}
     memory:    {admission: BatchSize|Projected, overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
     predictor: {kind: Hint|Online|Learned, defaultOutputTokens, warmStart, refitEveryRecords,
@@ -74,6 +74,7 @@ Dispatch = Literal["MaxWait", "Smdp"]
 AdmissionOrderName = Literal["Fifo", "ShortestFirst", "EnginePriority"]
 Aging = Literal["EnginePace", "Fixed"]
 DrainOrder = Literal["ShortestFirst", "LongestFitFirst"]
+ShortestBy = Literal["OutputTokens", "KvFootprint"]
 MemoryAdmission = Literal["BatchSize", "Projected"]
 PredictorKind = Literal["Hint", "Online", "Learned"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
@@ -191,6 +192,7 @@ class BatchConfig(_Section):
     follow_engine_queue: bool = Field(True, description="Continuous mode: also hold admission while the engine's own queue is not empty (from its running and waiting counts each scrape), so the queue forms here where it is ordered; while the engine queues nothing the cap grows above what it runs.")  # fmt: skip
     max_queue_wait_milliseconds: int = Field(30_000, ge=1, le=3_600_000, description="ShortestFirst: a request that waited this long for admission goes before every other, the oldest first (no request is starved).")  # fmt: skip
     drain_order: DrainOrder = Field("ShortestFirst", description="ShortestFirst, once arrivals stop (a burst or a batch job is over, what is queued is a batch): ShortestFirst keeps the shortest first, the longest request going first only when the rest would drain before it could end (best mean latency). LongestFitFirst (needs memory.admission Projected) sends the longest request the KV cache holds to its end next, so long answers overlap the short ones and the cache stays full (best throughput, for a later median).")  # fmt: skip
+    shortest_by: ShortestBy = Field("OutputTokens", description="ShortestFirst: what makes a request short. OutputTokens: its predicted output tokens. KvFootprint (needs memory.admission Projected): its predicted tokens, each weighted by the KV cache the request holds while it runs (its prompt plus half the mean answer) against the usual request's (the mean prompt plus that half), so a request of the usual prompt ranks at its tokens and aging keeps its pace: when the KV cache limits the engine's batch, a short answer to a long prompt holds as much of it as a longer answer to a short one.")  # fmt: skip
 
     @model_validator(mode="after")
     def _sizes_ordered(self) -> BatchConfig:
@@ -370,6 +372,9 @@ class SidecarConfig(_Section):
         if b.order == "EnginePriority" and self.memory.admission == "Projected":
             _broken([("memory.admission", "Projected holds requests here until the KV cache holds them; with "
                       "batch.order EnginePriority the queue is to form in the engine, which orders it: use BatchSize")])  # fmt: skip
+        if b.shortest_by == "KvFootprint" and self.memory.admission != "Projected":
+            _broken([("batch.shortestBy", "KvFootprint ranks by the KV cache a request holds, which only the projected KV "
+                      f"plan limits: it needs memory.admission Projected (is {self.memory.admission})")])  # fmt: skip
         if b.drain_order == "LongestFitFirst":
             needs = [(b.mode == "Continuous", f"batch.mode Continuous (is {b.mode})"),
                      (b.order == "ShortestFirst", f"batch.order ShortestFirst (is {b.order})"),

@@ -137,6 +137,7 @@ def build_admission(cfg: SidecarConfig) -> AdmissionOrder:
         follow_engine=b.follow_engine_queue and not engine_priority,
         engine_priority=engine_priority,
         drain="longest_fit_first" if b.drain_order == "LongestFitFirst" else "shortest_first",
+        by_footprint=b.shortest_by == "KvFootprint",
     )
 
 

@@ -133,6 +133,10 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
         {"memory": {"admission": "Projected"}, "batch": {"drainOrder": "LongestFitFirst"}},
         lambda s: _core(s).admission.drain, "longest_fit_first",
     ),  # fmt: skip
+    ("batch", "shortest_by"): (
+        {"memory": {"admission": "Projected"}, "batch": {"shortestBy": "KvFootprint"}},
+        lambda s: _core(s).admission.by_footprint, True,
+    ),  # fmt: skip
     ("memory", "admission"): ({"memory": {"admission": "Projected"}}, lambda s: _core(s).kv_plan is not None, True),
     ("memory", "overflow_per_mille"): ({"memory": {"overflowPerMille": 20}}, lambda s: _core(s).sizer.eps_m, 0.02),
     ("memory", "kv_reserve_percent"): ({"memory": {"kvReservePercent": 10}}, lambda s: _core(s).sizer.kv_reserve_ratio, 0.1),  # fmt: skip

@@ -409,3 +409,49 @@ def test_engine_priority_order_needs_continuous_mode_no_engine_queue_cap_and_no_
         with pytest.raises(ValueError, match=field):
             parse_config(doc)
     assert not build_admission(parse_config({})).engine_priority
+
+
+def test_by_kv_footprint_a_short_answer_to_a_long_prompt_waits_behind_a_longer_answer_to_a_short_one():
+    """OutputTokens ranks 100 tokens after a 3000-token prompt before 300 tokens after
+    a 20-token one; KvFootprint weighs each token by the KV its request holds per step,
+    its prompt plus half the mean answer (about 50): 100 x 3050 against 300 x 70."""
+    for by_footprint, first in ((False, "long-prompt"), (True, "short-prompt")):
+        q: AdmissionQueue[str] = AdmissionQueue(AdmissionOrder("shortest_first", aging=0.0, by_footprint=by_footprint))
+        for name, prompt, tokens in (("long-prompt", 3000, 100.0), ("short-prompt", 20, 300.0)):
+            r = Request(id=name, arrival=0.0, prompt_tokens=prompt, max_tokens=1000)
+            r.predicted_tokens = tokens
+            q.push(name, r)
+        assert q.pop(0.0)[0] == first
+
+
+def test_by_kv_footprint_a_request_of_the_usual_prompt_ranks_at_its_tokens_so_aging_keeps_its_pace():
+    """Every request with a 50-token prompt: each ranks at its own tokens, however
+    long, so a 900-token answer aged at 100 tokens a second passes 100-token
+    newcomers after 8 s either way (ranked by the whole KV area, L (p + L/2), in
+    steps of the mean footprint, it waited 39.8 s)."""
+    waits = []
+    for by_footprint in (False, True):
+        q: AdmissionQueue[str] = AdmissionQueue(AdmissionOrder("shortest_first", aging=100.0, by_footprint=by_footprint))
+        first = Request(id="long", arrival=0.0, prompt_tokens=50, max_tokens=1000)
+        first.predicted_tokens = 900.0
+        q.push("long", first)
+        for i in range(1000):
+            t = i * 0.01
+            r = Request(id=str(i), arrival=t, prompt_tokens=50, max_tokens=1000)
+            r.predicted_tokens = 100.0
+            q.push(str(i), r)
+            if q.pop(t)[0] == "long":
+                waits.append(t)
+                break
+    assert waits == [pytest.approx(8.0), pytest.approx(8.0)]  # a tie at 8 s: the one that came first
+
+
+def test_kv_footprint_ranking_reaches_the_core_and_needs_the_projected_plan():
+    from binbatch_sidecar.config import ConfigError, parse_config
+    from binbatch_sidecar.server.assembly import build_core
+
+    cfg = parse_config({"batch": {"shortestBy": "KvFootprint"}, "memory": {"admission": "Projected"}})
+    assert build_core(cfg, ManualClock()).admission.by_footprint
+    assert not build_core(parse_config({}), ManualClock()).admission.by_footprint
+    with pytest.raises(ConfigError, match=r"batch\.shortestBy.*memory\.admission Projected"):
+        parse_config({"batch": {"shortestBy": "KvFootprint"}})

@@ -53,6 +53,7 @@ batch:
   maxQueueWaitMilliseconds: 30000
   followEngineQueue: false
   drainOrder: ShortestFirst
+  shortestBy: KvFootprint
 memory:
   admission: Projected
   overflowPerMille: 5
