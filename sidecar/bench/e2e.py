@@ -289,7 +289,9 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
     gang_bins = {"mode": "Auto", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}
     kv_hint = {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max}, "batch": cont,
                "memory": memory, "latency": slo}  # fmt: skip
-    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap(cfg)}, "batch": cont, "memory": memory}
+    # ranked by KV footprint: prompts here run from a few words to 2,900 tokens, and the KV plan holds the queue
+    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap(cfg)}, "memory": memory,
+                "batch": {**cont, "shortestBy": "KvFootprint"}}  # fmt: skip
     # vLLM orders the queue (--scheduling-policy priority): nothing held here by a KV plan or an engine cap
     engine_order = {"memory": {"admission": "BatchSize"},
                     "batch": {**cont, "order": "EnginePriority", "followEngineQueue": False}}

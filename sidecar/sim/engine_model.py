@@ -111,6 +111,7 @@ class ContinuousEngine:
         prefill_per_token: float = 0.00002,
         streams: bool = False,
         priority: Callable[[Request], float] | None = None,
+        count_prompt: Callable[[Request], int] | None = None,
     ) -> None:
         if a < 0 or c < 0 or prefill_per_token < 0:
             raise ValueError(f"a, c and prefill_per_token must be >= 0, got {a}, {c}, {prefill_per_token}")
@@ -120,6 +121,8 @@ class ContinuousEngine:
         self.prefill_per_token = prefill_per_token
         self.streams = streams  # tell each request its progress at every step, as a streamed answer's chunks do
         self.priority = priority
+        # the engine's tokenizer: its count of a request's prompt (None: the request's prompt_tokens, the sidecar's own)
+        self.count_prompt = count_prompt
         self.waiting: deque[_Seq] | list[tuple[float, int, _Seq]] = deque() if priority is None else []
         self._arrivals = itertools.count()  # arrival order: the tie-break of equal priorities
         self.running: list[_Seq] = []  # in admission order: the newest is last
@@ -133,7 +136,8 @@ class ContinuousEngine:
     def submit(self, now: float, requests: Sequence[Request]) -> None:
         """Queue ``requests``; they start at the next step (``kick`` starts one if idle)."""
         for r in requests:
-            s = _Seq(r, int(r.prompt_tokens), max(1, int(round(r.actual_tokens or 1))), order=next(self._arrivals))
+            prompt = r.prompt_tokens if self.count_prompt is None else self.count_prompt(r)
+            s = _Seq(r, int(prompt), max(1, int(round(r.actual_tokens or 1))), order=next(self._arrivals))
             if self.priority is None:
                 self.waiting.append(s)
             else:

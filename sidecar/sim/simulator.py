@@ -178,7 +178,9 @@ def drive(
     def finish(now: float) -> None:
         for r in engine.advance(now):
             d, left = slot_of.pop(r)
-            scheduler.complete(r, Outcome(completion_tokens=r.actual_tokens, prompt_tokens=r.prompt_tokens), now)
+            # the prompt as the engine counted it, where its stream said (the live sidecar reads it from usage)
+            prompt = r.engine_prompt_tokens if r.engine_prompt_tokens is not None else r.prompt_tokens
+            scheduler.complete(r, Outcome(completion_tokens=r.actual_tokens, prompt_tokens=prompt), now)
             res.completed += 1
             full = d.batch.reason == "full"
             if full or not full_latency_only:
