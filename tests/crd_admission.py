@@ -373,6 +373,8 @@ CASES: dict[str, tuple[dict[str, Any], str | None]] = {
     "LongestFitFirst with the default BatchSize": ({"batch": {"drainOrder": "LongestFitFirst"}}, "spec.batch.drainOrder"),
     "LongestFitFirst with Fifo": ({"batch": {"drainOrder": "LongestFitFirst", "order": "Fifo"}, "memory": {"admission": "Projected"}}, "spec.batch.drainOrder"),
     "LongestFitFirst with Static sizing": ({"batch": {"drainOrder": "LongestFitFirst", "sizing": "Static"}, "memory": {"admission": "Projected"}}, "spec.batch.drainOrder"),
+    "KvFootprint with Projected": ({"batch": {"shortestBy": "KvFootprint"}, "memory": {"admission": "Projected"}}, None),
+    "KvFootprint with the default BatchSize": ({"batch": {"shortestBy": "KvFootprint"}}, "spec.batch.shortestBy"),
     "EnginePriority without the engine-queue cap": ({"batch": {"order": "EnginePriority", "followEngineQueue": False}}, None),
     "EnginePriority with the default followEngineQueue": ({"batch": {"order": "EnginePriority"}}, "spec.batch.followEngineQueue"),
     "EnginePriority in Gang": ({"batch": {"order": "EnginePriority", "followEngineQueue": False, "mode": "Gang"}}, "spec.batch.order"),
