@@ -30,19 +30,21 @@ is ours to choose (issue 11, win 1):
     short one (shortest-first by the resource, Smith's rule).  A request of the
     usual prompt ranks at its tokens, and the rank stays linear in them, so the
     aging keeps its pace for every length.  The ShareGPT replay in the engine
-    model (seeds 1-3, the real ``Learned`` model, no hint): mean E2E 0.957x ->
-    0.879x direct's, p99 0.962x -> 0.959x, preemptions 0.152x -> 0.149x; the
-    oracle 0.829x -> 0.772x (p99 1.03x -> 0.96x).  Ranked by the whole KV area
+    model (seeds 1-3, the real ``Learned`` model, no hint; the sidecar counting a
+    prompt by its estimate, bytes / 4 scaled by what the engine reported, the
+    engine by words): mean E2E 0.966x -> 0.881x direct's, p99 0.989x -> 1.077x;
+    the oracle 0.819x -> 0.786x (p99 1.07x -> 1.10x); in ``bench e2e``, side by
+    side in two runs, 1.005x -> 0.925x and 0.989x -> 0.902x, p99 1.0x -> 1.1x.
+    The bench's ShareGPT sidecars rank so.  Ranked by the whole KV area
     instead, L (p + L/2) (each answer's own growth, not the mean's), the mean was
     the same (0.881x) but the L^2 put the answers predicted long behind every
     shorter arrival: p99 1.03x, and with the noisier stand-in predictor of
     test_sharegpt_replay_model 1.32x (1.17x by footprint).  Where prompts vary
     little beside the answers it buys nothing: the bench's chat load at 0.95 with
     hints (test_order_vs_engine_priority, five seeds) 0.877x -> 0.888x, one seed
-    of five 0.75x -> 0.81x, p99 1.04x -> 1.03x.  The prompt is the sidecar's
-    estimate (bytes / 4): where it is far off the engine's count (the embedded
-    engine counts words; code and unspaced scripts) the weight is too, and the
-    ShareGPT replay modelled so gave mean 1.041x -> 0.947x but p99 1.03x -> 1.25x;
+    of five 0.75x -> 0.81x, p99 1.04x -> 1.03x.  The prompt is the sidecar's raw
+    estimate (bytes / 4), not scaled to the engine's count as the KV plan scales
+    it: where a tokenizer counts far from bytes / 4 the weights are off by that;
   - a request that waited ``max_wait`` goes before every other, the oldest first:
     the hard bound on how long any request waits here while the engine admits;
   - a higher priority (request class) still goes first;
