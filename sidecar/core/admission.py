@@ -44,7 +44,9 @@ is ours to choose (issue 11, win 1):
     hints (test_order_vs_engine_priority, five seeds) 0.877x -> 0.888x, one seed
     of five 0.75x -> 0.81x, p99 1.04x -> 1.03x.  The prompt is the sidecar's raw
     estimate (bytes / 4), not scaled to the engine's count as the KV plan scales
-    it: where a tokenizer counts far from bytes / 4 the weights are off by that;
+    it.  Scaled (there the engine counts 0.6-0.7 of the estimate), the same
+    seeds ranked no better: mean 0.882x, p99 1.098x (sixth session), so the
+    rank keeps the raw estimate;
   - a request that waited ``max_wait`` goes before every other, the oldest first:
     the hard bound on how long any request waits here while the engine admits;
   - a higher priority (request class) still goes first;
