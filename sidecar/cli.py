@@ -94,6 +94,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     cfg = replace(cfg, load_requests=args.load_requests) if args.load_requests else cfg
     cfg = replace(cfg, sharegpt_requests=args.sharegpt_requests) if args.sharegpt_requests else cfg
     cfg = replace(cfg, sharegpt_scale=args.sharegpt_scale) if args.sharegpt_scale else cfg
+    cfg = replace(cfg, sharegpt_load=args.sharegpt_load) if args.sharegpt_load else cfg
     cfg = replace(cfg, loads=tuple(args.loads)) if args.loads else cfg
     cfg = replace(cfg, only=tuple(args.only)) if args.only else cfg
     cfg = replace(cfg, clients=tuple(args.client)) if args.client else cfg
@@ -294,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2.add_argument("--sharegpt-scale", type=_share, metavar="SHARE",
                     help="shorten the ShareGPT answers and their 1024-token cap by this share (0, 1] for a slow "
                          "engine; the prompts stay as written (default 1)")  # fmt: skip
+    e2.add_argument("--sharegpt-load", type=_load_fraction, metavar="FRACTION",
+                    help="the ShareGPT replay's Poisson load as a fraction of direct's capacity on it (default "
+                         "0.95; ratios.sharegpt are taken there)")  # fmt: skip
     e2.add_argument("--capacity-concurrency", type=_positive_int,
                     help="requests kept outstanding while measuring direct's capacity (default 32; must exceed what "
                          "the engine runs at once)")

@@ -156,7 +156,8 @@ class E2EConfig:
     kv_engine: EngineShape = KV_LIMITED
     ample_engine: EngineShape = AMPLE_KV
     sharegpt_engine: EngineShape = SHAREGPT_KV
-    sharegpt_requests: int = 500  # ShareGPT first turns replayed at load RATIO_LOAD
+    sharegpt_requests: int = 500  # ShareGPT first turns replayed at load sharegpt_load
+    sharegpt_load: float = RATIO_LOAD  # the replay's load, a fraction of direct's ShareGPT capacity
     sharegpt_capacity_requests: int = 192  # the ShareGPT capacity's closed loop (capacity_concurrency outstanding)
     sharegpt_scale: float = 1.0  # ShareGPT answers and their cap shortened by this (a slow engine's run)
     warm_start_records: int = 0  # the judged sidecar's model is fitted on this many training records (0: all)
@@ -246,9 +247,9 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
         Scenario("short@ample", "short burst, ample KV", "ample", "short", cfg.requests, None, (DIRECT, FREE), cfg.scale),
         Scenario("mixed@gang", "mixed burst, gang", "ample", "mixed", cfg.gang_requests, None,
                  (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8), cfg.gang_scale),  # fmt: skip
-        Scenario("sharegpt", f"ShareGPT replay, load {RATIO_LOAD:g}", "sharegpt", "sharegpt", cfg.sharegpt_requests,
-                 RATIO_LOAD, (DIRECT, SG_LEARNED, SG_COLD, SG_ONLINE, SG_HINT, *((SG_ENGINE_ORDER,) if there else ())),
-                 1.0),  # fmt: skip
+        Scenario("sharegpt", f"ShareGPT replay, load {cfg.sharegpt_load:g}", "sharegpt", "sharegpt",
+                 cfg.sharegpt_requests, cfg.sharegpt_load,
+                 (DIRECT, SG_LEARNED, SG_COLD, SG_ONLINE, SG_HINT, *((SG_ENGINE_ORDER,) if there else ())), 1.0),  # fmt: skip
     ]
     if cfg.only:
         plan = [sc for sc in plan if sc.key in cfg.only or sc.shape in cfg.only]
@@ -624,7 +625,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         "engine": cfg.engine_url or (f"embedded: {cfg.kv_engine.describe()} (ample: {cfg.ample_engine.num_gpu_blocks} "
                                      f"blocks; ShareGPT: {cfg.sharegpt_engine.num_gpu_blocks})"),
         "capacity_requests_per_s": capacity, "capacity_method": "steady-state closed loop",
-        "sharegpt_capacity_requests_per_s": sharegpt_capacity,
+        "sharegpt_capacity_requests_per_s": sharegpt_capacity, "sharegpt_load": cfg.sharegpt_load,
         "burst_capacity_requests_per_s": burst_capacity, "repeats": cfg.repeats, "seed": cfg.seed, "failures": failures,
         "slo": f"TTFT <= {cfg.slo_ttft_s * 1e3:g} ms and TPOT <= {cfg.slo_tpot_s * 1e3:g} ms", **notes,
     }  # fmt: skip

@@ -52,6 +52,19 @@ def test_cli_load_requests_reaches_the_plan(monkeypatch):
     assert seen["cfg"].load_requests == 77 and seen["cfg"].requests == e2e.E2EConfig().requests
 
 
+def test_cli_sharegpt_load_sets_the_replays_load_and_refuses_a_non_fraction(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(e2e, "run", lambda cfg, say: seen.setdefault("cfg", cfg) and {"runs": [], "ratios": {}})
+    monkeypatch.setattr(e2e, "print_tables", lambda doc: None)
+    assert cli.main(["bench", "e2e", "--only", "sharegpt", "--sharegpt-load", "0.5", "--quiet"]) == 0
+    (sc,) = e2e.scenarios(seen["cfg"])
+    assert (sc.key, sc.load, sc.label) == ("sharegpt", 0.5, "ShareGPT replay, load 0.5")
+    assert [s.load for s in e2e.scenarios(e2e.E2EConfig(only=("sharegpt",)))] == [e2e.RATIO_LOAD]
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "e2e", "--sharegpt-load", "0", "--quiet"])
+    assert "--sharegpt-load: must be > 0" in capsys.readouterr().err
+
+
 def test_cli_client_keeps_only_those_clients(monkeypatch):
     seen = {}
     monkeypatch.setattr(e2e, "run", lambda cfg, say: seen.setdefault("cfg", cfg) and {"runs": [], "ratios": {}})
