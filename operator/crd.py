@@ -112,17 +112,25 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
     ],
 }  # fmt: skip
 
+# memory.admission is, or resolves to, BatchSize: said so, or Auto (the default) in Gang mode or with the
+# queue in the engine (SidecarConfig.kv_admission)
+_ADMISSION_IS_BATCH_SIZE = (
+    "((has(self.memory) && has(self.memory.admission) && self.memory.admission == 'BatchSize')"
+    " || ((!has(self.memory) || !has(self.memory.admission) || self.memory.admission == 'Auto') && has(self.batch)"
+    " && ((has(self.batch.order) && self.batch.order == 'EnginePriority') || (has(self.batch.mode) && self.batch.mode == 'Gang'))))"
+)
+
 SPEC_RULES = [
     {"rule": "!has(self.batch) || !has(self.batch.sizing) || self.batch.sizing != 'Sla'"
              " || (has(self.latency) && has(self.latency.tpotMilliseconds) && self.latency.tpotMilliseconds > 0)",
      "message": "latency.tpotMilliseconds must be > 0 when batch.sizing is Sla", "fieldPath": ".latency.tpotMilliseconds"},
     {"rule": "!has(self.batch) || !has(self.batch.drainOrder) || self.batch.drainOrder != 'LongestFitFirst'"
-             " || (has(self.memory) && has(self.memory.admission) && self.memory.admission == 'Projected')",
-     "message": "batch.drainOrder LongestFitFirst needs memory.admission Projected (it packs by the projected KV plan)",
+             f" || !{_ADMISSION_IS_BATCH_SIZE}",
+     "message": "batch.drainOrder LongestFitFirst needs memory.admission Projected or Auto (it packs by the projected KV plan)",
      "fieldPath": ".batch.drainOrder"},
     {"rule": "!has(self.batch) || !has(self.batch.shortestBy) || self.batch.shortestBy != 'KvFootprint'"
-             " || (has(self.memory) && has(self.memory.admission) && self.memory.admission == 'Projected')",
-     "message": "batch.shortestBy KvFootprint needs memory.admission Projected (only the projected KV plan limits the KV)",
+             f" || !{_ADMISSION_IS_BATCH_SIZE}",
+     "message": "batch.shortestBy KvFootprint needs memory.admission Projected or Auto (only the projected KV plan limits the KV)",
      "fieldPath": ".batch.shortestBy"},
     {"rule": "!has(self.batch) || !has(self.batch.order) || self.batch.order != 'EnginePriority'"
              " || !has(self.memory) || !has(self.memory.admission) || self.memory.admission != 'Projected'",

@@ -74,8 +74,8 @@ Dispatch = Literal["MaxWait", "Smdp"]
 AdmissionOrderName = Literal["Fifo", "ShortestFirst", "EnginePriority"]
 Aging = Literal["EnginePace", "Fixed"]
 DrainOrder = Literal["ShortestFirst", "LongestFitFirst"]
-ShortestBy = Literal["OutputTokens", "KvFootprint"]
-MemoryAdmission = Literal["BatchSize", "Projected"]
+ShortestBy = Literal["Auto", "OutputTokens", "KvFootprint"]
+MemoryAdmission = Literal["Auto", "BatchSize", "Projected"]
 PredictorKind = Literal["Hint", "Online", "Learned"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
@@ -181,7 +181,7 @@ class BatchConfig(_Section):
     static_size: int = Field(32, ge=1, le=4096, description="Batch size for Static sizing, and before metrics arrive.")
     min_batch_size: int = Field(1, ge=1, le=4096, description="Lower clamp of the dynamic batch size.")
     max_batch_size: int = Field(256, ge=1, le=4096, description="Upper clamp of the dynamic batch size.")
-    max_wait_milliseconds: int = Field(50, ge=0, le=600_000, description="A partial batch leaves its bin once its oldest request waited this long (Continuous mode: at once while the engine holds fewer requests than the batch size).")  # fmt: skip
+    max_wait_milliseconds: int = Field(0, ge=0, le=600_000, description="A partial batch leaves its bin once its oldest request waited this long (Continuous mode: at once while the engine holds fewer requests than the batch size). 0 (the default): a request goes as soon as the engine has room for it -- holding it to fill a batch only added waiting in every measured workload of a continuous-batching engine; Gang mode may set a wait to send fuller batches.")  # fmt: skip
     max_inflight_batches: int = Field(4, ge=1, le=1024, description="Gang mode: the most batches in the engine at once (each holds its place until all its requests finish).")  # fmt: skip
     max_queued_requests: int = Field(10_000, ge=1, le=10_000_000, description="Queued requests across all bins; beyond it requests are refused (RESOURCE_EXHAUSTED). A request whose predicted queue wait exceeds its deadline is refused too.")  # fmt: skip
     dispatch: Dispatch = Field("MaxWait", description="When a partial batch leaves: MaxWait (after maxWaitMilliseconds), or Smdp (Gang only: as soon as a slot is free and its bin holds enough requests, the threshold coming from a semi-Markov decision process (SMDP) solved for the measured arrival rate and batch service time (fitted as a linear function of batch size); maxWaitMilliseconds still bounds the wait, and alone decides until a solution exists).")  # fmt: skip
@@ -192,7 +192,7 @@ class BatchConfig(_Section):
     follow_engine_queue: bool = Field(True, description="Continuous mode: also hold admission while the engine's own queue is not empty (from its running and waiting counts each scrape), so the queue forms here where it is ordered; while the engine queues nothing the cap grows above what it runs.")  # fmt: skip
     max_queue_wait_milliseconds: int = Field(30_000, ge=1, le=3_600_000, description="ShortestFirst: a request that waited this long for admission goes before every other, the oldest first (no request is starved).")  # fmt: skip
     drain_order: DrainOrder = Field("ShortestFirst", description="ShortestFirst, once arrivals stop (a burst or a batch job is over, what is queued is a batch): ShortestFirst keeps the shortest first, the longest request going first only when the rest would drain before it could end (best mean latency). LongestFitFirst (needs memory.admission Projected) sends the longest request the KV cache holds to its end next, so long answers overlap the short ones and the cache stays full (best throughput, for a later median).")  # fmt: skip
-    shortest_by: ShortestBy = Field("OutputTokens", description="ShortestFirst: what makes a request short. OutputTokens: its predicted output tokens. KvFootprint (needs memory.admission Projected): its predicted tokens, each weighted by the KV cache the request holds while it runs (its prompt plus half the mean answer) against the usual request's (the mean prompt plus that half), so a request of the usual prompt ranks at its tokens and aging keeps its pace: when the KV cache limits the engine's batch, a short answer to a long prompt holds as much of it as a longer answer to a short one.")  # fmt: skip
+    shortest_by: ShortestBy = Field("Auto", description="ShortestFirst: what makes a request short. Auto (the default): KvFootprint where the projected KV plan applies (memory.admission resolves to Projected), else OutputTokens. OutputTokens: its predicted output tokens. KvFootprint (needs the projected KV plan: memory.admission Projected or Auto resolving to it): its predicted tokens, each weighted by the KV cache the request holds while it runs (its prompt plus half the mean answer) against the usual request's (the mean prompt plus that half), so a request of the usual prompt ranks at its tokens and aging keeps its pace: when the KV cache limits the engine's batch, a short answer to a long prompt holds as much of it as a longer answer to a short one.")  # fmt: skip
 
     @model_validator(mode="after")
     def _sizes_ordered(self) -> BatchConfig:
@@ -215,7 +215,7 @@ class BatchConfig(_Section):
 
 
 class MemoryConfig(_Section):
-    admission: MemoryAdmission = Field("BatchSize", description="How the KV cache bounds admission (sizing Memory or Combined). BatchSize: a batch size from the observed length distribution and overflowPerMille. Projected (Continuous mode): each request enters only if the cache, less kvReservePercent, holds it and every request in flight until each finishes, from their prompt and predicted output lengths; the engine's preemptions tighten it. Exact with hints: no preemption.")  # fmt: skip
+    admission: MemoryAdmission = Field("Auto", description="How the KV cache bounds admission (sizing Memory or Combined). Auto (the default): Projected in Continuous mode unless batch.order is EnginePriority (the queue then forms in the engine), else BatchSize. BatchSize: a batch size from the observed length distribution and overflowPerMille. Projected (Continuous mode): each request enters only if the cache, less kvReservePercent, holds it and every request in flight until each finishes, from their prompt and predicted output lengths; the engine's preemptions tighten it. Exact with hints: no preemption.")  # fmt: skip
     overflow_per_mille: int = Field(10, ge=1, le=999, description="Accepted probability that a batch overflows the KV cache, per mille (10 means 1%).")  # fmt: skip
     kv_reserve_percent: int = Field(0, ge=0, le=90, description="Share of the KV cache kept out of the memory bound, in percent.")  # fmt: skip
     kv_saturation_percent: int = Field(95, ge=1, le=100, description="KV-cache usage at or above which no bin grows, in percent.")  # fmt: skip
@@ -372,19 +372,51 @@ class SidecarConfig(_Section):
         if b.order == "EnginePriority" and self.memory.admission == "Projected":
             _broken([("memory.admission", "Projected holds requests here until the KV cache holds them; with "
                       "batch.order EnginePriority the queue is to form in the engine, which orders it: use BatchSize")])  # fmt: skip
-        if b.shortest_by == "KvFootprint" and self.memory.admission != "Projected":
+        if b.shortest_by == "KvFootprint" and self.kv_admission != "Projected":
             _broken([("batch.shortestBy", "KvFootprint ranks by the KV cache a request holds, which only the projected KV "
-                      f"plan limits: it needs memory.admission Projected (is {self.memory.admission})")])  # fmt: skip
+                      f"plan limits: it needs memory.admission Projected (is {self._admission_said})")])  # fmt: skip
         if b.drain_order == "LongestFitFirst":
             needs = [(b.mode == "Continuous", f"batch.mode Continuous (is {b.mode})"),
                      (b.order == "ShortestFirst", f"batch.order ShortestFirst (is {b.order})"),
-                     (self.memory.admission == "Projected", f"memory.admission Projected (is {self.memory.admission})"),
+                     (self.kv_admission == "Projected", f"memory.admission Projected (is {self._admission_said})"),
                      (b.sizing in ("Memory", "Combined"), f"batch.sizing Memory or Combined (is {b.sizing})")]  # fmt: skip
             missing = [what for ok, what in needs if not ok]
             if missing:
                 _broken([("batch.drainOrder", "LongestFitFirst packs by the projected KV plan and needs "
                           + ", ".join(missing))])  # fmt: skip
         return self
+
+    # The two Auto defaults resolved: what a policy that sets nothing runs is the configuration measured
+    # best without hints (docs/results): the projected KV plan, ranking by KV footprint.
+    @property
+    def kv_admission(self) -> Literal["BatchSize", "Projected"]:
+        """``memory.admission`` with Auto resolved: Projected in Continuous mode unless ``batch.order`` is
+        EnginePriority (the queue then forms in the engine, which orders it), else BatchSize."""
+        said = self.memory.admission
+        if said != "Auto":
+            return said
+        b = self.batch
+        return "Projected" if b.mode == "Continuous" and b.order != "EnginePriority" else "BatchSize"
+
+    @property
+    def projected_kv(self) -> bool:
+        """The projected KV plan applies: Projected admission, Continuous mode, a memory-aware sizing."""
+        b = self.batch
+        return self.kv_admission == "Projected" and b.mode == "Continuous" and b.sizing in ("Memory", "Combined")
+
+    @property
+    def rank_by(self) -> Literal["OutputTokens", "KvFootprint"]:
+        """``batch.shortestBy`` with Auto resolved: KvFootprint where the projected KV plan applies to a
+        ShortestFirst queue."""
+        said = self.batch.shortest_by
+        if said != "Auto":
+            return said
+        return "KvFootprint" if self.projected_kv and self.batch.order == "ShortestFirst" else "OutputTokens"
+
+    @property
+    def _admission_said(self) -> str:
+        a = self.memory.admission
+        return f"Auto, resolving to {self.kv_admission}" if a == "Auto" else a
 
     # SI values for the server, converted once here.
     @property

@@ -105,12 +105,14 @@ async def start_sidecar(doc: dict[str, Any], path: Path, cwd: Path) -> SidecarPr
     return proc
 
 
-def sidecar_doc(engine_url: str, model: str, overrides: dict[str, Any]) -> dict[str, Any]:
+def sidecar_doc(engine_url: str, model: str, overrides: dict[str, Any], *, scrape_ms: int | None = 200) -> dict[str, Any]:
     """A sidecar config for ``engine_url``: loopback ports, Info logs (the ready
-    line is an Info record), metrics scraped every 200 ms, then ``overrides``."""
+    line is an Info record), metrics scraped every ``scrape_ms`` (None: the
+    default interval), then ``overrides``."""
+    every = {} if scrape_ms is None else {"intervalMilliseconds": scrape_ms}
     return {
         "engine": {"url": engine_url, "model": model},
-        "metrics": {"url": f"{engine_url}/metrics", "intervalMilliseconds": 200},
+        "metrics": {"url": f"{engine_url}/metrics", **every},
         "server": {"grpcPort": 0, "httpPort": 0, "metricsPort": 0, "drainGraceSeconds": 5},
         "logging": {"level": "Info"},
         **overrides,

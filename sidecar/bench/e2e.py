@@ -88,6 +88,8 @@ from typing import Any
 import aiohttp
 import grpc
 
+from binbatch_operator import builders
+
 from ..engine.model_file import save_model
 from ..engine.training_records import train
 from . import sharegpt, workloads
@@ -215,6 +217,10 @@ ONLINE = Client("online", "sidecar continuous k=4 online", "continuous", 4, "kv-
 ENGINE_ORDER = Client("engine-order", "sidecar continuous k=4 hint, order in engine", "continuous", 4, "kvp-hint",
                       engine="kv-priority")
 FREE = Client("free", "sidecar continuous k=4 hint, no SLO", "continuous", 4, "ample-free")
+# What a user installs, in every scenario: the policy default (policy_default), no hint, the Learned
+# predictor starting cold (these synthetic workloads have no training split to warm it)
+DEFAULT_KV = Client("default", "sidecar, policy default, no hint", "continuous", 4, "kv-default", hint=False)
+DEFAULT_AMPLE = Client("default", "sidecar, policy default, no hint", "continuous", 4, "ample-default", hint=False)
 IDEAL1 = Client("ideal1", "ideal gang k=1", "ideal-gang", 1)
 IDEAL4 = Client("ideal4", "ideal gang k=4", "ideal-gang", 4)
 GANG1 = Client("gang1", "sidecar gang k=1", "gang", 1, "ample-gang1")
@@ -223,30 +229,33 @@ IDEAL8 = Client("ideal8", "ideal gang k=8", "ideal-gang", 8)
 GANG8 = Client("gang8", "sidecar gang k=8", "gang", 8, "ample-gang8")
 # The ShareGPT replay's sidecars: as a new user runs one (no hint; the judged row), and the
 # oracle (the recorded length as the hint), the yardstick
-SG_LEARNED = Client("learned", "sidecar, no hint, Learned (warm start)", "continuous", 4, "sg-learned", hint=False)
-SG_COLD = Client("cold", "sidecar, no hint, Learned (cold start)", "continuous", 4, "sg-cold", hint=False)
+SG_LEARNED = Client("learned", "sidecar, policy default, no hint, Learned (warm start)", "continuous", 4, "sg-learned", hint=False)
+SG_COLD = Client("cold", "sidecar, policy default, no hint, Learned (cold start)", "continuous", 4, "sg-cold", hint=False)
 SG_ONLINE = Client("online", "sidecar, no hint, Online", "continuous", 4, "sg-online", hint=False)
 SG_HINT = Client("hint", "sidecar, true length as hint (oracle)", "continuous", 4, "sg-hint")
 # the judged sidecar handing its order to an engine started with --scheduling-policy priority
 SG_ENGINE_ORDER = Client("learned-engine-order", "sidecar, no hint, Learned (warm start), order in engine",
                          "continuous", 4, "sg-engine-order", hint=False, engine="sharegpt-priority")  # fmt: skip
-CLIENT_NAMES = tuple(c.key for c in (DIRECT, PRIORITY, HINT, ENGINE_ORDER, PACKED, ONLINE, FREE, IDEAL1, IDEAL4, IDEAL8,
-                                     GANG1, GANG4, GANG8, SG_LEARNED, SG_COLD, SG_ENGINE_ORDER))  # fmt: skip
+CLIENT_NAMES = tuple(c.key for c in (DIRECT, PRIORITY, HINT, ENGINE_ORDER, PACKED, ONLINE, FREE, DEFAULT_KV, IDEAL1,
+                                     IDEAL4, IDEAL8, GANG1, GANG4, GANG8, SG_LEARNED, SG_COLD, SG_ENGINE_ORDER))  # fmt: skip
+# the client judged as "the default" in each scenario (the ShareGPT replay's is warm-started: SHAREGPT_JUDGED)
+DEFAULT_CLIENT = {"sharegpt": "learned"}
 
 
 def scenarios(cfg: E2EConfig) -> list[Scenario]:
     # vLLM's priority scheduling needs an engine started so: embedded, or given as priority_engine_url
     there = cfg.engine_url is None or cfg.priority_engine_url is not None
     chat = [Scenario(f"chat@{x:g}", f"chat load {x:g}", "kv", "chat", cfg.load_requests, x,
-                     (DIRECT, *((PRIORITY,) if there else ()), HINT, *((ENGINE_ORDER,) if there else ()), ONLINE),
-                     cfg.scale) for x in cfg.loads]  # fmt: skip
+                     (DIRECT, *((PRIORITY,) if there else ()), HINT, *((ENGINE_ORDER,) if there else ()), ONLINE,
+                      DEFAULT_KV), cfg.scale) for x in cfg.loads]  # fmt: skip
     plan = [
         *chat,
         Scenario("chat@burst", "chat burst, KV pressure", "kv", "chat", cfg.requests, None,
-                 (DIRECT, HINT, PACKED, ONLINE), cfg.scale),  # fmt: skip
-        Scenario("short@ample", "short burst, ample KV", "ample", "short", cfg.requests, None, (DIRECT, FREE), cfg.scale),
+                 (DIRECT, HINT, PACKED, ONLINE, DEFAULT_KV), cfg.scale),  # fmt: skip
+        Scenario("short@ample", "short burst, ample KV", "ample", "short", cfg.requests, None,
+                 (DIRECT, FREE, DEFAULT_AMPLE), cfg.scale),  # fmt: skip
         Scenario("mixed@gang", "mixed burst, gang", "ample", "mixed", cfg.gang_requests, None,
-                 (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8), cfg.gang_scale),  # fmt: skip
+                 (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8, DEFAULT_AMPLE), cfg.gang_scale),  # fmt: skip
         Scenario("sharegpt", f"ShareGPT replay, load {cfg.sharegpt_load:g}", "sharegpt", "sharegpt",
                  cfg.sharegpt_requests, cfg.sharegpt_load,
                  (DIRECT, SG_LEARNED, SG_COLD, SG_ONLINE, SG_HINT, *((SG_ENGINE_ORDER,) if there else ())), 1.0),  # fmt: skip
@@ -259,6 +268,18 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
 
 
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default --max-num-seqs
+# The sidecars whose config is the policy default (policy_default): scraped at the default interval too
+POLICY_DEFAULT = {"sg-learned", "sg-cold", "sg-online", "sg-hint", "kv-default", "ample-default"}
+
+
+def policy_default(predictor: dict[str, Any]) -> dict[str, Any]:
+    """The config the operator renders for a BatchingPolicy that sets nothing but ``spec.predictor``
+    (its selector, engine and metrics URLs aside), by the operator's own builder: the CRD's defaults,
+    not the bench's, so the judged row is what a user installs.  ``server`` is left out: the bench's
+    sidecars bind port 0; ``sidecar_doc`` adds the engine and its scrape URL."""
+    doc = builders.sidecar_config({"selector": {}, "predictor": predictor})
+    doc.pop("server")
+    return doc
 WARM_STARTED = {"sg-learned", "sg-engine-order"}  # the sidecars that start from the training split's model
 
 
@@ -290,9 +311,8 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
     gang_bins = {"mode": "Auto", "maxOutputTokens": workloads.longest("mixed", cfg.gang_scale)}
     kv_hint = {"predictor": {"kind": "Hint"}, "bins": {"count": 4, "maxOutputTokens": chat_max}, "batch": cont,
                "memory": memory, "latency": slo}  # fmt: skip
-    # ranked by KV footprint: prompts here run from a few words to 2,900 tokens, and the KV plan holds the queue
-    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap(cfg)}, "memory": memory,
-                "batch": {**cont, "shortestBy": "KvFootprint"}}  # fmt: skip
+    # the ShareGPT replay's tuned row (the order handed to vLLM) keeps the bins at the replay's cap
+    sharegpt = {"bins": {"count": 4, "maxOutputTokens": sharegpt_cap(cfg)}, "memory": memory, "batch": cont}
     # vLLM orders the queue (--scheduling-policy priority): nothing held here by a KV plan or an engine cap
     engine_order = {"memory": {"admission": "BatchSize"},
                     "batch": {**cont, "order": "EnginePriority", "followEngineQueue": False}}
@@ -302,17 +322,20 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
         "kv-online": ("kv", {**kv_hint, "predictor": {"kind": "Online"}}),
         # the same, B_t only from the TPOT SLO
         "kvp-hint": ("kv-priority", {**kv_hint, **engine_order, "batch": {**engine_order["batch"], "sizing": "Sla"}}),
+        "kv-default": ("kv", policy_default({})),
+        "ample-default": ("ample", policy_default({})),
         "ample-free": ("ample", {"predictor": {"kind": "Hint"},
                                  "bins": {"count": 4, "maxOutputTokens": workloads.longest("short", cfg.scale)},
                                  "batch": cont}),  # fmt: skip
         "ample-gang1": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 1}, "batch": gang}),
         "ample-gang4": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 4}, "batch": gang}),
         "ample-gang8": ("ample", {"predictor": {"kind": "Hint"}, "bins": {**gang_bins, "count": 8}, "batch": gang}),
-        # the ShareGPT replay: a new user's sidecar -- no latency SLO -- ordering its queue shortest first, planning KV
-        "sg-learned": ("sharegpt", {**sharegpt, "predictor": {"kind": "Learned", "warmStart": warm_start}}),
-        "sg-cold": ("sharegpt", {**sharegpt, "predictor": {"kind": "Learned"}}),
-        "sg-online": ("sharegpt", {**sharegpt, "predictor": {"kind": "Online"}}),
-        "sg-hint": ("sharegpt", {**sharegpt, "predictor": {"kind": "Hint"}}),
+        # the ShareGPT replay: a new user's sidecar, exactly what the operator renders for a policy that sets
+        # only its predictor (policy_default); the oracle is the same sidecar told the true lengths
+        "sg-learned": ("sharegpt", policy_default({"warmStart": warm_start})),
+        "sg-cold": ("sharegpt", policy_default({})),
+        "sg-online": ("sharegpt", policy_default({"kind": "Online"})),
+        "sg-hint": ("sharegpt", policy_default({"kind": "Hint"})),
         # with no SLO nothing bounds B_t but b_mem, which held a fifth of the engine's throughput back here:
         # vLLM's own limit (its default --max-num-seqs), so every request reaches its ordered queue at once
         "sg-engine-order": ("sharegpt-priority", {**sharegpt, "predictor": {"kind": "Learned", "warmStart": warm_start},
@@ -473,6 +496,7 @@ def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[d
             g = {c: rows["mixed@gang", c]["requests_per_s"] for c in clients}
             out[f"gang_k{k}_gain_vs_ideal"] = _ratio(_ratio(g[f"gang{k}"], g["gang1"]),
                                                      _ratio(g[f"ideal{k}"], g["ideal1"]))  # fmt: skip
+    notes["default_by_scenario"] = default_ratios(accs, rows)
     by_client = sharegpt_ratios(accs, rows)
     out["sharegpt"] = by_client.get(SHAREGPT_JUDGED, dict.fromkeys(SHAREGPT_RATIO_KEYS))
     if by_client:
@@ -494,6 +518,23 @@ def sharegpt_ratios(accs: dict[tuple[str, str], _Acc], rows: dict[tuple[str, str
             row = rows[scenario, client]
             out[client] = {
                 "e2e_mean": _ratio(acc.e2e_mean(), accs[d].e2e_mean()),
+                "e2e_p99": _ratio(row["e2e_p99_s"], rows[d]["e2e_p99_s"]),
+                "throughput": _ratio(row["requests_per_s"], rows[d]["requests_per_s"]),
+                "preemptions": _ratio(row["preemptions"], rows[d]["preemptions"]),
+            }
+    return out
+
+
+def default_ratios(accs: dict[tuple[str, str], _Acc], rows: dict[tuple[str, str], dict[str, Any]]
+                   ) -> dict[str, dict[str, float | None]]:  # fmt: skip
+    """The policy default over direct in every scenario that ran both (``DEFAULT_CLIENT``): what a
+    user installs must not lose to its engine called directly anywhere."""
+    out = {}
+    for scenario, client in accs:
+        if client == DEFAULT_CLIENT.get(scenario, "default") and (scenario, "direct") in accs:
+            d, row = (scenario, "direct"), rows[scenario, client]
+            out[scenario] = {
+                "e2e_mean": _ratio(accs[scenario, client].e2e_mean(), accs[d].e2e_mean()),
                 "e2e_p99": _ratio(row["e2e_p99_s"], rows[d]["e2e_p99_s"]),
                 "throughput": _ratio(row["requests_per_s"], rows[d]["requests_per_s"]),
                 "preemptions": _ratio(row["preemptions"], rows[d]["preemptions"]),
@@ -551,7 +592,8 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     for key, (engine, overrides) in sidecar_overrides(cfg, warm_start).items():
         if key not in used:
             continue
-        proc = await start_sidecar(sidecar_doc(urls[engine], models[engine], overrides), tmp / f"{key}.yaml", tmp)
+        doc = sidecar_doc(urls[engine], models[engine], overrides, scrape_ms=None if key in POLICY_DEFAULT else 200)
+        proc = await start_sidecar(doc, tmp / f"{key}.yaml", tmp)
         stack.push_async_callback(proc.signal_and_wait, signal.SIGTERM, 15)
         channels[key] = await stack.enter_async_context(grpc.aio.insecure_channel(proc.target))
         # connect before measuring: a burst on an idle channel pays the connection
@@ -711,6 +753,8 @@ def print_tables(doc: dict[str, Any]) -> None:
     for key, value in doc["ratios"].items():
         if not isinstance(value, dict):
             print(f"  {key:32} {_fmt(value, 1, 3)}")
+    for scenario, got in setup.get("default_by_scenario", {}).items():
+        print(f"  the policy default, no hint, {scenario}: " + ", ".join(f"{k} {_fmt(v, 1, 3)}" for k, v in got.items()))
     for client, got in setup.get("sharegpt_by_client", {}).items():
         judged = " (judged: ratios.sharegpt)" if client == SHAREGPT_JUDGED else ""
         print(f"  ShareGPT replay, {client}{judged}: " + ", ".join(f"{k} {_fmt(v, 1, 3)}" for k, v in got.items()))

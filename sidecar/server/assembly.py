@@ -97,7 +97,7 @@ def build_core(
         kv_saturation=cfg.kv_saturation,
         d_sla=cfg.tpot_seconds,
         eps_d=None if cfg.tpot_seconds is None else cfg.tpot_seconds * cfg.eps_d,
-        kv_plan=projected_kv(cfg),
+        kv_plan=cfg.projected_kv,
     )
     binner = build_binner(cfg, k)
     former = BatchFormer(
@@ -111,19 +111,13 @@ def build_core(
     if cfg.predictor.external.url:
         predictor = ExternalFirst(predictor)
     plan = None
-    if projected_kv(cfg):
+    if cfg.projected_kv:
         # what the plan learned of the engine (capacity, step time, headroom, prompt scale) outlives a reload:
         # a fresh plan would admit freely until the next scrape and start its prompt scale over
         kept = previous.kv_plan if previous is not None else None
         plan = KvPlan(reserve=cfg.kv_reserve_ratio) if kept is None else replace(kept, reserve=cfg.kv_reserve_ratio)
     return Core(predictor=predictor, binner=binner, former=former, sizer=sizer, admission=build_admission(cfg),
                 kv_plan=plan)  # fmt: skip
-
-
-def projected_kv(cfg: SidecarConfig) -> bool:
-    """``memory.admission: Projected`` applies: continuous mode with a memory-aware sizing."""
-    b = cfg.batch
-    return cfg.memory.admission == "Projected" and b.mode == "Continuous" and b.sizing in ("Memory", "Combined")
 
 
 def build_admission(cfg: SidecarConfig) -> AdmissionOrder:
@@ -137,7 +131,7 @@ def build_admission(cfg: SidecarConfig) -> AdmissionOrder:
         follow_engine=b.follow_engine_queue and not engine_priority,
         engine_priority=engine_priority,
         drain="longest_fit_first" if b.drain_order == "LongestFitFirst" else "shortest_first",
-        by_footprint=b.shortest_by == "KvFootprint",
+        by_footprint=cfg.rank_by == "KvFootprint",
     )
 
 

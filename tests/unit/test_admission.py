@@ -256,7 +256,8 @@ def test_the_policy_keys_reach_the_scheduling_core():
 
     cfg = parse_config({"batch": {"order": "ShortestFirst", "aging": "Fixed", "agingTokensPerSecond": 40,
                                   "maxQueueWaitMilliseconds": 2500}})  # fmt: skip
-    assert build_core(cfg, ManualClock()).admission == AdmissionOrder("shortest_first", 40.0, 2.5, follow_engine=True)
+    assert build_core(cfg, ManualClock()).admission == AdmissionOrder("shortest_first", 40.0, 2.5, follow_engine=True,
+                                                                      by_footprint=True)  # shortestBy Auto
     fifo = parse_config({"batch": {"order": "Fifo", "followEngineQueue": False}})
     assert build_core(fifo, ManualClock()).admission == AdmissionOrder("fifo", None, 30.0, follow_engine=False)
 
@@ -452,6 +453,12 @@ def test_kv_footprint_ranking_reaches_the_core_and_needs_the_projected_plan():
 
     cfg = parse_config({"batch": {"shortestBy": "KvFootprint"}, "memory": {"admission": "Projected"}})
     assert build_core(cfg, ManualClock()).admission.by_footprint
-    assert not build_core(parse_config({}), ManualClock()).admission.by_footprint
-    with pytest.raises(ConfigError, match=r"batch\.shortestBy.*memory\.admission Projected"):
-        parse_config({"batch": {"shortestBy": "KvFootprint"}})
+    # the default (Auto) ranks by footprint where the plan applies, by output tokens where it does not
+    assert build_core(parse_config({}), ManualClock()).admission.by_footprint
+    for without_plan in ({"memory": {"admission": "BatchSize"}}, {"batch": {"sizing": "Static"}},
+                         {"batch": {"order": "EnginePriority", "followEngineQueue": False}}):
+        assert not build_core(parse_config(without_plan), ManualClock()).admission.by_footprint, without_plan
+    with pytest.raises(ConfigError, match=r"batch\.shortestBy.*memory\.admission Projected \(is BatchSize\)"):
+        parse_config({"batch": {"shortestBy": "KvFootprint"}, "memory": {"admission": "BatchSize"}})
+    with pytest.raises(ConfigError, match=r"batch\.shortestBy.*\(is Auto, resolving to BatchSize\)"):
+        parse_config({"batch": {"shortestBy": "KvFootprint", "mode": "Gang"}})

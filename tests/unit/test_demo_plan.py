@@ -76,7 +76,7 @@ def test_a_missed_target_is_judged_missed_with_the_figures_it_came_from():
     assert {c["label"]: c["met"] for c in wins["sharegpt"]["checks"]} == {
         "mean E2E": False, "p99 E2E": True, "throughput": True, "preemptions": True, "oracle p99": False}
     assert [r.split(" | ")[1] for r in wins["sharegpt"]["rows"]] == [
-        "direct", "sidecar, no hint, Learned (warm start)", "sidecar, true length as hint (oracle)"]
+        "direct", "sidecar, policy default, no hint, Learned (warm start)", "sidecar, true length as hint (oracle)"]
     assert "preemptions direct and sidecar 40 and 4" in wins["sharegpt"]["measured"]
     assert "would reach 0.85" in wins["sharegpt"]["measured"] and "p99 1.300x" in wins["sharegpt"]["measured"]
     for w in wins.values():
