@@ -168,6 +168,7 @@ def test_make_chart_packages_a_chart_the_helm_library_loads_and_renders_as_the_s
         assert {c["filename"]: c["data"] for c in packaged.crds} == {c["filename"]: c["data"] for c in source.crds}
         assert render(packaged, {"image": {"tag": "7.7.7"}})["image"] == "ghcr.io/binbatch/binbatch:7.7.7"
     report = helm.lint(archive, strict=True, kube_version="v1.34.0")
+    assert report["total_charts_linted"] == 1 and not report["errors"], report
     assert not [m for m in report["messages"] if m["severity"] >= 2], report
 
 
