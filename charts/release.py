@@ -94,28 +94,28 @@ def check(root: Path = ROOT, tag: str | None = None) -> str:
 
 
 def set_version(new: str, root: Path = ROOT) -> list[str]:
-    """Write ``new`` into pyproject.toml, Chart.yaml and the samples; the files changed."""
+    """Write ``new`` into pyproject.toml, Chart.yaml and the samples; the files changed (nothing on an error)."""
     if not VERSION_PATTERN.match(new):
         raise ReleaseError(f"version {new!r} is not X.Y.Z")
+    texts: dict[Path, str] = {}
 
     def rewrite(path: Path, pattern: re.Pattern[str]) -> None:
-        text = path.read_text()
+        text = texts.get(path, path.read_text())
         updated, n = pattern.subn(lambda m: f"{m.group(1)}{new}{m.group(3)}", text)
         if n != 1:
-            raise ReleaseError(f"{path.relative_to(root)}: expected one {pattern.pattern!r}, found {n}")
-        path.write_text(updated)
+            raise ReleaseError(f"{path.relative_to(root)}: expected one line like {pattern.pattern!r}, found {n}")
+        texts[path] = updated
 
     rewrite(root / "pyproject.toml", _PYPROJECT_VERSION)
     for pattern in _CHART_FIELD.values():
         rewrite(root / "charts/binbatch/Chart.yaml", pattern)
-    changed = ["pyproject.toml", "charts/binbatch/Chart.yaml"]
     for sample in sorted((root / "manifests/samples").glob("*.yaml")):
         text = sample.read_text()
-        updated = _OUR_IMAGE.sub(f"{IMAGE_REPOSITORY}:{new}", text)
-        if updated != text:
-            sample.write_text(updated)
-            changed.append(f"manifests/samples/{sample.name}")
-    return changed
+        if _OUR_IMAGE.search(text):
+            texts[sample] = _OUR_IMAGE.sub(f"{IMAGE_REPOSITORY}:{new}", text)
+    for path, text in texts.items():
+        path.write_text(text)
+    return [str(path.relative_to(root)) for path in texts]
 
 
 def package(destination: Path, root: Path = ROOT) -> Path:
@@ -129,16 +129,27 @@ def package(destination: Path, root: Path = ROOT) -> Path:
     return archive
 
 
-def push(archive: Path, remote: str, *, plain_http: bool = False) -> dict[str, object]:
-    """``helm push archive remote`` (``oci://host/path``), logged in from the environment when it has credentials."""
+def push(archive: Path, remote: str, *, plain_http: bool = False) -> None:
+    """``helm push archive remote`` (``oci://host/path``).
+
+    With ``REGISTRY_USERNAME`` and ``REGISTRY_PASSWORD`` set it logs in first, keeping
+    the login in a temporary file (never in the user's Helm configuration); without
+    them it uses Helm's own (``helm registry login``).
+    """
     if urlsplit(remote).scheme != "oci":
         raise ReleaseError(f"remote {remote!r} is not an oci:// reference")
-    username, password = os.environ.get("REGISTRY_USERNAME"), os.environ.get("REGISTRY_PASSWORD")
-    with tempfile.TemporaryDirectory() as config:  # credentials never land in the user's Helm config
+    username, password = os.environ.get("REGISTRY_USERNAME", ""), os.environ.get("REGISTRY_PASSWORD", "")
+    if bool(username) != bool(password):
+        missing = "REGISTRY_PASSWORD" if username else "REGISTRY_USERNAME"
+        raise ReleaseError(f"{missing} is not set (the registry login needs REGISTRY_USERNAME and REGISTRY_PASSWORD)")
+    if not username:
+        with helm.RegistryClient(plain_http=plain_http) as client:
+            client.push(archive, remote, plain_http=plain_http)
+        return
+    with tempfile.TemporaryDirectory() as config:
         with helm.RegistryClient(plain_http=plain_http, credentials_file=Path(config) / "registry.json") as client:
-            if username and password:
-                client.login(urlsplit(remote).netloc, username, password, plain_http=plain_http)
-            return client.push(archive, remote, plain_http=plain_http)
+            client.login(urlsplit(remote).netloc, username, password, plain_http=plain_http)
+            client.push(archive, remote, plain_http=plain_http)
 
 
 def samples(image: str, destination: Path, root: Path = ROOT) -> list[Path]:
@@ -186,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "package":
             print(package(args.destination))
         elif args.command == "push":
-            result = push(args.archive, args.remote, plain_http=args.plain_http)
-            print(result.get("ref") or result)
+            push(args.archive, args.remote, plain_http=args.plain_http)
+            print(f"pushed {args.archive} to {args.remote}")
         else:
             for path in samples(args.image, args.destination):
                 print(path)

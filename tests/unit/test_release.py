@@ -132,6 +132,16 @@ def test_set_version_writes_every_place_and_the_chart_renders_the_new_image(tmp_
     ], "the vLLM image is not binbatch's version"
 
 
+def test_set_version_writes_nothing_when_one_place_cannot_be_rewritten(tmp_path):
+    root = copy_tree(tmp_path)
+    chart = root / "charts/binbatch/Chart.yaml"
+    chart.write_text(chart.read_text().replace("appVersion:", "# appVersion:"))
+    before = (root / "pyproject.toml").read_text()
+    with pytest.raises(release.ReleaseError, match=r"charts/binbatch/Chart.yaml: expected one line like .*appVersion.*found 0"):
+        release.set_version("2.3.4", root)
+    assert (root / "pyproject.toml").read_text() == before
+
+
 @pytest.mark.parametrize("version", ["0.2.0-rc1", "1.2", "v1.2.3", "01.2.3"])
 def test_a_version_pip_and_helm_would_spell_differently_is_refused(tmp_path, version):
     with pytest.raises(release.ReleaseError, match=re.escape(repr(version))):
@@ -236,6 +246,14 @@ def test_dockerfile_installs_the_project_pyproject_declares_on_a_python_it_suppo
 def test_push_refuses_a_remote_that_is_not_oci(tmp_path):
     with pytest.raises(release.ReleaseError, match="not an oci:// reference"):
         release.push(tmp_path / "binbatch.tgz", "https://charts.example/binbatch")
+
+
+@pytest.mark.parametrize(("username", "password", "named"), [("me", "", "REGISTRY_PASSWORD"), ("", "pw", "REGISTRY_USERNAME")])
+def test_push_refuses_half_a_login_naming_the_missing_variable(tmp_path, monkeypatch, username, password, named):
+    monkeypatch.setenv("REGISTRY_USERNAME", username)
+    monkeypatch.setenv("REGISTRY_PASSWORD", password)
+    with pytest.raises(release.ReleaseError, match=f"^{named} is not set"):
+        release.push(tmp_path / "binbatch.tgz", "oci://127.0.0.1:1/charts")
 
 
 # ------------------------------------------------------------------ .ci/release and the workflow
