@@ -240,7 +240,7 @@ def test_dockerfile_installs_the_project_pyproject_declares_on_a_python_it_suppo
     assert f"USER {user['runAsUser']}:{user['runAsGroup']}" in text
 
 
-# ------------------------------------------------------------------ push (the registry round trip: tests/integration/test_chart_push.py)
+# ------------------------------------------------------------------ push (the round trip: tests/integration)
 
 
 def test_push_refuses_a_remote_that_is_not_oci(tmp_path):
@@ -296,5 +296,6 @@ def test_release_workflow_runs_the_script_on_version_tags_with_push_rights():
     release_step = job["steps"][runs.index('.ci/release "${GITHUB_REF_NAME}"')]
     assert set(release_step["env"]) == {"REGISTRY_USERNAME", "REGISTRY_PASSWORD"}  # read by charts/release.py push
     setup = [s for s in job["steps"] if s.get("uses", "").startswith("actions/setup-python")]
-    assert setup and setup[0]["with"]["python-version"] == re.search(r"^FROM python:(\S+)-slim", (ROOT / "Dockerfile").read_text(), re.MULTILINE).group(1)
+    image_python = re.search(r"^FROM python:(\S+)-slim", (ROOT / "Dockerfile").read_text(), re.MULTILINE).group(1)
+    assert setup and setup[0]["with"]["python-version"] == image_python
     assert os.access(ROOT / ".ci" / "release", os.X_OK)
