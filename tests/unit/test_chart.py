@@ -38,7 +38,7 @@ PEERING_CRD = CHART / "crds" / "clusterkopfpeerings.kopf.dev.yaml"
 INSTALL = ROOT / "manifests" / "install" / "binbatch.yaml"
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
 RELEASE, NAMESPACE = "binbatch", "binbatch-system"
-KUBE_VERSION = "1.30"  # the oldest Kubernetes the chart targets; kubernetes-validate ships its schemas
+KUBE_VERSION = "1.34"  # the oldest Kubernetes the chart targets (Chart.yaml kubeVersion); kubernetes-validate ships its schemas
 
 MONITORING = {
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
