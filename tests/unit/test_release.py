@@ -217,7 +217,7 @@ def test_make_image_and_push_build_and_push_the_image_named_by_one_value():
     assert push == f"docker push ghcr.io/binbatch/binbatch:{version}"
     other = subprocess.run([*MAKE, "-n", "image", "push"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                            env={**os.environ, "IMAGE": "registry.example/b:dev"})  # fmt: skip
-    assert other.stdout.split() [-6:] == ["--tag", "registry.example/b:dev", ".", "docker", "push", "registry.example/b:dev"]
+    assert other.stdout.split()[-6:] == ["--tag", "registry.example/b:dev", ".", "docker", "push", "registry.example/b:dev"]
 
 
 def test_dockerfile_installs_the_project_pyproject_declares_on_a_python_it_supports():
