@@ -2,7 +2,11 @@
 # `binbatch demo`, `binbatch bench`) and the operator (`kopf run -m binbatch_operator.main`).
 # No ENTRYPOINT, so a Pod's `command` picks the program; the default just prints help.
 #
-#   docker build -t ghcr.io/binbatch/binbatch:0.1.0 .
+#   make image    # docker build, tagged ghcr.io/binbatch/binbatch:<pyproject.toml's version>;
+#                 # IMAGE=registry.example/binbatch:dev make image push  for another name
+#
+# Without BINBATCH_SIDECAR_IMAGE the operator injects ghcr.io/binbatch/binbatch:<its installed
+# version>; the chart always sets it, to its own image.repository:image.tag.
 
 FROM python:3.11-slim AS build
 WORKDIR /src

@@ -351,7 +351,7 @@ def build_pod_patch(
 def as_native_sidecar(patch: dict[str, Any], pod: Mapping[str, Any]) -> dict[str, Any]:
     """``patch`` with the sidecar moved into ``initContainers`` with ``restartPolicy: Always``.
 
-    A native sidecar (Kubernetes >= 1.29) starts before the pod's containers, is
+    A native sidecar (GA in Kubernetes 1.33; the CRD needs 1.34) starts before the pod's containers, is
     ready (its gRPC probe) before they start, and is stopped only after they
     exit, so the model server never runs without its front door and the sidecar
     drains while vLLM still answers.  It goes after the pod's own init containers

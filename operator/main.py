@@ -4,7 +4,8 @@ Wiring only; the logic is in ``reconcile.py`` (policies), ``webhook.py`` (the
 admission server) and ``builders.py`` (the objects).  Settings come from the
 environment the Helm chart sets:
 
-  BINBATCH_SIDECAR_IMAGE           image of injected sidecars (a policy may override it)
+  BINBATCH_SIDECAR_IMAGE           image of injected sidecars (a policy may override it; default: the
+                                   binbatch image of this package's own version, DEFAULT_IMAGE)
   BINBATCH_SIDECAR_NATIVE          "true": inject a native sidecar (init container, restartPolicy Always)
   BINBATCH_WEBHOOK_SERVICE         the webhook's Service; unset = no admission webhook
   BINBATCH_WEBHOOK_ADDRESS         address the webhook listens on (default 0.0.0.0)
@@ -43,6 +44,7 @@ import random
 import socket
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +60,10 @@ from .sidecar_stats import SidecarStats
 from .status import changed_fields
 from .webhook import WEBHOOK_PATH_ID, WebhookServer, service_hostnames, shared_certificate
 
-DEFAULT_IMAGE = "ghcr.io/binbatch/binbatch:0.1.0"
+# The image this operator was released in: the installed package's version is its tag (pyproject.toml
+# is the one source; the chart's version, appVersion and the samples carry the same, checked by a test).
+IMAGE_REPOSITORY = "ghcr.io/binbatch/binbatch"
+DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{metadata.version('binbatch')}"
 STATS_INTERVAL = float(os.environ.get("BINBATCH_STATS_INTERVAL_SECONDS", "15"))
 MAX_RETRY_DELAY = 300.0  # seconds: a failing policy is retried at least every 5 minutes
 WEBHOOK_WAIT_SECONDS = 5.0  # the API server calls the webhook with a 10 s timeout

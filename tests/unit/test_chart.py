@@ -38,7 +38,7 @@ PEERING_CRD = CHART / "crds" / "clusterkopfpeerings.kopf.dev.yaml"
 INSTALL = ROOT / "manifests" / "install" / "binbatch.yaml"
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
 RELEASE, NAMESPACE = "binbatch", "binbatch-system"
-KUBE_VERSION = "1.30"  # the oldest Kubernetes the chart targets; kubernetes-validate ships its schemas
+KUBE_VERSION = "1.34"  # the oldest Kubernetes the chart targets (Chart.yaml kubeVersion); kubernetes-validate ships its schemas
 
 MONITORING = {
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
@@ -543,7 +543,7 @@ def test_operator_command_and_environment():
     assert env(container) == {
         "POD_NAMESPACE": {"fieldRef": {"fieldPath": "metadata.namespace"}},
         "POD_ID": {"fieldRef": {"fieldPath": "metadata.name"}},
-        "BINBATCH_SIDECAR_IMAGE": "ghcr.io/binbatch/binbatch:0.1.0",
+        "BINBATCH_SIDECAR_IMAGE": f"ghcr.io/binbatch/binbatch:{_chart().metadata['appVersion']}",
         "BINBATCH_SIDECAR_NATIVE": "false",
         "BINBATCH_WEBHOOK_SERVICE": service,
         "BINBATCH_WEBHOOK_ADDRESS": "0.0.0.0",
@@ -568,7 +568,7 @@ def test_image_tag_defaults_to_the_app_version_and_the_sidecar_uses_the_same_ima
 
 def test_sidecar_image_can_differ_from_the_operators():
     container = operator_container({"sidecar": {"image": "registry.example/sidecar:2"}})
-    assert container["image"] == "ghcr.io/binbatch/binbatch:0.1.0"
+    assert container["image"] == f"ghcr.io/binbatch/binbatch:{_chart().metadata['appVersion']}"
     assert env(container)["BINBATCH_SIDECAR_IMAGE"] == "registry.example/sidecar:2"
 
 
