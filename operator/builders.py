@@ -10,6 +10,11 @@ plain dicts, so the handlers in ``main.py`` stay thin and these are tested alone
   the sidecar would, and names the field as ``spec.<path>``.
 - ``build_configmap`` / ``build_service``: the policy's two children.
 - ``build_pod_patch``: what the admission webhook adds to a selected pod.
+
+``spec.engine.apiKeySecretRef`` is the policy's, not the sidecar config's: the
+pod patch mounts that one Secret key read-only into the sidecar (the kubelet
+reads the Secret; the operator never does) and the config gets
+``engine.apiKeyFile`` pointing at the mounted file.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ import yaml
 
 from binbatch_sidecar.config import ConfigError, parse_config
 
-from . import takeover
-from .crd import CONFIG_SECTIONS, GROUP, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
+from . import k8s_rules, takeover
+from .crd import API_KEY_SECRET_REF, CONFIG_SECTIONS, GROUP, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
 from .takeover import SIDECAR_PORT_NAMES, TakeOverPlan
 
 CONFIG_KEY = "sidecar.yaml"
@@ -36,6 +41,16 @@ CONFIG_DIR = "/etc/binbatch"
 SIDECAR_CONTAINER = "binbatch-sidecar"
 CONFIG_VOLUME = "binbatch-config"
 TMP_VOLUME = "binbatch-tmp"  # the one writable place of a read-only root filesystem
+ENGINE_KEY_VOLUME = "binbatch-engine-key"  # spec.engine.apiKeySecretRef's one key
+# A directory mount (not subPath), so the kubelet swaps a rotated Secret in place and the sidecar re-reads it.
+ENGINE_KEY_DIR = "/var/run/binbatch/engine-key"
+ENGINE_KEY_PATH = f"{ENGINE_KEY_DIR}/api-key"
+# The key file's mode: owner root, group the pod's fsGroup when it has one (the kubelet then gives the sidecar
+# that group), else root. 0440 is readable by the sidecar's UID 10001 only with an fsGroup; without one the file
+# must be world-readable -- and only the sidecar container mounts the volume (the pod-level fsGroup is not ours
+# to set: it would re-own the model server's volumes).
+ENGINE_KEY_MODE_FSGROUP = 0o440
+ENGINE_KEY_MODE_NO_FSGROUP = 0o444
 POLICY_LABEL = f"{GROUP}/policy"  # on injected pods; the Service selects it
 INJECTED_ANNOTATION = f"{GROUP}/injected"  # "<policy>@<generation>" of the config at injection
 SIDECAR_HASH_ANNOTATION = f"{GROUP}/sidecar-hash"  # of the injected container: tells outdated pods
@@ -118,6 +133,9 @@ def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
     vLLM at its new port, ``127.0.0.1:<enginePort>``.
     """
     doc: dict[str, Any] = {name: dict(spec[name]) for name in CONFIG_SECTIONS if spec.get(name) is not None}
+    if api_key_secret_ref(spec) is not None:
+        doc["engine"].pop(API_KEY_SECRET_REF)
+        doc["engine"]["apiKeyFile"] = ENGINE_KEY_PATH
     doc["server"] = sidecar_settings(spec)
     takeover.config_urls(spec, doc)
     try:
@@ -126,6 +144,31 @@ def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
         problems = [(_spec_path(path), message) for path, message in exc.problems]
         raise ConfigError(problems) from None
     return doc
+
+
+def api_key_secret_ref(spec: Mapping[str, Any]) -> dict[str, str] | None:
+    """``spec.engine.apiKeySecretRef`` as ``{"name", "key"}`` (None when not set); raises
+    ``ConfigError`` naming the field when it is malformed or set with ``apiKeyFile``."""
+    engine = spec.get("engine") or {}
+    ref = engine.get(API_KEY_SECRET_REF)
+    if ref is None:
+        return None
+    where = f"spec.engine.{API_KEY_SECRET_REF}"
+    if not isinstance(ref, Mapping):
+        raise ConfigError([(where, "must be an object {name, key}")])
+    problems = [(f"{where}.{extra}", "unknown field (allowed: name, key)") for extra in sorted(set(ref) - {"name", "key"})]
+    for field, check in (("name", k8s_rules.dns1123_subdomain_problems), ("key", k8s_rules.secret_key_problems)):
+        value = ref.get(field)
+        if not isinstance(value, str) or not value:
+            problems.append((f"{where}.{field}", "is required (a non-empty string)"))
+        else:
+            problems += [(f"{where}.{field}", p) for p in check(value)]
+    if engine.get("apiKeyFile"):
+        problems.append((where, "must not be set together with spec.engine.apiKeyFile: the operator mounts the "
+                                "Secret and sets the file itself; leave apiKeyFile empty"))  # fmt: skip
+    if problems:
+        raise ConfigError(problems)
+    return {"name": ref["name"], "key": ref["key"]}
 
 
 def _spec_path(path: str) -> str:
@@ -270,6 +313,8 @@ def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: Ta
         "volumeMounts": [
             {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": TMP_VOLUME, "mountPath": "/tmp"},
+            *([{"name": ENGINE_KEY_VOLUME, "mountPath": ENGINE_KEY_DIR, "readOnly": True}]
+              if api_key_secret_ref(spec) is not None else []),
         ],
         "securityContext": {
             "runAsNonRoot": True, "runAsUser": SIDECAR_UID, "runAsGroup": SIDECAR_UID,
@@ -290,6 +335,9 @@ def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
     Comparing digests finds the pods that still run an older container.
     """
     described: Any = sidecar_container(spec, default_image)
+    ref = api_key_secret_ref(spec)
+    if ref is not None:  # which Secret is mounted is the pod's volume, not the container's
+        described = [described, ref]
     if takeover.enabled(spec):  # the per-pod port comes from the pod itself; the choice to take over from here
         described = [described, takeover.settings(spec)]
     text = json.dumps(described, sort_keys=True)
@@ -326,9 +374,13 @@ def build_pod_patch(
     plan = take_over_plan(pod, spec)
     if plan is not None:
         containers[plan.index] = plan.container
-    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in (CONFIG_VOLUME, TMP_VOLUME)]
+    ours = (CONFIG_VOLUME, TMP_VOLUME, ENGINE_KEY_VOLUME)
+    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in ours]
     volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": child_name(policy), "optional": True}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
+    ref = api_key_secret_ref(spec)
+    if ref is not None:
+        volumes.append(engine_key_volume(ref, pod_spec))
     drain = sidecar_settings(spec)["drainGraceSeconds"]
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
     patch: dict[str, Any] = {
@@ -346,6 +398,22 @@ def build_pod_patch(
         },
     }
     return as_native_sidecar(patch, pod) if native else patch
+
+
+def engine_key_volume(ref: Mapping[str, str], pod_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The volume of ``spec.engine.apiKeySecretRef``'s one key, as the file ``api-key``.
+
+    Not ``optional``: a pod whose Secret is missing waits in ContainerCreating
+    with an Event naming it, rather than starting a sidecar every call of which
+    the engine refuses.  Read-only and readable by the sidecar's UID (see
+    ``ENGINE_KEY_MODE_FSGROUP``)."""
+    fs_group = (pod_spec.get("securityContext") or {}).get("fsGroup")
+    mode = ENGINE_KEY_MODE_FSGROUP if fs_group is not None else ENGINE_KEY_MODE_NO_FSGROUP
+    return {
+        "name": ENGINE_KEY_VOLUME,
+        "secret": {"secretName": ref["name"], "items": [{"key": ref["key"], "path": ENGINE_KEY_PATH.rsplit("/", 1)[1]}],
+                   "defaultMode": mode},
+    }  # fmt: skip
 
 
 def as_native_sidecar(patch: dict[str, Any], pod: Mapping[str, Any]) -> dict[str, Any]:

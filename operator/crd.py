@@ -44,6 +44,8 @@ TAKEOVER_DEFAULTS = {"enabled": False, "enginePort": 8001, "container": ""}
 # spec.service's defaults: the extra headless Service for client-side gRPC load balancing.
 SERVICE_DEFAULTS = {"headless": False}
 # A URL whose host is this pod's loopback: the only engine a port take-over can move (shared with takeover.py).
+# spec.engine's own field (not the sidecar config's): the Secret behind engine.apiKeyFile (see builders.py).
+API_KEY_SECRET_REF = "apiKeySecretRef"
 LOOPBACK_URL = r"^https?://(127\.0\.0\.1|localhost|\[::1\])(:[0-9]+)?([/?#].*)?$"
 
 def _rule(uses: tuple[str, ...], check: str, message: str, field_path: str | None = None) -> dict[str, str]:
@@ -63,6 +65,11 @@ def _rule(uses: tuple[str, ...], check: str, message: str, field_path: str | Non
 
 
 SECTION_RULES: dict[str, list[dict[str, str]]] = {
+    "engine": [
+        _rule(("apiKeySecretRef", "apiKeyFile"), "self.apiKeyFile == ''",
+              "apiKeyFile must be empty when apiKeySecretRef is set: the operator mounts the Secret and sets the "
+              "file itself", ".apiKeySecretRef"),
+    ],
     "batch": [
         _rule(("minBatchSize", "staticSize"), "self.minBatchSize <= self.staticSize",
               "minBatchSize must be <= staticSize", ".minBatchSize"),
@@ -191,6 +198,8 @@ def section_schema(name: str, model: type[BaseModel], description: str | None = 
             props[alias] = section_schema(f"{name}.{alias}", field.annotation, field.description)
         elif "default" not in props[alias] and not field.is_required():  # a default_factory is not in pydantic's JSON schema
             props[alias]["default"] = field.get_default(call_default_factory=True)
+    if name == "engine":  # the policy's own field: the operator mounts the Secret and renders apiKeyFile
+        props[API_KEY_SECRET_REF] = api_key_secret_ref_schema()
     if name == "bins":  # pydantic checks entries in a validator; the API server needs the bounds here
         props["boundaries"]["items"] |= {"minimum": 1, "maximum": 1_000_000}
         props["boundaries"]["x-kubernetes-list-type"] = "set"  # with isSorted(): strictly increasing
@@ -203,6 +212,25 @@ def section_schema(name: str, model: type[BaseModel], description: str | None = 
 
 def _str(description: str, **extra: Any) -> dict[str, Any]:
     return {"type": "string", "description": description, **extra}
+
+
+def api_key_secret_ref_schema() -> dict[str, Any]:
+    """``spec.engine.apiKeySecretRef``: the Secret key holding the engine's ``--api-key``."""
+    return {
+        "type": "object",
+        "description": "The key of a vLLM started with --api-key, in a Secret of the policy's namespace: the "
+                       "operator mounts that one Secret key read-only into the sidecar (the kubelet mounts it; the "
+                       "operator never reads it) and points engine.apiKeyFile at it, so the sidecar sends "
+                       "'Authorization: Bearer <key>' on every engine call. Updating the Secret rotates the key "
+                       "without a restart. Not together with apiKeyFile.",
+        "required": ["name", "key"],
+        "properties": {
+            "name": _str("Name of the Secret, in the policy's namespace.", minLength=1,
+                         maxLength=k8s_rules.DNS1123_SUBDOMAIN_MAX, pattern=f"^{k8s_rules.DNS1123_SUBDOMAIN}$"),
+            "key": _str("Key within the Secret whose value is the API key.", minLength=1,
+                        maxLength=k8s_rules.SECRET_KEY_MAX, pattern=f"^{k8s_rules.SECRET_KEY}$"),
+        },
+    }  # fmt: skip
 
 
 def resources_schema() -> dict[str, Any]:

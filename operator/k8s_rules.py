@@ -31,12 +31,14 @@ DNS1123_SUBDOMAIN_MAX = 253
 DNS1035_LABEL_MAX = 63
 QUALIFIED_NAME_MAX = 63
 LABEL_VALUE_MAX = 63
+SECRET_KEY_MAX = 253
 
 DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS1123_SUBDOMAIN = DNS1123_LABEL + r"(\." + DNS1123_LABEL + r")*"
 DNS1035_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
 QUALIFIED_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
 LABEL_VALUE = r"(" + QUALIFIED_NAME + r")?"
+SECRET_KEY = r"[-._a-zA-Z0-9]+"  # IsConfigMapKey: a Secret's or ConfigMap's data key
 # resource.Quantity's OpenAPI pattern (the one CRD generators copy from the core types).
 QUANTITY = r"(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
 
@@ -91,6 +93,14 @@ NAME_RULES = {"Service": dns1035_label_problems, "ConfigMap": dns1123_subdomain_
 def object_name_problems(kind: str, name: str) -> list[str]:
     """Why the API server would refuse ``name`` for an object of ``kind`` (a Service's is the strictest)."""
     return NAME_RULES[kind](name)
+
+
+def secret_key_problems(value: str) -> list[str]:
+    """A Secret's data key (``IsConfigMapKey``): at most 253 alphanumerics, '-', '_' or '.', not '.' or '..'."""
+    problems = _name_problems(value, SECRET_KEY, SECRET_KEY_MAX, "must consist of alphanumeric characters, '-', '_' or '.'")  # fmt: skip
+    if value in (".", ".."):
+        problems.append("must not be '.' or '..'")
+    return problems
 
 
 def qualified_name_problems(value: str) -> list[str]:

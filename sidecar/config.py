@@ -14,7 +14,7 @@ Every section and every key is optional; unknown keys and wrong types are errors
 default. Cross-field rules mirror the CRD's CEL rules. Every problem is reported
 at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError``).
 
-    engine:    {url, model, requestTimeoutSeconds, healthPath, maxRequestBodyBytes}
+    engine:    {url, model, requestTimeoutSeconds, healthPath, maxRequestBodyBytes, apiKeyFile}
     bins:      {mode: Fixed|Auto|Adaptive, count, countMode: Fixed|Auto, latencyTargetMilliseconds,
                 boundaries, maxOutputTokens, autoWindow, autoRefreshEvery,
                 splitThresholdPercent, maxRequestsPerBin}
@@ -117,6 +117,7 @@ class EngineConfig(_Section):
     request_timeout_seconds: int = Field(600, ge=1, le=86400, description="Timeout of one engine HTTP call.")
     health_path: str = Field("/health", min_length=1, max_length=512, description="Engine path whose 200 answer marks the sidecar ready; while it fails, queued requests are held (up to their deadlines), not sent.")  # fmt: skip
     max_request_body_bytes: int = Field(786_432, ge=1024, le=1_073_741_824, description="Largest JSON body of one engine call; a batch's list call beyond it is split, a single request beyond it fails alone. Keep it below the engine's limit (vLLM: 1 MiB).")  # fmt: skip
+    api_key_file: str = Field("", max_length=4096, description="Path, in the sidecar's filesystem, of a file holding the key of an engine started with --api-key (surrounding whitespace is stripped); sent as 'Authorization: Bearer <key>' on every engine call. Read at start, at every reload and whenever the file changes; a file that cannot be read or is empty refuses the config. Empty: no key. In a BatchingPolicy use engine.apiKeySecretRef instead.")  # fmt: skip
 
     @field_validator("url")
     @classmethod
@@ -128,6 +129,13 @@ class EngineConfig(_Section):
     def _absolute_path(cls, value: str) -> str:
         if not value.startswith("/"):
             raise ValueError(f"must start with '/', got {value!r}")
+        return value
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _key_path(cls, value: str) -> str:
+        if value and not value.strip():
+            raise ValueError("must be a file path or empty, got only whitespace")
         return value
 
 

@@ -351,6 +351,12 @@ RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi", "example.com/gpu": "
 # accepted).  Specs are written as users write them: sparse; the API server defaults them.
 CASES: dict[str, tuple[dict[str, Any], str | None]] = {
     "selector only": ({}, None),
+    "engine key from a Secret": ({"engine": {"apiKeySecretRef": {"name": "vllm-key", "key": "api-key"}}}, None),
+    "engine key from a Secret and a file": (
+        {"engine": {"apiKeySecretRef": {"name": "vllm-key", "key": "api-key"}, "apiKeyFile": "/keys/k"}},
+        "spec.engine.apiKeySecretRef",
+    ),
+    "engine key file alone": ({"engine": {"apiKeyFile": "/keys/k"}}, None),
     "bins Auto, nothing else": ({"bins": {"mode": "Auto"}}, None),
     "fixed boundaries": ({"bins": {"mode": "Fixed", "count": 3, "boundaries": [64, 256]}}, None),
     "boundaries unsorted": ({"bins": {"mode": "Fixed", "count": 3, "boundaries": [256, 64]}}, "spec.bins.boundaries"),

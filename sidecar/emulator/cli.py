@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recorded answer lengths, JSON Lines {\"prompt_sha256\": ..., \"output_tokens\": N}: "
                              "a prompt whose SHA-256 is listed ends after N tokens (within max_tokens), so a replay "
                              "of real traffic forces no length in the request (default: off)")  # fmt: skip
+    parser.add_argument("--api-key", default=d.api_key, metavar="KEY",
+                        help="as vLLM's flag: /v1/* answers 401 without 'Authorization: Bearer KEY' "
+                             "(/health and /metrics stay open; default: off)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -53,6 +53,10 @@ class EmulatorConfig:
     a prompt found there ends after its recorded count of tokens (within
     ``max_tokens``), so a replay of real traffic sends nothing that gives the length
     away; "" is off."""
+    api_key: str = field(default="", repr=False)
+    """vLLM's ``--api-key``: every ``/v1`` call without ``Authorization: Bearer
+    <api_key>`` gets 401 ``{"error": "Unauthorized"}``; ``/health`` and ``/metrics``
+    stay open, as in vLLM.  "" is off.  Never in a ``repr``."""
 
     def __post_init__(self) -> None:
         if not self.model or not self.model.strip():

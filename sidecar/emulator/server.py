@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -141,6 +143,24 @@ async def _openai_errors(request: web.Request, handler: Callable[..., Any]) -> w
         return _error_response(_unavailable(str(err)))
 
 
+def _api_key_check(api_key: str) -> Callable[..., Any]:
+    """vLLM's ``--api-key`` (its ``AuthenticationMiddleware``): a request under
+    ``/v1`` needs ``Authorization: Bearer <key>``, compared in constant time, or
+    gets 401 ``{"error": "Unauthorized"}``; OPTIONS and other paths pass."""
+    wanted = hashlib.sha256(api_key.encode()).digest()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+        if request.method != "OPTIONS" and request.path.startswith("/v1"):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            given = hashlib.sha256(token.encode()).digest()
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given, wanted):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 async def _read_json(request: web.Request) -> Any:
     try:
         return await request.json()
@@ -243,7 +263,8 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 def build_app(config: EmulatorConfig) -> web.Application:
     """The aiohttp application; the engine loop starts with the app and stops on shutdown."""
-    app = web.Application(middlewares=[_openai_errors], client_max_size=config.max_request_body_bytes)
+    middlewares = [_api_key_check(config.api_key)] if config.api_key else []
+    app = web.Application(middlewares=[*middlewares, _openai_errors], client_max_size=config.max_request_body_bytes)
     metrics = EmulatorMetrics(config)
     engine = EmulatedEngine(config, metrics)
     app[CONFIG_KEY], app[METRICS_KEY], app[ENGINE_KEY] = config, metrics, engine

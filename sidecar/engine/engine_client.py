@@ -28,6 +28,13 @@ it for the size of all of them.  So a call is capped at ``max_body_bytes``: a
 group of prompts whose list call would be larger goes as several calls, a 413 to
 a list call splits it in halves, and only a request whose own body is too large
 fails -- alone, with the sizes in the message.
+
+Credentials.  An engine started with ``--api-key`` wants ``Authorization: Bearer
+<key>``: ``api_key`` (an ``engine_key.EngineKey``, shared so a rotated key applies
+to the next call) puts it on every call -- completions, chat, streams, list calls,
+the health probe, ``/v1/models`` and passthrough requests -- and a caller's own
+``Authorization`` is never sent on in its place.  An engine that refuses the
+credentials (401/403) fails the call as "unauthorized", naming ``engine.apiKeyFile``.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ import aiohttp
 import yarl
 from multidict import CIMultiDict
 
+from .engine_key import FIELD as API_KEY_FIELD
+from .engine_key import EngineKey
+
 log = logging.getLogger(__name__)
 
 CONNECT_BACKOFF_SECONDS = (0.05, 0.2)  # before connect retry 1, 2 (and later ones)
@@ -58,7 +68,7 @@ ERROR_TEXT_LIMIT = 500
 # proxies that count them in.
 DEFAULT_MAX_BODY_BYTES = 768 * 1024
 
-EngineErrorKind = str  # "unavailable" | "invalid" | "timeout" | "internal"
+EngineErrorKind = str  # "unavailable" | "invalid" | "timeout" | "internal" | "unauthorized"
 Headers = tuple[tuple[str, str], ...]
 
 
@@ -149,7 +159,8 @@ class EngineError(Exception):
 
     ``kind``: "unavailable" (no connection, connection lost, 5xx, engine down),
     "invalid" (4xx: the engine refused the request; ``message`` is its error text),
-    "timeout" (no answer in time) or "internal" (a reply the client cannot read).
+    "timeout" (no answer in time), "internal" (a reply the client cannot read) or
+    "unauthorized" (401/403: the engine refused the sidecar's credentials).
     ``status`` is the HTTP status when there was one.  ``sent`` is False only when
     the request certainly never reached the engine (the connection was refused).
     """
@@ -178,6 +189,7 @@ class EngineClient:
     ``timeout_seconds`` bounds each ``complete_batch``/``stream`` call unless the call
     passes its own ``timeout``.  ``max_body_bytes`` caps the JSON body of one call
     (module docstring).  A ``session`` passed in is used but not closed.
+    ``api_key``: the engine's key, sent on every call (module docstring).
     """
 
     def __init__(
@@ -188,6 +200,7 @@ class EngineClient:
         connect_retries: int = 2,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         session: aiohttp.ClientSession | None = None,
+        api_key: EngineKey | None = None,
     ) -> None:
         if timeout_seconds <= 0:
             raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds}")
@@ -202,6 +215,7 @@ class EngineClient:
         self.connect_retries = connect_retries
         self._session = session
         self._owns_session = session is None
+        self.api_key = api_key if api_key is not None else EngineKey()
         self._warned_estimated_counts = False
         self._warned_stream_usage = False
 
@@ -523,15 +537,20 @@ class EngineClient:
         ``/metrics``, ``/tokenize``, ...) and return the response, headers read: the
         caller streams its body and releases it.
 
-        Nothing is added or rewritten: no default ``Accept-Encoding``/``User-Agent``,
+        Nothing else is added or rewritten: no default ``Accept-Encoding``/``User-Agent``,
         and a compressed reply stays compressed (its ``Content-Encoding`` holds).
+        The one exception is ``Authorization``: the caller's is dropped and the
+        engine's key (if any) is sent instead.
         Never retried (the request may not be idempotent), bounded by
         ``timeout_seconds`` as a whole.  An engine that cannot be reached raises
         ``EngineError`` ("unavailable")."""
         url = yarl.URL(self.base_url + path_qs, encoded=True)
+        sent = CIMultiDict(headers)
+        sent.popall("Authorization", None)
+        sent.update(self.api_key.headers())
         try:
             return await self._http().request(
-                method, url, headers=CIMultiDict(headers), data=body, allow_redirects=False, auto_decompress=False,
+                method, url, headers=sent, data=body, allow_redirects=False, auto_decompress=False,
                 skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_seconds),
             )  # fmt: skip
@@ -555,7 +574,9 @@ class EngineClient:
         session = self._http()
         url = self.base_url + path
         attempts = self.connect_retries if retries is None else retries
-        sent_headers = dict(headers)
+        sent_headers = CIMultiDict(headers)
+        sent_headers.popall("Authorization", None)
+        sent_headers.update(self.api_key.headers())
         if data is not None:
             sent_headers["Content-Type"] = "application/json"
         for attempt in range(attempts + 1):
@@ -680,6 +701,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def _kind_for_status(status: int) -> EngineErrorKind:
+    if status in (401, 403):
+        return "unauthorized"
     if status == 408:
         return "timeout"
     if status == 429 or status >= 500:
@@ -690,7 +713,11 @@ def _kind_for_status(status: int) -> EngineErrorKind:
 
 
 def _http_error(status: int, raw: bytes) -> EngineError:
-    return EngineError(_kind_for_status(status), status, _error_text(raw) or f"HTTP {status}")
+    text = _error_text(raw) or f"HTTP {status}"
+    if status in (401, 403):
+        text = (f"the engine refused the sidecar's credentials (HTTP {status}: {text}); {API_KEY_FIELD} must "
+                "name a file holding the key the engine was started with (--api-key)")  # fmt: skip
+    return EngineError(_kind_for_status(status), status, text)
 
 
 def _error_text(raw: bytes) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import aiohttp
@@ -61,18 +61,27 @@ def _describe(exc: BaseException) -> str:
 
 
 class ScrapeSource:
-    """``GET url`` (the engine's ``/metrics``) parsed by ``vllm_metrics.parse``."""
+    """``GET url`` (the engine's ``/metrics``) parsed by ``vllm_metrics.parse``.
+
+    ``headers`` (called at each fetch) are sent with it: the engine's key when
+    ``url`` is the engine's own (``assembly.metrics_source``), so an engine that
+    protects its metrics still answers, and a rotated key applies at once."""
 
     kind = "scrape"
 
-    def __init__(self, url: str, *, timeout_seconds: float = FETCH_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self, url: str, *, timeout_seconds: float = FETCH_TIMEOUT_SECONDS,
+        headers: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:  # fmt: skip
         self.url = url
         self.timeout_seconds = timeout_seconds
+        self.headers = headers
 
     async def fetch(self) -> EngineMetrics:
         timeout = aiohttp.ClientTimeout(total=self.timeout_seconds)
+        headers = dict(self.headers()) if self.headers is not None else None
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(self.url) as resp:
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(self.url, headers=headers) as resp:
                 status = resp.status
                 text = await resp.text(errors="replace")
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -30,7 +30,8 @@ from ..core.clock import Clock, MonotonicClock
 from ..core.smdp_policy import ServiceTimeFit, solve_bucket
 from ..core.throughput import ThroughputWindow
 from ..engine.dispatcher import Adjustment, Dispatcher
-from ..engine.engine_client import EngineClient
+from ..engine.engine_client import EngineClient, EngineError
+from ..engine.engine_key import EngineKey
 from ..engine.external_predictor import ExternalPredictor
 from ..engine.metrics_feed import MetricsFeed
 from ..engine.sidecar_metrics import SidecarMetrics
@@ -97,6 +98,9 @@ class Sidecar:
         self.http_port = 0
         self.take_over_port: int | None = None
         self._retiring: set[EngineClient] = set()  # replaced by a reload, closed once their calls end
+        self.engine_key = EngineKey()  # engine.apiKeyFile's key, shared by every engine client and the scrape
+        self._warned_unauthorized = False
+        self.key_changed = asyncio.Event()  # set when the key loop picked up a rotated key file (tests await it)
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -118,10 +122,12 @@ class Sidecar:
         cfg = self.config
         self.bin_count = build_bin_count(cfg)
         self.smdp = build_smdp(cfg)
-        # first: a config it cannot apply (a predictor.warmStart that is no model) raises ConfigError before anything opens
+        # first: a config it cannot apply (a predictor.warmStart that is no model, an engine.apiKeyFile that
+        # cannot be read) raises ConfigError before anything opens
         core = build_core(cfg, self.clock, k=self.bin_count and self.bin_count.k, policy=self.smdp)
+        self.engine_key.load(cfg.engine.api_key_file)
         self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
-                                   max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
+                                   max_body_bytes=cfg.engine.max_request_body_bytes, api_key=self.engine_key)  # fmt: skip
         self.dispatcher = Dispatcher(
             core, self.client, self.clock, self.metrics,
             mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
@@ -129,7 +135,7 @@ class Sidecar:
         )  # fmt: skip
         self.external = ExternalPredictor(lambda: self.config.predictor.external, self.clock, self.metrics)
         self.feed = MetricsFeed(
-            metrics_source(cfg), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
+            metrics_source(cfg, self.engine_key), interval=cfg.scrape_interval_seconds, stale_after=cfg.stale_after_seconds,
             clock=self.clock, on_snapshot=self._on_snapshot,
         )  # fmt: skip
         self.metrics.model_label.watch(served=lambda: self._models, default=self.default_model)
@@ -177,7 +183,8 @@ class Sidecar:
             raise
         self.metrics.config_generation.set(self.loaded.generation)
         await self._check_engine()
-        loops = (self.dispatcher.run(), self.feed.run(), self._health_loop(), self._solve_smdp(), self.external.run())
+        loops = (self.dispatcher.run(), self.feed.run(), self._health_loop(), self._solve_smdp(), self.external.run(),
+                 self._key_loop())  # fmt: skip
         self._tasks = [asyncio.create_task(t) for t in loops]
         if self.watcher:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
@@ -296,10 +303,29 @@ class Sidecar:
     async def _check_engine(self) -> None:
         ok = await self.client.health(self.config.engine.health_path)
         if ok and not self._models:
-            with contextlib.suppress(Exception):
+            try:
                 self._models = await self.client.models()
+            except EngineError as exc:
+                self._warn_unauthorized(exc)
+            except Exception:  # noqa: BLE001, S110 - learned at a later health check
+                pass
         await self._set_health(ok)
         self.dispatcher.on_engine_health(ok)
+
+    def _warn_unauthorized(self, exc: EngineError) -> None:
+        """The engine refused the sidecar's key: said once (each request failing says it too)."""
+        if exc.kind == "unauthorized" and not self._warned_unauthorized:
+            self._warned_unauthorized = True
+            log.warning("%s", exc.message)
+
+    async def _key_loop(self) -> None:
+        """Re-read ``engine.apiKeyFile`` at the config poll interval: a rotated Secret
+        is swapped into the mounted file without the config changing."""
+        while True:
+            await asyncio.sleep(self.config.server.config_poll_milliseconds / 1000)
+            if self.engine_key.refresh():
+                self._warned_unauthorized = False
+                self.key_changed.set()
 
     async def _health_loop(self) -> None:
         while True:
@@ -320,7 +346,8 @@ class Sidecar:
         Keys bound at start-up (``RESTART_KEYS``: the ports) cannot change live;
         a file changing one is refused (raises, so the watcher keeps the running
         config and reports the error in GetConfig). Everything else takes effect
-        here: the core and feed are rebuilt (the queue is kept), a new engine URL
+        here: the core and feed are rebuilt (the queue is kept), the engine key
+        file is read again (a file that cannot be read refuses the reload), a new engine URL
         or timeout gets a new engine client for new dispatches, the log level,
         format and the poll interval are set; the rest is read from ``self.config`` at use.
         The watcher logs the applied generation (once).
@@ -329,6 +356,9 @@ class Sidecar:
         refused = restart_required(running, cfg)
         if refused:
             raise ConfigError(refused)
+        # read before anything changes: a key file that cannot be read refuses the whole file
+        new_key = EngineKey()
+        new_key.load(cfg.engine.api_key_file)
         self.bin_count = build_bin_count(cfg, self.bin_count)
         self.smdp = build_smdp(cfg, self.smdp)
         core = build_core(cfg, self.clock, previous=self.dispatcher.core, k=self.bin_count and self.bin_count.k,
@@ -337,10 +367,12 @@ class Sidecar:
             core, mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
             engine_timeout=cfg.engine.request_timeout_seconds,
         )  # fmt: skip
+        self.engine_key.take(new_key)  # before a new engine is asked for its models: shared by every client
+        self._warned_unauthorized = False
         if (cfg.engine.url, cfg.engine.request_timeout_seconds) != (running.engine.url, running.engine.request_timeout_seconds):  # fmt: skip
             await self._swap_client(cfg, new_engine=cfg.engine.url != running.engine.url)
         self.client.max_body_bytes = cfg.engine.max_request_body_bytes  # read per call: applies live
-        self.feed.source = metrics_source(cfg)
+        self.feed.source = metrics_source(cfg, self.engine_key)
         self.feed.interval = cfg.scrape_interval_seconds
         self.feed.stale_after = cfg.stale_after_seconds
         if self.watcher is not None:
@@ -361,7 +393,7 @@ class Sidecar:
         name no model never find the default missing meanwhile."""
         old = self.client
         client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
-                              max_body_bytes=cfg.engine.max_request_body_bytes)  # fmt: skip
+                              max_body_bytes=cfg.engine.max_request_body_bytes, api_key=self.engine_key)  # fmt: skip
         if new_engine:
             models: list[str] = []
             with contextlib.suppress(Exception):  # down: learned at its first good health check

@@ -9,6 +9,7 @@ read is ``predictor.warmStart``'s model, when the path changes.
 from __future__ import annotations
 
 from dataclasses import replace
+from urllib.parse import urlsplit
 
 from ..config import ConfigError, SidecarConfig
 from ..core.admission import AdmissionOrder
@@ -22,10 +23,12 @@ from ..core.sizer import BatchSizer
 from ..core.smdp_policy import SmdpCache, SmdpDispatch, SmdpParams
 from ..core.tpot_gate import TpotGate
 from ..engine.dispatcher import Core, Mode
+from ..engine.engine_key import EngineKey
 from ..engine.metrics_feed import MetricsSource, PromQLSource, ScrapeSource
 from ..engine.model_file import ModelFileError, load_model
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 AUTO_FIRST_ESTIMATE = 16  # bins.mode Auto: arrivals before the first estimate (then at 32, 64, ...)
 
 
@@ -160,11 +163,24 @@ def dispatch_mode(cfg: SidecarConfig) -> Mode:
     return "gang" if cfg.batch.mode == "Gang" else "continuous"
 
 
-def metrics_source(cfg: SidecarConfig) -> MetricsSource | None:
-    """What the metrics feed reads: vLLM's ``/metrics``, a PromQL API, or nothing."""
+def metrics_source(cfg: SidecarConfig, engine_key: EngineKey | None = None) -> MetricsSource | None:
+    """What the metrics feed reads: vLLM's ``/metrics``, a PromQL API, or nothing.
+
+    A scrape of the engine's own address (scheme, host and port of ``engine.url``)
+    carries ``engine_key``; the key never goes to any other host."""
     m = cfg.metrics
     if m.source == "Scrape":
-        return ScrapeSource(m.url)
+        key = engine_key if engine_key is not None and same_origin(m.url, cfg.engine.url) else None
+        return ScrapeSource(m.url, headers=key.headers if key is not None else None)
     if m.source == "PromQL":
         return PromQLSource(m.url, m.promql_selector)
     return None
+
+
+def same_origin(a: str, b: str) -> bool:
+    """Whether two URLs name the same scheme, host and port (a default port counts as given)."""
+    def origin(url: str) -> tuple[str, str, int | None]:
+        parts = urlsplit(url)  # both validated as http(s) URLs with a host by the config
+        return parts.scheme, (parts.hostname or "").lower(), parts.port or _DEFAULT_PORTS.get(parts.scheme)
+
+    return origin(a) == origin(b)

@@ -86,6 +86,8 @@ _ENGINE = {  # EngineError.kind -> (status, type, code); "invalid" keeps the eng
     "unavailable": (503, "service_unavailable_error", "engine_unavailable"),
     "timeout": (504, "timeout_error", "engine_timeout"),
     "internal": (500, "server_error", "engine_reply_unreadable"),
+    # the engine refused the sidecar's own key (engine.apiKeyFile): a bad gateway, never the caller's 401
+    "unauthorized": (502, "server_error", "engine_unauthorized"),
 }
 
 

@@ -78,6 +78,7 @@ _ENGINE_CODES = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
     "internal": grpc.StatusCode.INTERNAL,
+    "unauthorized": grpc.StatusCode.INTERNAL,  # the sidecar's engine key is wrong or missing: not the caller's fault
 }
 
 

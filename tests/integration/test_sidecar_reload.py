@@ -39,6 +39,7 @@ from binbatch_sidecar.server.app import Sidecar
 FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_size=16)
 OTHER = "http://127.0.0.1:9"  # a second engine URL; rows that need it to answer use a second emulator
 WARM_START = os.path.join(tempfile.gettempdir(), f"binbatch-reload-warm-{os.getpid()}.npz")  # written by warm_start()
+KEY_FILE = os.path.join(tempfile.gettempdir(), f"binbatch-reload-key-{os.getpid()}")  # written by key_file()
 
 
 @pytest.fixture
@@ -60,6 +61,15 @@ def warm_start():
                                             [400.0 if i % 2 else 3.0 for i in range(20)]))  # fmt: skip
     yield WARM_START
     os.unlink(WARM_START)
+
+
+@pytest.fixture
+def key_file():
+    """An engine API key at KEY_FILE, for the engine.apiKeyFile row."""
+    with open(KEY_FILE, "w", encoding="utf-8") as f:
+        f.write("reload-row-key\n")
+    yield KEY_FILE
+    os.unlink(KEY_FILE)
 
 
 def _core(sc: Sidecar):
@@ -86,6 +96,10 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ("engine", "health_path"): ({"engine": {"healthPath": "/nope"}}, _health_after_check, False),
     ("engine", "max_request_body_bytes"): (
         {"engine": {"maxRequestBodyBytes": 4096}}, lambda s: (s.client.max_body_bytes, s.dispatcher.client.max_body_bytes), (4096, 4096),
+    ),  # fmt: skip
+    ("engine", "api_key_file"): (  # one key object shared by the client and the scrape; see test_engine_key
+        {"engine": {"apiKeyFile": KEY_FILE}}, lambda s: (s.client.api_key.headers(), s.client.api_key is s.engine_key),
+        ({"Authorization": "Bearer reload-row-key"}, True),
     ),  # fmt: skip
     ("bins", "mode"): ({"bins": {"mode": "Auto"}}, lambda s: type(_core(s).binner).__name__, "AutoBinner"),
     ("bins", "count"): ({"bins": {"count": 6}}, lambda s: _core(s).binner.k, 6),
@@ -210,7 +224,7 @@ def _merged(base: dict[str, Any], change: dict[str, dict[str, Any]]) -> dict[str
     return doc
 
 
-async def test_every_key_is_applied_live_or_refused_as_needing_a_restart(tmp_path, root_level, warm_start):
+async def test_every_key_is_applied_live_or_refused_as_needing_a_restart(tmp_path, root_level, warm_start, key_file):
     async with running_emulator(FAST) as url:
         base = sidecar_config(url)
         async with running_sidecar(base, tmp_path) as sc:

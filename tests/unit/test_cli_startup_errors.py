@@ -62,3 +62,16 @@ def test_a_warm_start_that_is_no_model_names_the_field_and_exits_2(tmp_path):
         2, [f"binbatch sidecar: invalid config {config}:",
             f"predictor.warmStart: cannot read {tmp_path / 'missing.npz'}: no such file or directory"],
     )  # fmt: skip
+
+
+def test_an_engine_key_file_that_cannot_be_read_names_the_field_and_exits_2(tmp_path):
+    config = tmp_path / "sidecar.yaml"
+    key = tmp_path / "api-key"
+    key.write_text("\n")
+    config.write_text(f"engine:\n  apiKeyFile: {key}\n")
+    out = run("sidecar", "--config", str(config), "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
+              cwd=tmp_path)  # fmt: skip
+    assert (out.returncode, out.stderr.splitlines()) == (
+        2, [f"binbatch sidecar: invalid config {config}:",
+            f"engine.apiKeyFile: the key file {key} is empty (or only whitespace)"],
+    )  # fmt: skip

@@ -25,6 +25,7 @@ engine:
   requestTimeoutSeconds: 120
   healthPath: /healthz
   maxRequestBodyBytes: 524288
+  apiKeyFile: /var/run/binbatch/engine-key/api-key
 bins:
   mode: Fixed
   count: 4

@@ -47,6 +47,7 @@ BUILD_MODEL_SCRIPT = HERE / "build_tiny_model.py"
 
 CACHE_ROOT = Path(os.environ.get("BINBATCH_CACHE_DIR", Path.home() / ".cache" / "binbatch"))
 SERVED_MODEL_NAME = "tiny"
+API_KEY = "binbatch-test-engine-key"  # the "api_key" profile's --api-key (a test value, not a secret)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ PROFILES: dict[str, dict[str, object]] = {
     # Ample KV cache (1024 blocks of 128 tokens = 131072 tokens): nothing queues
     # for memory (vLLM's CPU default caps running requests at max_num_seqs=128).
     "default": {},
+    # The default server started with --api-key: /v1/* wants "Authorization: Bearer
+    # API_KEY" (/health, which the start-up polls, and /metrics stay open).
+    "api_key": {"extra_args": ("--api-key", API_KEY)},
     # 16 blocks of 32 tokens (15 usable, 480 tokens): 32 concurrent requests of
     # 16 prompt + 160 output tokens (6 blocks each at the end) must queue
     # (num_requests_waiting > 0) and get preempted (num_preemptions_total grows).

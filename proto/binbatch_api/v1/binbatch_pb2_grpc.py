@@ -61,7 +61,9 @@ class InferenceStub:
     * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
     did not answer within the policy's `engine.requestTimeoutSeconds`.
     * CANCELLED: the client cancelled the call.
-    * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
+    * INTERNAL: an engine reply the sidecar cannot read, the engine refusing
+    the sidecar's own credentials (its API key, `engine.apiKeyFile`; the
+    message names the setting), or a sidecar bug.
     """
 
     def __init__(self, channel):
@@ -118,7 +120,9 @@ class InferenceServicer:
     * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
     did not answer within the policy's `engine.requestTimeoutSeconds`.
     * CANCELLED: the client cancelled the call.
-    * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
+    * INTERNAL: an engine reply the sidecar cannot read, the engine refusing
+    the sidecar's own credentials (its API key, `engine.apiKeyFile`; the
+    message names the setting), or a sidecar bug.
     """
 
     def Generate(self, request, context):
@@ -195,7 +199,9 @@ class Inference:
     * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
     did not answer within the policy's `engine.requestTimeoutSeconds`.
     * CANCELLED: the client cancelled the call.
-    * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
+    * INTERNAL: an engine reply the sidecar cannot read, the engine refusing
+    the sidecar's own credentials (its API key, `engine.apiKeyFile`; the
+    message names the setting), or a sidecar bug.
     """
 
     @staticmethod

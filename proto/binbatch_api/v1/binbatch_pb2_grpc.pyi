@@ -83,7 +83,9 @@ class InferenceStub:
       * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
         did not answer within the policy's `engine.requestTimeoutSeconds`.
       * CANCELLED: the client cancelled the call.
-      * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
+      * INTERNAL: an engine reply the sidecar cannot read, the engine refusing
+        the sidecar's own credentials (its API key, `engine.apiKeyFile`; the
+        message names the setting), or a sidecar bug.
     """
 
     @_typing.overload
@@ -136,7 +138,9 @@ class InferenceAsyncStub(InferenceStub):
       * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
         did not answer within the policy's `engine.requestTimeoutSeconds`.
       * CANCELLED: the client cancelled the call.
-      * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
+      * INTERNAL: an engine reply the sidecar cannot read, the engine refusing
+        the sidecar's own credentials (its API key, `engine.apiKeyFile`; the
+        message names the setting), or a sidecar bug.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -185,7 +189,9 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
       * DEADLINE_EXCEEDED: the call's deadline passed (see above), or the engine
         did not answer within the policy's `engine.requestTimeoutSeconds`.
       * CANCELLED: the client cancelled the call.
-      * INTERNAL: an engine reply the sidecar cannot read, or a sidecar bug.
+      * INTERNAL: an engine reply the sidecar cannot read, the engine refusing
+        the sidecar's own credentials (its API key, `engine.apiKeyFile`; the
+        message names the setting), or a sidecar bug.
     """
 
     @_abc_1.abstractmethod
