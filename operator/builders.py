@@ -26,7 +26,7 @@ import yaml
 from binbatch_sidecar.config import ConfigError, parse_config
 
 from . import takeover
-from .crd import CONFIG_SECTIONS, GROUP, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
+from .crd import CONFIG_SECTIONS, GROUP, SERVER_KEYS, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
 from .takeover import SIDECAR_PORT_NAMES, TakeOverPlan
 
 CONFIG_KEY = "sidecar.yaml"
@@ -101,10 +101,13 @@ def opted_out(pod_meta: Mapping[str, Any] | None) -> bool:
     return str(annotations.get(INJECT_ANNOTATION, "")).strip().lower() == "false"
 
 
-def sidecar_settings(spec: Mapping[str, Any]) -> dict[str, int]:
-    """``spec.sidecar``'s ports and drain grace, defaults filled in."""
+def sidecar_settings(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec.sidecar``'s server settings (ports, drain grace, passthrough paths,
+    request size), defaults filled in: the sidecar config's ``server`` section."""
     side = spec.get("sidecar") or {}
-    return {key: side.get(key, default) for key, default in SIDECAR_DEFAULTS.items()}
+    out = {key: side.get(key, default) for key, default in SIDECAR_DEFAULTS.items()}
+    out["passthroughPaths"] = list(out["passthroughPaths"])  # a copy: the default list is shared
+    return out
 
 
 def headless_enabled(spec: Mapping[str, Any]) -> bool:
@@ -118,7 +121,10 @@ def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
     vLLM at its new port, ``127.0.0.1:<enginePort>``.
     """
     doc: dict[str, Any] = {name: dict(spec[name]) for name in CONFIG_SECTIONS if spec.get(name) is not None}
-    doc["server"] = sidecar_settings(spec)
+    # the newer server keys only when they differ from the default: a ConfigMap an older sidecar
+    # (which refuses keys it does not know) loads stays as it was, and an upgrade rewrites none
+    doc["server"] = {key: value for key, value in sidecar_settings(spec).items()
+                     if key not in SERVER_KEYS or value != SIDECAR_DEFAULTS[key]}  # fmt: skip
     takeover.config_urls(spec, doc)
     try:
         parse_config(doc)
@@ -292,6 +298,9 @@ def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
     described: Any = sidecar_container(spec, default_image)
     if takeover.enabled(spec):  # the per-pod port comes from the pod itself; the choice to take over from here
         described = [described, takeover.settings(spec)]
+    max_request_bytes = sidecar_settings(spec)["maxRequestBytes"]
+    if max_request_bytes != SIDECAR_DEFAULTS["maxRequestBytes"]:  # bound at start-up: a running sidecar keeps its own
+        described = [described, {"maxRequestBytes": max_request_bytes}]
     text = json.dumps(described, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
