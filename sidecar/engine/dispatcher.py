@@ -178,6 +178,7 @@ class Dispatcher:
         metrics.inflight_requests.set_function(lambda: self.inflight_requests)
         metrics.inflight_batches.set_function(lambda: self.inflight_batches)
         metrics.pending_requests.set_function(self.pending_requests)
+        metrics.queued_bytes.set_function(lambda: self.scheduler.queued_bytes)
         metrics.predictor_model_version.set_function(lambda: self._learned_model("version", 0))
         metrics.predictor_model_records.set_function(lambda: self._learned_model("records", 0))
         metrics.predictor_model_age.set_function(self._model_age)
