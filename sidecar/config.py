@@ -90,7 +90,7 @@ CLASS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 CLASS_PRIORITY_LIMIT = 1000  # class and request priorities are in [-1000, 1000]
 MAX_REQUEST_BYTES_DEFAULT = 4 * 1024 * 1024  # server.maxRequestBytes: one request body (HTTP) or message (gRPC)
 MAX_QUEUED_BYTES_DEFAULT = 256 * 1024 * 1024  # batch.maxQueuedBytes: the bodies of every queued request
-# server.passthroughPaths: engine paths the HTTP door forwards (GET/HEAD) besides the default ones
+# the engine paths the HTTP door forwards (GET/HEAD) without being listed in server.passthroughPaths
 DEFAULT_PASSTHROUGH_PATHS = ("/v1/models", "/metrics", "/version")
 PASSTHROUGH_PATHS_LIMIT = 32
 PASSTHROUGH_PATH_LENGTH = 256
@@ -310,7 +310,7 @@ class ServerConfig(_Section):
     metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics listen port; 0 picks a free port. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
     drain_grace_seconds: int = Field(30, ge=0, le=3600, description="On SIGTERM, time to drain queued and in-flight requests.")  # fmt: skip
     config_poll_milliseconds: int = Field(1000, ge=100, le=600_000, description="How often the config file is checked for a change.")  # fmt: skip
-    passthrough_paths: list[PassthroughPath] = Field(default_factory=list, max_length=PASSTHROUGH_PATHS_LIMIT, description="Engine paths the HTTP door forwards unqueued (GET and HEAD only), besides /v1/models, /metrics and /version; every other path is answered 404 and never reaches the engine (admin routes such as /pause, /invocations, /pooling, /score, /tokenize stay closed unless listed). Exact absolute paths, no wildcards, no query, at most 32 of at most 256 characters. A reload applies it at once.")  # fmt: skip
+    passthrough_paths: list[PassthroughPath] = Field(default_factory=list, max_length=PASSTHROUGH_PATHS_LIMIT, description="Engine paths the HTTP door forwards unqueued (GET, HEAD and POST: vLLM's /tokenize and /v1/embeddings are POST only), besides GET of /v1/models, /metrics and /version; every other path is answered 404 and never reaches the engine (admin routes such as /pause, /invocations, /pooling, /score, /tokenize stay closed unless listed). Exact absolute paths, no wildcards, no query, at most 32 of at most 256 characters. A reload applies it at once.")  # fmt: skip
     max_request_bytes: int = Field(MAX_REQUEST_BYTES_DEFAULT, ge=65_536, le=67_108_864, description="Largest request the sidecar reads: an HTTP body beyond it is answered 413, a gRPC message beyond it RESOURCE_EXHAUSTED, before it is held in memory. 64 KiB to 64 MiB. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
 
     @field_validator("passthrough_paths")

@@ -152,7 +152,9 @@ class Sidecar:
             external=self.external,
         )  # fmt: skip
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=ports.GRPC_SERVER_OPTIONS)
+        # server.maxRequestBytes: a larger message is RESOURCE_EXHAUSTED before it is held (the HTTP door's 413)
+        self.server = grpc.aio.server(options=(*ports.GRPC_SERVER_OPTIONS,
+                                               ("grpc.max_receive_message_length", cfg.server.max_request_bytes)))
         add_servicers(self.server, inference, AdminServicer(self.replies))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
