@@ -134,6 +134,7 @@ class Sidecar:
         )  # fmt: skip
         self.metrics.model_label.watch(served=lambda: self._models, default=self.default_model)
         self.metrics.requests_waiting.engine = self.feed.engine_waiting
+        self.feed.own = self.dispatcher  # the engine's waiting figure moves with the sidecar's requests, not a scrape later
         self.watcher = (
             ConfigWatcher(self.config_path, initial=self.loaded, on_change=self._apply,
                           poll_seconds=cfg.server.config_poll_milliseconds / 1000,
