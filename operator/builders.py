@@ -31,7 +31,7 @@ import yaml
 from binbatch_sidecar.config import ConfigError, parse_config
 
 from . import k8s_rules, takeover
-from .crd import API_KEY_SECRET_REF, CONFIG_SECTIONS, GROUP, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
+from .crd import API_KEY_SECRET_REF, CONFIG_SECTIONS, GROUP, SERVER_KEYS, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
 from .takeover import SIDECAR_PORT_NAMES, TakeOverPlan
 
 CONFIG_KEY = "sidecar.yaml"
@@ -116,10 +116,13 @@ def opted_out(pod_meta: Mapping[str, Any] | None) -> bool:
     return str(annotations.get(INJECT_ANNOTATION, "")).strip().lower() == "false"
 
 
-def sidecar_settings(spec: Mapping[str, Any]) -> dict[str, int]:
-    """``spec.sidecar``'s ports and drain grace, defaults filled in."""
+def sidecar_settings(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec.sidecar``'s server settings (ports, drain grace, passthrough paths,
+    request size), defaults filled in: the sidecar config's ``server`` section."""
     side = spec.get("sidecar") or {}
-    return {key: side.get(key, default) for key, default in SIDECAR_DEFAULTS.items()}
+    out = {key: side.get(key, default) for key, default in SIDECAR_DEFAULTS.items()}
+    out["passthroughPaths"] = list(out["passthroughPaths"])  # a copy: the default list is shared
+    return out
 
 
 def headless_enabled(spec: Mapping[str, Any]) -> bool:
@@ -136,7 +139,10 @@ def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
     if api_key_secret_ref(spec) is not None:
         doc["engine"].pop(API_KEY_SECRET_REF)
         doc["engine"]["apiKeyFile"] = ENGINE_KEY_PATH
-    doc["server"] = sidecar_settings(spec)
+    # the newer server keys only when they differ from the default: a ConfigMap an older sidecar
+    # (which refuses keys it does not know) loads stays as it was, and an upgrade rewrites none
+    doc["server"] = {key: value for key, value in sidecar_settings(spec).items()
+                     if key not in SERVER_KEYS or value != SIDECAR_DEFAULTS[key]}  # fmt: skip
     takeover.config_urls(spec, doc)
     try:
         parse_config(doc)
@@ -340,6 +346,9 @@ def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
         described = [described, ref]
     if takeover.enabled(spec):  # the per-pod port comes from the pod itself; the choice to take over from here
         described = [described, takeover.settings(spec)]
+    max_request_bytes = sidecar_settings(spec)["maxRequestBytes"]
+    if max_request_bytes != SIDECAR_DEFAULTS["maxRequestBytes"]:  # bound at start-up: a running sidecar keeps its own
+        described = [described, {"maxRequestBytes": max_request_bytes}]
     text = json.dumps(described, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from binbatch_sidecar.config import SidecarConfig
+from binbatch_sidecar.config import MAX_REQUEST_BYTES_DEFAULT, ServerConfig, SidecarConfig
 
 from . import k8s_rules
 
@@ -38,7 +38,10 @@ CRD_PATH = Path("manifests/crd/batchingpolicies.binbatch.io.yaml")
 CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging", "classes")
 
 # spec.sidecar's defaults: the CRD's, and the builders' for a spec the API server did not default.
-SIDECAR_DEFAULTS = {"grpcPort": 50051, "httpPort": 8080, "metricsPort": 9090, "drainGraceSeconds": 30}
+SIDECAR_DEFAULTS: dict[str, Any] = {"grpcPort": 50051, "httpPort": 8080, "metricsPort": 9090, "drainGraceSeconds": 30,
+                                    "passthroughPaths": [], "maxRequestBytes": MAX_REQUEST_BYTES_DEFAULT}
+# spec.sidecar's keys that are the sidecar config's server keys of the same name, their schema taken from it
+SERVER_KEYS = ("passthroughPaths", "maxRequestBytes")
 # spec.sidecar.takeOverServingPort's defaults (see takeover.py).
 TAKEOVER_DEFAULTS = {"enabled": False, "enginePort": 8001, "container": ""}
 # spec.service's defaults: the extra headless Service for client-side gRPC load balancing.
@@ -143,6 +146,10 @@ SPEC_RULES = [
              " || !has(self.memory) || !has(self.memory.admission) || self.memory.admission != 'Projected'",
      "message": "memory.admission Projected holds requests in the sidecar; with batch.order EnginePriority the queue "
                 "is to form in the engine: use BatchSize", "fieldPath": ".memory.admission"},
+    _rule(("sidecar", "sidecar.maxRequestBytes", "batch", "batch.maxQueuedBytes"),
+          "self.batch.maxQueuedBytes >= self.sidecar.maxRequestBytes",
+          "batch.maxQueuedBytes must be >= sidecar.maxRequestBytes: a request of the largest size could never be queued",
+          ".batch.maxQueuedBytes"),
     _rule(("sidecar", "sidecar.takeOverServingPort", "sidecar.takeOverServingPort.enabled", "engine", "engine.url"),
           f"!self.sidecar.takeOverServingPort.enabled || self.engine.url.matches(r'{LOOPBACK_URL}')",
           "engine.url must name the pod's loopback (127.0.0.1 or localhost) when sidecar.takeOverServingPort is "
@@ -309,6 +316,14 @@ def takeover_schema(port: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def server_keys_schema() -> dict[str, Any]:
+    """``spec.sidecar``'s keys that are the sidecar config's ``server`` keys (``SERVER_KEYS``), from its model."""
+    props = section_schema("server", ServerConfig, "The sidecar's server settings.")["properties"]
+    out = {key: props[key] for key in SERVER_KEYS}
+    out["passthroughPaths"]["x-kubernetes-list-type"] = "set"  # the sidecar refuses a path listed twice
+    return out
+
+
 def spec_schema() -> dict[str, Any]:
     fields = SidecarConfig.model_fields
     sections = {name: section_schema(name, fields[name].annotation) for name in CONFIG_SECTIONS}  # type: ignore[arg-type]
@@ -343,6 +358,7 @@ def spec_schema() -> dict[str, Any]:
             "metricsPort": {**port, "default": SIDECAR_DEFAULTS["metricsPort"], "description": "Port of the sidecar's Prometheus /metrics."},
             "drainGraceSeconds": {"type": "integer", "minimum": 0, "maximum": 3600, "default": SIDECAR_DEFAULTS["drainGraceSeconds"],
                                   "description": "On termination, time to drain queued and in-flight requests."},
+            **server_keys_schema(),
             "resources": resources_schema(),
             "takeOverServingPort": takeover_schema(port),
         },

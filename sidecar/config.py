@@ -20,7 +20,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 splitThresholdPercent, maxRequestsPerBin}
     batch:     {mode: Gang|Continuous, sizing: Static|Memory|Sla|Combined, staticSize,
                 minBatchSize, maxBatchSize, maxWaitMilliseconds, maxInflightBatches,
-                maxQueuedRequests, dispatch: MaxWait|Smdp, smdpEngineWeight, order: Fifo|ShortestFirst|EnginePriority,
+                maxQueuedRequests, maxQueuedBytes, dispatch: MaxWait|Smdp, smdpEngineWeight, order: Fifo|ShortestFirst|EnginePriority,
                 aging: EnginePace|Fixed, agingTokensPerSecond, maxQueueWaitMilliseconds, followEngineQueue,
                 drainOrder: ShortestFirst|LongestFitFirst, shortestBy: OutputTokens|KvFootprint}
     memory:    {admission: BatchSize|Projected, overflowPerMille, kvReservePercent, kvSaturationPercent}
@@ -29,7 +29,8 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 trainingBufferRecords, external: {url, timeoutMilliseconds, breakerOpenMilliseconds, feedbackUrl}}
     metrics:   {source: Scrape|PromQL|None, url, intervalMilliseconds,
                 staleAfterMilliseconds, promqlSelector}
-    server:    {grpcPort, httpPort, metricsPort, drainGraceSeconds, configPollMilliseconds}
+    server:    {grpcPort, httpPort, metricsPort, drainGraceSeconds, configPollMilliseconds, passthroughPaths,
+                maxRequestBytes}
     logging:   {level: Debug|Info|Warning|Error, format: Json|Text, logPrompts}
     classes:   {classes: [{name, priority}]}
 
@@ -51,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,9 +84,23 @@ LogLevel = Literal["Debug", "Info", "Warning", "Error"]
 LogFormat = Literal["Json", "Text"]
 # Keys bound once at start-up (listening sockets). A reload that changes one is
 # refused and names the key; everything else is applied live.
-RESTART_KEYS = (("server", "grpc_port"), ("server", "http_port"), ("server", "metrics_port"))
+RESTART_KEYS = (("server", "grpc_port"), ("server", "http_port"), ("server", "metrics_port"),
+                ("server", "max_request_bytes"))  # the gRPC server's receive limit is set when it is built
 CLASS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 CLASS_PRIORITY_LIMIT = 1000  # class and request priorities are in [-1000, 1000]
+MAX_REQUEST_BYTES_DEFAULT = 4 * 1024 * 1024  # server.maxRequestBytes: one request body (HTTP) or message (gRPC)
+MAX_QUEUED_BYTES_DEFAULT = 256 * 1024 * 1024  # batch.maxQueuedBytes: the bodies of every queued request
+# the engine paths the HTTP door forwards (GET/HEAD) without being listed in server.passthroughPaths
+DEFAULT_PASSTHROUGH_PATHS = ("/v1/models", "/metrics", "/version")
+PASSTHROUGH_PATHS_LIMIT = 32
+PASSTHROUGH_PATH_LENGTH = 256
+# an exact path: "/" then RFC 3986 path characters, without "%" (no encoded tricks) and without "*" (no wildcards)
+_PASSTHROUGH_PATH = re.compile(r"/[A-Za-z0-9._~!$&'()+,;=:@/-]*")
+# the HTTP door's own routes: never forwarded, so listing one is a mistake
+DOOR_PATHS = ("/v1/completions", "/v1/chat/completions", "/health")
+# the pattern is the API server's check too (the CRD is generated from this model); the validator names the problem
+PassthroughPath = Annotated[str, Field(min_length=1, max_length=PASSTHROUGH_PATH_LENGTH,
+                                       json_schema_extra={"pattern": f"^{_PASSTHROUGH_PATH.pattern}$"})]
 
 _RULE = "binbatch_rule"  # error type of a cross-field rule; ctx["problems"] holds (relative path, message)
 
@@ -200,6 +216,7 @@ class BatchConfig(_Section):
     follow_engine_queue: bool = Field(True, description="Continuous mode: also hold admission while the engine's own queue is not empty (from its running and waiting counts each scrape), so the queue forms here where it is ordered; while the engine queues nothing the cap grows above what it runs.")  # fmt: skip
     max_queue_wait_milliseconds: int = Field(30_000, ge=1, le=3_600_000, description="ShortestFirst: a request that waited this long for admission goes before every other, the oldest first (no request is starved).")  # fmt: skip
     drain_order: DrainOrder = Field("ShortestFirst", description="ShortestFirst, once arrivals stop (a burst or a batch job is over, what is queued is a batch): ShortestFirst keeps the shortest first, the longest request going first only when the rest would drain before it could end (best mean latency). LongestFitFirst (needs memory.admission Projected) sends the longest request the KV cache holds to its end next, so long answers overlap the short ones and the cache stays full (best throughput, for a later median).")  # fmt: skip
+    max_queued_bytes: int = Field(MAX_QUEUED_BYTES_DEFAULT, ge=1_048_576, le=68_719_476_736, description="Total bytes of the request bodies queued across all bins (waiting for the engine, not yet sent): beyond it a request is refused (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED), so the queue's memory is bounded in bytes as well as in requests. A request's bytes are released when it leaves the queue (sent, cancelled, expired or failed). 1 MiB to 64 GiB; at least server.maxRequestBytes.")  # fmt: skip
     shortest_by: ShortestBy = Field("Auto", description="ShortestFirst: what makes a request short. Auto (the default): KvFootprint where the projected KV plan applies (memory.admission resolves to Projected), else OutputTokens. OutputTokens: its predicted output tokens. KvFootprint (needs the projected KV plan: memory.admission Projected or Auto resolving to it): its predicted tokens, each weighted by the KV cache the request holds while it runs (its prompt plus half the mean answer) against the usual request's (the mean prompt plus that half), so a request of the usual prompt ranks at its tokens and aging keeps its pace: when the KV cache limits the engine's batch, a short answer to a long prompt holds as much of it as a longer answer to a short one.")  # fmt: skip
 
     @model_validator(mode="after")
@@ -301,6 +318,30 @@ class ServerConfig(_Section):
     metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics listen port; 0 picks a free port. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
     drain_grace_seconds: int = Field(30, ge=0, le=3600, description="On SIGTERM, time to drain queued and in-flight requests.")  # fmt: skip
     config_poll_milliseconds: int = Field(1000, ge=100, le=600_000, description="How often the config file is checked for a change.")  # fmt: skip
+    passthrough_paths: list[PassthroughPath] = Field(default_factory=list, max_length=PASSTHROUGH_PATHS_LIMIT, description="Engine paths the HTTP door forwards unqueued (GET, HEAD and POST: vLLM's /tokenize and /v1/embeddings are POST only), besides GET of /v1/models, /metrics and /version; every other path is answered 404 and never reaches the engine (admin routes such as /pause, /invocations, /pooling, /score, /tokenize stay closed unless listed). Exact absolute paths, no wildcards, no query, at most 32 of at most 256 characters. A reload applies it at once.")  # fmt: skip
+    max_request_bytes: int = Field(MAX_REQUEST_BYTES_DEFAULT, ge=65_536, le=67_108_864, description="Largest request the sidecar reads: an HTTP body beyond it is answered 413, a gRPC message beyond it RESOURCE_EXHAUSTED, before it is held in memory. 64 KiB to 64 MiB. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
+
+    @field_validator("passthrough_paths")
+    @classmethod
+    def _exact_paths(cls, value: list[str]) -> list[str]:
+        seen: set[str] = set()
+        for i, path in enumerate(value):
+            shown = path if len(path) <= 64 else path[:64] + "..."
+            if not 1 <= len(path) <= PASSTHROUGH_PATH_LENGTH:
+                raise ValueError(f"entry {i} must be 1 to {PASSTHROUGH_PATH_LENGTH} characters, got {len(path)}")
+            if "*" in path:
+                raise ValueError(f"entry {i} must be an exact path (no wildcards), got {shown!r}")
+            if not _PASSTHROUGH_PATH.fullmatch(path):
+                raise ValueError(f"entry {i} must be an absolute path ('/' then letters, digits and -._~!$&'()+,;=:@/; "
+                                 f"no query, no percent-encoding), got {shown!r}")
+            if any(seg in (".", "..") for seg in path.split("/")):
+                raise ValueError(f"entry {i} must not hold '.' or '..' segments, got {shown!r}")
+            if path in DOOR_PATHS:
+                raise ValueError(f"entry {i}: {path} is the sidecar's own route, never forwarded")
+            if path in seen:
+                raise ValueError(f"entry {i}: {path} is listed twice")
+            seen.add(path)
+        return value
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServerConfig:
@@ -377,6 +418,9 @@ class SidecarConfig(_Section):
         if self.batch.sizing == "Sla" and self.latency.tpot_milliseconds == 0:
             _broken([("latency.tpotMilliseconds", "must be > 0 when batch.sizing is Sla")])
         b = self.batch
+        if b.max_queued_bytes < self.server.max_request_bytes:
+            _broken([("batch.maxQueuedBytes", f"must be >= server.maxRequestBytes ({self.server.max_request_bytes}): "
+                      f"a request of the largest size could never be queued, got {b.max_queued_bytes}")])  # fmt: skip
         if b.order == "EnginePriority" and self.memory.admission == "Projected":
             _broken([("memory.admission", "Projected holds requests here until the KV cache holds them; with "
                       "batch.order EnginePriority the queue is to form in the engine, which orders it: use BatchSize")])  # fmt: skip

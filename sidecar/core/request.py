@@ -34,6 +34,7 @@ class Request:
     request_class: str = ""
     # what the request asks, for a predictor that reads it; kept only while the request is in flight
     prompt_text: str = ""
+    body_bytes: int = 0  # the size of the request as it came (HTTP body, gRPC message): batch.maxQueuedBytes counts it
     # an external predictor service's answer, asked by the server before the request is queued
     external_length: LengthDist | None = None
     predicted_tokens: float | None = None  # set by the length predictor: the median of ``length``

@@ -74,6 +74,7 @@ class Core:
     accuracy: AccuracyTracker = field(default_factory=AccuracyTracker)
     admission: AdmissionOrder = field(default_factory=AdmissionOrder)  # continuous mode: who goes in next
     kv_plan: KvPlan | None = None  # continuous mode: admit only what the KV cache holds to the end (kv_plan.py)
+    max_queued_bytes: int | None = None  # batch.maxQueuedBytes: Request.body_bytes of every queued request; None: no bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +137,8 @@ class Scheduler:
         self.service_rate = ServiceRate()
         self.last_decision: SizeDecision | None = None
         self._open: set[Request] = set()  # accepted and not yet ended
+        self._held_bytes: dict[Request, int] = {}  # queued requests' body_bytes, released once (``_release_bytes``)
+        self.queued_bytes = 0  # their sum: what batch.maxQueuedBytes bounds (binbatch_queued_bytes)
         self._slot_of: dict[Request, Slot] = {}  # the engine call holding each request now
         # continuous: taken from the former, not yet admitted, in the admission order
         self._pending: AdmissionQueue[Batch] = AdmissionQueue(core.admission)
@@ -202,6 +205,11 @@ class Scheduler:
         if refused is not None:
             self.totals["rejected"] += 1
             raise refused
+        limit = self.core.max_queued_bytes
+        if limit is not None and self.queued_bytes + req.body_bytes > limit:
+            self.totals["rejected"] += 1
+            raise Rejected("resource_exhausted", f"queue full: batch.maxQueuedBytes ({limit}) reached, "
+                                                 f"{self.queued_bytes} bytes of requests queued; retry later")  # fmt: skip
         req.predicted_tokens = self.core.predictor.predict(req)
         self.core.binner.observe(req.predicted_tokens)  # before it is binned: a burst is binned by its own lengths
         try:
@@ -213,13 +221,25 @@ class Scheduler:
             raise Rejected("resource_exhausted", f"queue full: {exc}") from None
         self.totals["accepted"] += 1
         self._open.add(req)
+        self._hold_bytes(req)
         return bin_
+
+    def _hold_bytes(self, req: Request) -> None:
+        """``req`` is queued: its bytes count against batch.maxQueuedBytes until it leaves."""
+        if req.body_bytes and req not in self._held_bytes:
+            self._held_bytes[req] = req.body_bytes
+            self.queued_bytes += req.body_bytes
+
+    def _release_bytes(self, req: Request) -> None:
+        """``req`` left the queue (sent to the engine, or ended): its bytes, once."""
+        self.queued_bytes -= self._held_bytes.pop(req, 0)
 
     def end(self, req: Request, outcome: str) -> bool:
         """End ``req`` with ``outcome``; True only the first time (the caller answers it then)."""
         if req not in self._open:
             return False
         self._open.discard(req)
+        self._release_bytes(req)
         self.totals[outcome] += 1
         return True
 
@@ -402,6 +422,7 @@ class Scheduler:
         slot = self.ledger.acquire(bin_, reqs, batch=batch, now=now)
         for req in reqs:
             self._slot_of[req] = slot
+            self._release_bytes(req)
         return slot
 
     # -- answers -----------------------------------------------------------------------
@@ -438,6 +459,7 @@ class Scheduler:
         except QueueFull:
             return False
         self._slot_of.pop(req, None)  # its old call's end must not answer it
+        self._hold_bytes(req)  # queued again (accepted already: never refused for its bytes)
         return True
 
     def release(self, slot: Slot, now: float) -> tuple[list[Request], bool]:

@@ -164,6 +164,7 @@ class Dispatcher:
         self._sla_infeasible = False  # the sizer gave the TPOT SLO up (SlaSizer.infeasible): warned once a change
         self._wall_time = wall_time
         self._calls: dict[Request, Call] = {}  # accepted and not yet answered
+        self._sent: dict[str, int] = {}  # requests sent to the engine so far, by model (sent_by_model)
         self._tasks: set[asyncio.Task[None]] = set()
         self._refit: asyncio.Task[None] | None = None  # predictor.kind Learned: the fit running in a thread
         self._wake = Wakeup()
@@ -178,6 +179,7 @@ class Dispatcher:
         metrics.inflight_requests.set_function(lambda: self.inflight_requests)
         metrics.inflight_batches.set_function(lambda: self.inflight_batches)
         metrics.pending_requests.set_function(self.pending_requests)
+        metrics.queued_bytes.set_function(lambda: self.scheduler.queued_bytes)
         metrics.predictor_model_version.set_function(lambda: self._learned_model("version", 0))
         metrics.predictor_model_records.set_function(lambda: self._learned_model("records", 0))
         metrics.predictor_model_age.set_function(self._model_age)
@@ -262,6 +264,20 @@ class Dispatcher:
                 counts[model] = counts.get(model, 0) + 1
         return counts
 
+    def unstarted_by_model(self) -> dict[str, int]:
+        """Open requests sent to the engine with no token seen yet, by model: what may
+        wait in the engine's own queue now (``MetricsFeed.own``)."""
+        counts: dict[str, int] = {}
+        for req, call in self._calls.items():  # a token: a stream's delta, or the KV plan's progress
+            if call.dispatched_at is not None and call.first_token_at is None and not req.engine_generated:
+                model = call.engine_request.params.model
+                counts[model] = counts.get(model, 0) + 1
+        return counts
+
+    def sent_by_model(self) -> dict[str, int]:
+        """Requests sent to the engine so far, by model (only grows; a copy)."""
+        return dict(self._sent)
+
     # -- intake ---------------------------------------------------------------------
 
     def submit(self, req: Request, call: Call) -> int:
@@ -332,6 +348,8 @@ class Dispatcher:
             call = self._calls[req]
             call.dispatched_at = now
             calls.append(call)
+            model = call.engine_request.params.model
+            self._sent[model] = self._sent.get(model, 0) + 1
             self.metrics.wait.observe(max(0.0, now - req.arrival))
             if ordered_there:  # the engine orders its queue: tell it where this one goes
                 key = engine_priority(req, self._tpot, self._epoch)

@@ -18,6 +18,16 @@ the sizer an ``EngineSnapshot``:
 
 Sources open one short-lived HTTP session per fetch, so swapping ``feed.source``
 (a config reload) needs no cleanup.
+
+The engine's waiting figure (``engine_waiting``, half of binbatch_requests_waiting)
+is a scrape's, so on its own it lags: a request the engine held waiting at the last
+scrape still counted there after the sidecar had its answer, until the next scrape
+(one ``interval``, longer on a busy machine).  With ``own`` set (the dispatcher) the
+figure moves with the sidecar's own requests: of a scrape's waiting, at most the
+requests the sidecar had sent and not seen start during the fetch can be its own, the
+rest are other clients'; between scrapes it reads min(scraped, others + the sidecar's
+requests in the engine not seen to start now), so a request that ended or streamed
+its first token stops counting in the same step, never later.
 """
 
 from __future__ import annotations
@@ -44,6 +54,41 @@ NO_SOURCE_KIND = "none"  # MetricsSourceStatus.kind without a source (else the s
 
 class MetricsUnavailable(Exception):
     """The source could not deliver engine metrics; the message says why."""
+
+
+class OwnRequests(Protocol):
+    """The sidecar's requests in the engine, by model (the dispatcher)."""
+
+    def unstarted_by_model(self) -> dict[str, int]:
+        """Sent to the engine, not ended, no token seen yet: what may wait there now."""
+        ...
+
+    def sent_by_model(self) -> dict[str, int]:
+        """Requests sent to the engine so far (a count that only grows)."""
+        ...
+
+
+def _ours(counts: dict[str, int], model: str) -> int:
+    """``counts`` for the series ``model``; "" (an engine gauge without model_name) is all of them."""
+    return sum(counts.values()) if model == "" else counts.get(model, 0)
+
+
+def others_waiting(
+    scraped: dict[str, float], unstarted_before: dict[str, int], sent_before: dict[str, int],
+    sent_after: dict[str, int],
+) -> dict[str, float]:  # fmt: skip
+    """Of each model's waiting requests in a scrape, those that cannot be the sidecar's:
+    at most the requests not started when the fetch began, plus those sent during it, were its own."""
+    return {
+        m: max(0.0, w - _ours(unstarted_before, m) - (_ours(sent_after, m) - _ours(sent_before, m)))
+        for m, w in scraped.items()
+    }  # fmt: skip
+
+
+def waiting_now(scraped: dict[str, float], others: dict[str, float], unstarted: dict[str, int]) -> dict[str, float]:
+    """The engine's waiting requests by model now: the scrape's, less the sidecar's own
+    that have left the engine's queue since (module docstring)."""
+    return {m: min(w, others.get(m, 0.0) + _ours(unstarted, m)) for m, w in scraped.items()}
 
 
 class MetricsSource(Protocol):
@@ -251,6 +296,8 @@ class MetricsFeed:
         self._last_fresh: EngineSnapshot | None = None
         self._failures = 0
         self._last_logged: tuple[str, float] | None = None
+        self.own: OwnRequests | None = None  # the dispatcher: engine_waiting moves with its requests
+        self._others: dict[str, float] = {}  # others_waiting of the last successful fetch
 
     @property
     def source(self) -> MetricsSource | None:
@@ -280,7 +327,10 @@ class MetricsFeed:
         stale, disabled, or the engine does not expose them."""
         if self.state != "fresh" or self.last_metrics is None:
             return None
-        return self.last_metrics.waiting_by_model
+        scraped = self.last_metrics.waiting_by_model
+        if scraped is None or self.own is None:
+            return scraped
+        return waiting_now(scraped, self._others, self.own.unstarted_by_model())
 
     def last_success_age(self) -> float | None:
         """Seconds since the last successful fetch; None if there was none."""
@@ -292,6 +342,8 @@ class MetricsFeed:
         if source is None:
             self.last_error = ""
             return self._deliver(None)
+        own = self.own
+        before = (own.unstarted_by_model(), own.sent_by_model()) if own is not None else None
         try:
             current = await source.fetch()
             bad = vllm_metrics.invalid_samples(current)
@@ -304,6 +356,8 @@ class MetricsFeed:
             log.info("metrics from %s %s are back after %d failed fetches", source.kind, source.url, self._failures)
         snap = vllm_metrics.snapshot(current, self.last_metrics, fresh=True)
         self.last_metrics, self._last_fresh = current, snap
+        if own is not None and before is not None and current.waiting_by_model is not None:
+            self._others = others_waiting(current.waiting_by_model, before[0], before[1], own.sent_by_model())
         self._last_success = self.clock.now()
         self.last_error = ""
         self._failures = 0

@@ -130,6 +130,10 @@ class SidecarMetrics:
         self.requests_waiting = RequestsWaiting(self.model_label)
         r.register(self.requests_waiting)
         self.queue_depth = Gauge("binbatch_queue_depth", "Requests waiting in each bin", ["bin"], registry=r)
+        self.queued_bytes = Gauge(
+            "binbatch_queued_bytes", "Bytes of the request bodies queued and not yet sent to the engine, which "
+            "batch.maxQueuedBytes bounds", registry=r,
+        )  # fmt: skip
         self.batches = Counter(
             "binbatch_batches", "Batches dispatched, by bin and reason (full|timeout|slo|policy|room|drain)",
             ["bin", "reason"], registry=r,

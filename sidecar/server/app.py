@@ -140,6 +140,7 @@ class Sidecar:
         )  # fmt: skip
         self.metrics.model_label.watch(served=lambda: self._models, default=self.default_model)
         self.metrics.requests_waiting.engine = self.feed.engine_waiting
+        self.feed.own = self.dispatcher  # the engine's waiting figure moves with the sidecar's requests, not a scrape later
         self.watcher = (
             ConfigWatcher(self.config_path, initial=self.loaded, on_change=self._apply,
                           poll_seconds=cfg.server.config_poll_milliseconds / 1000,
@@ -158,7 +159,9 @@ class Sidecar:
             external=self.external,
         )  # fmt: skip
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=ports.GRPC_SERVER_OPTIONS)
+        # server.maxRequestBytes: a larger message is RESOURCE_EXHAUSTED before it is held (the HTTP door's 413)
+        self.server = grpc.aio.server(options=(*ports.GRPC_SERVER_OPTIONS,
+                                               ("grpc.max_receive_message_length", cfg.server.max_request_bytes)))
         add_servicers(self.server, inference, AdminServicer(self.replies))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))

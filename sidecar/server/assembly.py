@@ -120,7 +120,7 @@ def build_core(
         kept = previous.kv_plan if previous is not None else None
         plan = KvPlan(reserve=cfg.kv_reserve_ratio) if kept is None else replace(kept, reserve=cfg.kv_reserve_ratio)
     return Core(predictor=predictor, binner=binner, former=former, sizer=sizer, admission=build_admission(cfg),
-                kv_plan=plan)  # fmt: skip
+                kv_plan=plan, max_queued_bytes=bt.max_queued_bytes)  # fmt: skip
 
 
 def build_admission(cfg: SidecarConfig) -> AdmissionOrder:

@@ -48,6 +48,8 @@ DIGITS = re.compile(r"[0-9]{1,9}")  # plain ASCII digits; longer is beyond every
 
 # Tokens a chat template may add around the messages (roles, special tokens).
 TEMPLATE_TOKENS = 64
+# A lone UTF-16 surrogate: a str Python holds (JSON's "\ud800" escape decodes to one) but no UTF-8 can carry
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class InvalidRequest(Exception):
@@ -81,6 +83,7 @@ class Fields:
     slo: dict[str, int] = field(default_factory=dict)  # SLO_LIMITS' keys, validated (read_slo)
     timeout: float | None = None  # seconds the caller waits at most, from acceptance
     trace: TraceContext | None = None
+    body_bytes: int = 0  # the request's size as it came (batch.maxQueuedBytes counts it while it is queued)
 
 
 @dataclass(slots=True)
@@ -138,6 +141,23 @@ def unset_max_tokens(cap: int, context_length: int | None, prompt: str) -> int:
     return cap  # the prompt alone fills the context: the engine says so
 
 
+UNENCODABLE = "holds a lone UTF-16 surrogate (such as \\ud800), which is no character and cannot be sent as UTF-8"
+
+
+def _texts(f: Fields) -> Iterable[tuple[str, str]]:
+    """Every text field of ``f`` with the name it is reported by (``messages[1].content``)."""
+    if f.prompt is not None:
+        yield "prompt", f.prompt
+    for i, (role, content) in enumerate(f.messages or ()):
+        yield f"messages[{i}].role", role
+        yield f"messages[{i}].content", content
+    for i, seq in enumerate(f.stop):
+        yield f"stop[{i}]", seq
+    yield "model", f.model
+    yield "request_class", f.request_class
+    yield "request_id", f.request_id
+
+
 def estimate_prompt_tokens(text: str) -> int:
     """A tokenizer-free estimate (~4 bytes per token) used only to bucket prompts
     for the online predictor before the engine reports the true count."""
@@ -178,6 +198,11 @@ class Front:
 
         if (f.prompt is None) == (f.messages is None):
             raise ValueError("Fields needs exactly one of prompt and messages")  # a door's bug, not the caller's
+        for key, value in _texts(f):
+            if SURROGATE.search(value):
+                base, bracket, rest = key.partition("[")
+                where = name(base) + bracket + rest
+                raise InvalidRequest(f"{where}: {UNENCODABLE}", where)
         if len(f.model) > MODEL_LIMIT:
             raise bad("model", f"at most {MODEL_LIMIT} characters")
         model = f.model or self.default_model()
@@ -241,6 +266,7 @@ class Front:
             tpot_slo=f.slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in f.slo else None,  # TpotGate
             request_class=f.request_class,
             prompt_text=text,  # for predictor.kind Learned; min_tokens, stop and ignore_eos are never handed on
+            body_bytes=f.body_bytes,
         )
         call = Call(engine_request, asyncio.get_running_loop().create_future(), asyncio.Queue() if stream else None)
         ticket = Ticket(req, call, f.trace.trace_id if f.trace else "")

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .front import Fields, InvalidRequest
+from .front import SURROGATE, UNENCODABLE, Fields, InvalidRequest
 
 
 class _Strict(BaseModel):
@@ -91,14 +91,41 @@ def _no_op(value: Any, allowed: tuple[Any, ...]) -> bool:
 
 
 def read_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or ``InvalidRequest`` (param "body")."""
+    """The body as a JSON object, or ``InvalidRequest``: "body" when it is no JSON
+    object, the field's path when a string in it holds a lone surrogate."""
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"body: not valid JSON ({exc})", "body") from None
+    except RecursionError:  # nested deeper than the parser's stack
+        raise InvalidRequest("body: nested too deeply", "body") from None
     if not isinstance(obj, dict):
         raise InvalidRequest("body: must be a JSON object", "body")
+    where = _unencodable(obj)
+    if where is not None:
+        raise InvalidRequest(f"{where}: {UNENCODABLE}", where)
     return obj
+
+
+def _unencodable(obj: dict[str, Any]) -> str | None:
+    """The JSON path (``messages[0].content``) of the first string, key or value,
+    holding a lone surrogate (JSON lets ``"\\ud800"`` through; no UTF-8 carries it);
+    None if there is none.  Iterative: the body may be as deep as the parser allowed."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if SURROGATE.search(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                here = f"{path}.{key}" if path else key
+                if SURROGATE.search(key):
+                    return f"{path}.<key>" if path else "body"  # the key itself cannot be shown
+                stack.append((here, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
 
 
 def parse_body(obj: dict[str, Any], chat: bool) -> CompletionBody | ChatBody:

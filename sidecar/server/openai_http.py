@@ -9,9 +9,18 @@ and withdrawing are ``front.Front``'s, exactly as for gRPC.
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (whole, or SSE with
 ``stream: true``); ``GET /health`` (the sidecar's readiness: 200 while it serves,
-503 while draining or with the engine down); every other path (``/v1/models``,
-``/metrics``, ``/tokenize``, ...) goes to the engine as it came, minus the
-hop-by-hop headers, and its answer comes back streamed.
+503 while draining or with the engine down); ``GET``/``HEAD`` of the engine paths
+of ``/v1/models``, ``/metrics``, ``/version``, and ``GET``/``HEAD``/``POST`` of a
+path in ``server.passthroughPaths``, go to the engine unqueued, minus the hop-by-hop
+headers, and its answer comes back streamed.  Every other path -- vLLM's
+``/pause``, ``/invocations``, ``/pooling``, ``/score``, ``/tokenize``, any admin
+route -- is a 404 naming ``server.passthroughPaths`` and never reaches the engine.
+A listed path also takes POST (``/tokenize`` and ``/v1/embeddings`` are POST only).
+
+Memory is bounded in bytes: a body over ``server.maxRequestBytes`` is a 413 (aiohttp's
+``client_max_size``, answered as OpenAI JSON), and the queue's bodies together are
+bounded by ``batch.maxQueuedBytes`` (429 with ``Retry-After``, from the scheduler).
+A string holding a lone UTF-16 surrogate (JSON's ``"\\ud800"``) is a 400 naming its field.
 
 Headers in: ``x-request-id`` (else one is made; echoed on every answer),
 ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (as gRPC metadata), ``x-expected-output-tokens``
@@ -48,6 +57,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from ..config import DEFAULT_PASSTHROUGH_PATHS
 from ..engine.dispatcher import Completion, Rejected
 from ..engine.engine_client import EngineClient, EngineError
 from .front import DIGITS, REQUEST_ID_LIMIT, Fields, Front, InvalidRequest, Ticket, read_slo
@@ -64,7 +74,10 @@ CLASS = "x-request-class"
 PRIORITY = "x-request-priority"
 PREDICTED, BIN, QUEUE_MS = "x-binbatch-predicted-tokens", "x-binbatch-bin", "x-binbatch-queue-ms"
 RETRY_AFTER_SECONDS = 1  # a full queue drains in about a batch's time; the client's retry comes back then
-MAX_BODY_BYTES = 4 * 1024 * 1024  # a completion body; the engine's own cap (engine.maxRequestBodyBytes) applies after
+READ_METHODS = ("GET", "HEAD")  # the default passthrough paths: reads only
+# a path listed in server.passthroughPaths is an explicit opt-in; vLLM's /tokenize, /detokenize and
+# /v1/embeddings take POST only, so a listed path takes POST too (its body streams through, never held)
+LISTED_METHODS = ("GET", "HEAD", "POST")
 # RFC 9110 §7.6.1 hop-by-hop headers, and Host (the engine's is its own)
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
                         "te", "trailer", "transfer-encoding", "upgrade", "host"})  # fmt: skip
@@ -109,6 +122,15 @@ def status_of(exc: BaseException) -> tuple[int, dict[str, Any]]:
             status = exc.status
         return status, error_body(f"engine: {exc.message}", type_, None, code)
     return 500, error_body(f"internal error: {type(exc).__name__}", "server_error")
+
+
+def too_large(limit: int, request_id: str | None) -> web.Response:
+    """413 for a body over ``server.maxRequestBytes``, as OpenAI error JSON."""
+    message = (f"body: larger than the sidecar's limit of {limit} bytes (server.maxRequestBytes, "
+               "spec.sidecar.maxRequestBytes)")  # fmt: skip
+    headers = {REQUEST_ID: request_id} if request_id else {}
+    return web.json_response(error_body(message, "invalid_request_error", "body", "request_too_large"), status=413,
+                             headers=headers)  # fmt: skip
 
 
 def error_response(exc: BaseException, request_id: str | None) -> web.Response:
@@ -208,14 +230,24 @@ class OpenAIDoor:
         self.front = front
         self.engine = engine
         self.ready = ready
+        self.max_request_bytes = front.config().server.max_request_bytes  # app() reads it again, as it builds
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_http_errors])
+        """The routes; ``server.maxRequestBytes`` is read here, once (a restart key)."""
+        self.max_request_bytes = limit = self.front.config().server.max_request_bytes
+        app = web.Application(client_max_size=limit, middlewares=[_http_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
-        app.router.add_route("*", "/{tail:.*}", self.passthrough)  # /v1/models, /metrics, /tokenize, ...
+        app.router.add_route("*", "/{tail:.*}", self.passthrough)  # the allowlist, else 404
         return app
+
+    def passthrough_methods(self, path: str) -> tuple[str, ...]:
+        """The methods ``path`` passes to the engine with: GET/HEAD for the default paths, also POST
+        for one listed in ``server.passthroughPaths`` (read live); none for any other path."""
+        if path in self.front.config().server.passthrough_paths:
+            return LISTED_METHODS
+        return READ_METHODS if path in DEFAULT_PASSTHROUGH_PATHS else ()
 
     async def health(self, _: web.Request) -> web.Response:
         ready = self.ready()
@@ -234,10 +266,18 @@ class OpenAIDoor:
             problem = f"{REQUEST_ID}: one value of 1 to {REQUEST_ID_LIMIT} visible ASCII characters"
             return error_response(InvalidRequest(problem), None)
         request_id = given[0] if given else uuid.uuid4().hex
+        limit = self.max_request_bytes  # server.maxRequestBytes, as the app was built with it
+        if request.content_length is not None and request.content_length > limit:
+            return too_large(limit, request_id)  # refused before a byte of it is read
         try:
-            body = parse_body(read_json(await request.read()), chat)
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # chunked, or a Content-Length that lied: stopped at the limit
+            return too_large(limit, request_id)
+        try:
+            body = parse_body(read_json(raw), chat)
             f, names = to_fields(body)
             f.request_id = request_id
+            f.body_bytes = len(raw)
             read_headers(request, f)
             ticket = await self.front.submit(f, body.stream, HEADER_NAMES | names)
         except (InvalidRequest, Rejected) as exc:
@@ -314,12 +354,30 @@ class OpenAIDoor:
         return response
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Any other path: to the engine as it came; its answer streamed back."""
+        """An allowlisted engine path (``passthrough_methods``): to the engine unqueued,
+        its answer streamed back.  Any other path or method: 404 / 405, and the
+        engine sees nothing."""
+        path = request.path  # decoded and normalised by aiohttp: "/v1/%6Dodels" is "/v1/models"
+        methods = self.passthrough_methods(path)
+        if not methods:
+            shown = path if len(path) <= 128 else path[:128] + "..."
+            message = (f"{request.method} {shown}: not found. The sidecar serves /v1/completions, "
+                       f"/v1/chat/completions and /health; of the engine's own paths only GET of "
+                       f"{', '.join(DEFAULT_PASSTHROUGH_PATHS)} and those listed in server.passthroughPaths "
+                       "(spec.sidecar.passthroughPaths) pass through")  # fmt: skip
+            return web.json_response(error_body(message, "invalid_request_error", None, "not_found"), status=404)
+        if request.method not in methods:
+            message = (f"{request.method} {path}: only {', '.join(methods)} reach the engine there "
+                       "(GET and HEAD for the default paths, also POST for those in server.passthroughPaths)")  # fmt: skip
+            return web.json_response(error_body(message, "invalid_request_error", None, "method_not_allowed"),
+                                     status=405, headers={"Allow": ", ".join(methods)})  # fmt: skip
         listed = {t.strip().lower() for v in request.headers.getall("Connection", []) for t in v.split(",")}
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | listed]
+        query = request.rel_url.raw_query_string
+        target = f"{path}?{query}" if query else path  # the path that matched, not the raw one: no encoded tricks
         try:
             upstream = await self.engine().forward(
-                request.method, request.path_qs, headers, request.content if request.body_exists else None
+                request.method, target, headers, request.content if request.body_exists else None
             )
         except EngineError as exc:
             return error_response(exc, None)

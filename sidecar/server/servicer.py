@@ -66,6 +66,7 @@ from .front import (  # noqa: F401 - the bounds and helpers are re-exported: bin
 from .trace_context import read_trace_context
 
 log = logging.getLogger("binbatch.api")
+GRPC_NAMES = {"messages": "chat.messages"}  # front's neutral names as GenerateRequest spells them
 
 _REJECTED_CODES = {
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -193,6 +194,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             messages = tuple((m.role, m.content) for m in msg.chat.messages)
         metadata = tuple(context.invocation_metadata() or ())
         return Fields(
+            body_bytes=msg.ByteSize(),
             prompt=msg.prompt if which == "prompt" else None,
             messages=messages,
             model=msg.model,
@@ -216,13 +218,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, stream: bool
     ) -> tuple[Request, Call]:
         """Validate ``msg`` and make the core request and the caller's handle."""
-        ticket = self.front.build(self._fields(msg, context), stream)
+        ticket = self.front.build(self._fields(msg, context), stream, GRPC_NAMES)
         return ticket.req, ticket.call
 
     async def _accept(self, msg, context, stream: bool) -> Ticket | None:
         """Submit the request; None if it was refused (the RPC is aborted then)."""
         try:
-            ticket = await self.front.submit(self._fields(msg, context), stream)
+            ticket = await self.front.submit(self._fields(msg, context), stream, GRPC_NAMES)
         except (InvalidRequest, Rejected) as exc:
             await _abort(context, exc)
             return None

@@ -180,8 +180,8 @@ async def test_the_sidecars_metrics_count_http_requests_per_bin(tmp_path):
         assert samples(fams, "binbatch_requests", "binbatch_requests_total", outcome="completed") == 6
 
 
-async def test_models_and_other_paths_pass_through_to_the_engine(tmp_path):
-    async with door(tmp_path) as d:
+async def test_models_and_listed_paths_pass_through_to_the_engine(tmp_path):
+    async with door(tmp_path, server={"passthroughPaths": ["/tokenize"]}) as d:
         models = await d.client.models.list()
         assert [m.id for m in models.data] == [d.model]
         async with aiohttp.ClientSession() as http:

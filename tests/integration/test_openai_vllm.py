@@ -69,7 +69,8 @@ async def test_openai_client_completes_chats_and_streams_through_the_sidecar_to_
 
 
 async def test_models_and_tokenize_pass_through_to_vllm(vllm_server, tmp_path):
-    async with running_sidecar(sidecar_config(vllm_server.base_url), tmp_path) as sc:
+    doc = sidecar_config(vllm_server.base_url, server={"passthroughPaths": ["/tokenize"]})  # POST: listed only
+    async with running_sidecar(doc, tmp_path) as sc:
         client = _client(sc)
         try:
             assert [m.id for m in (await client.models.list()).data] == [vllm_server.model]

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
-from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
+from binbatch_sidecar.emulator import Emulator, EmulatorConfig, running_emulator
 from binbatch_sidecar.engine.sidecar_metrics import OTHER_MODEL
 
 STEP = 0.01  # seconds per engine step: 8 tokens take ~80 ms, the first one ~10 ms
@@ -81,4 +81,34 @@ async def test_requests_held_in_a_bin_are_waiting_by_model_with_unknown_models_a
             assert all(isinstance(r, asyncio.CancelledError | grpc.aio.AioRpcError) for r in results)
             await until(lambda: not sc.sidecar.dispatcher.waiting_by_model())
             fams = await sc.scrape()
+            assert gauge(fams, "binbatch_requests_waiting") == {cfg.model: 0}
+
+
+async def test_the_waiting_gauge_drops_when_the_request_leaves_the_engines_queue_not_a_scrape_later(tmp_path):
+    """The cause of this module's one flake: the engine's part of the gauge came from the
+    last scrape, so a scrape taken while a request waited in the engine kept it counted
+    after its answer, until the next scrape.  Here the next scrape is a minute away, and
+    the interleaving is forced: the scrape is taken while the request waits there."""
+    doc = sidecar_config(
+        "", batch={"mode": "Continuous", "sizing": "Static", "staticSize": 2, "followEngineQueue": False},
+        bins={"count": 1}, metrics={"intervalMilliseconds": 60_000, "staleAfterMilliseconds": 600_000},
+    )  # fmt: skip
+    cfg = EmulatorConfig(step_a=STEP, step_c=0.0, max_num_seqs=1)  # one runs, the next waits in the engine
+    async with Emulator(cfg) as emulator:
+        url = emulator.base_url
+        doc["engine"]["url"], doc["metrics"]["url"] = url, url + "/metrics"
+        async with running_sidecar(doc, tmp_path) as sc:
+            stream = sc.inference.GenerateStream(prompt_request(1, 30), timeout=30)
+            first = await anext(aiter(stream))  # the long one runs in the engine (and has said so)
+            assert first.text
+            short = asyncio.ensure_future(sc.inference.Generate(prompt_request(2, 2), timeout=30))
+            await asyncio.wait_for(emulator.engine.wait_for(lambda e: len(e.scheduler.waiting) == 1), WAIT)
+            await sc.sidecar.feed.poll_once()  # the scrape sees it waiting in the engine
+            assert sc.sidecar.feed.last_metrics.waiting_by_model == {cfg.model: 1}
+            assert gauge(await sc.scrape(), "binbatch_requests_waiting") == {cfg.model: 1}
+            chunks = [c async for c in stream]
+            assert chunks[-1].HasField("final")
+            assert (await short).completion_tokens == 2
+            fams = await sc.scrape()
+            assert sc.sidecar.feed.last_metrics.waiting_by_model == {cfg.model: 1}  # no scrape since
             assert gauge(fams, "binbatch_requests_waiting") == {cfg.model: 0}

@@ -137,6 +137,7 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ),  # fmt: skip
     ("batch", "max_queued_requests"): ({"batch": {"maxQueuedRequests": 55}}, lambda s: _core(s).former._max_queue, 55),  # fmt: skip
     ("batch", "order"): ({"batch": {"order": "Fifo"}}, lambda s: _core(s).admission.order, "fifo"),
+    ("batch", "max_queued_bytes"): ({"batch": {"maxQueuedBytes": 8 << 20}}, lambda s: _core(s).max_queued_bytes, 8 << 20),  # fmt: skip
     ("batch", "aging"): ({"batch": {"aging": "Fixed"}}, lambda s: _core(s).admission.aging, 20.0),
     ("batch", "aging_tokens_per_second"): (
         {"batch": {"aging": "Fixed", "agingTokensPerSecond": 7}}, lambda s: _core(s).admission.aging, 7.0,
@@ -190,6 +191,7 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ),  # fmt: skip
     ("server", "drain_grace_seconds"): ({"server": {"drainGraceSeconds": 3}}, lambda s: s.config.server.drain_grace_seconds, 3),  # read by stop()  # fmt: skip
     ("server", "config_poll_milliseconds"): ({"server": {"configPollMilliseconds": 250}}, lambda s: s.watcher.poll_seconds, 0.25),  # fmt: skip
+    ("server", "passthrough_paths"): ({"server": {"passthroughPaths": ["/tokenize"]}}, lambda s: s.config.server.passthrough_paths, ["/tokenize"]),  # read per request; see test_front_door_intake  # fmt: skip
     ("logging", "level"): ({"logging": {"level": "Debug"}}, lambda s: logging.getLogger().level, logging.DEBUG),
     ("logging", "format"): ({"logging": {"format": "Text"}}, lambda s: logs.current_format(), "Text"),  # and see test_sidecar_process  # fmt: skip
     ("logging", "log_prompts"): ({"logging": {"logPrompts": True}}, lambda s: s.config.logging.log_prompts, True),  # read per request; see test_sidecar_input  # fmt: skip
@@ -201,6 +203,7 @@ REFUSED: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("server", "grpc_port"): {"server": {"grpcPort": 12345}},
     ("server", "metrics_port"): {"server": {"metricsPort": 12346}},
     ("server", "http_port"): {"server": {"httpPort": 12347}},
+    ("server", "max_request_bytes"): {"server": {"maxRequestBytes": 1 << 20}},
 }
 SINGLE_VALUED: dict[tuple[str, str], Any] = {}  # keys with nothing to change them to
 

@@ -16,6 +16,7 @@ from binbatch_sidecar.config import (
     dump_config,
     load_config,
     parse_config,
+    restart_required,
 )
 
 FULL = """\
@@ -55,6 +56,7 @@ batch:
   followEngineQueue: false
   drainOrder: ShortestFirst
   shortestBy: KvFootprint
+  maxQueuedBytes: 67108864
 memory:
   admission: Projected
   overflowPerMille: 5
@@ -88,6 +90,8 @@ server:
   metricsPort: 7001
   drainGraceSeconds: 10
   configPollMilliseconds: 2000
+  passthroughPaths: [/tokenize, /v1/embeddings]
+  maxRequestBytes: 1048576
 logging:
   level: Debug
   format: Text
@@ -358,3 +362,44 @@ def test_drain_order_longest_fit_first_needs_the_projected_kv_plan_and_names_wha
     assert "batch.order ShortestFirst (is Fifo)" in str(err.value)
     with pytest.raises(ConfigError, match=r"batch\.drainOrder"):
         parse_config({"batch": {"drainOrder": "Longest"}})
+
+
+def test_front_door_bounds_default_to_4_mib_requests_256_mib_queued_and_no_extra_passthrough():
+    cfg = SidecarConfig()
+    assert cfg.server.max_request_bytes == 4 * 1024 * 1024
+    assert cfg.batch.max_queued_bytes == 256 * 1024 * 1024
+    assert cfg.server.passthrough_paths == []
+
+
+@pytest.mark.parametrize(
+    ("doc", "path", "says"),
+    [
+        ({"server": {"passthroughPaths": ["/admin/*"]}}, "server.passthroughPaths", "no wildcards"),
+        ({"server": {"passthroughPaths": ["tokenize"]}}, "server.passthroughPaths", "absolute path"),
+        ({"server": {"passthroughPaths": ["/v1/models?x=1"]}}, "server.passthroughPaths", "no query"),
+        ({"server": {"passthroughPaths": ["/a%2Fb"]}}, "server.passthroughPaths", "percent-encoding"),
+        ({"server": {"passthroughPaths": ["/v1/../pause"]}}, "server.passthroughPaths", "'..'"),
+        ({"server": {"passthroughPaths": ["/x" * 129]}}, "server.passthroughPaths[0]", "256"),
+        ({"server": {"passthroughPaths": [f"/p{i}" for i in range(33)]}}, "server.passthroughPaths", "32"),
+        ({"server": {"passthroughPaths": ["/tokenize", "/tokenize"]}}, "server.passthroughPaths", "twice"),
+        ({"server": {"passthroughPaths": ["/v1/chat/completions"]}}, "server.passthroughPaths", "own route"),
+        ({"server": {"passthroughPaths": "/tokenize"}}, "server.passthroughPaths", "list"),
+        ({"server": {"maxRequestBytes": 1024}}, "server.maxRequestBytes", "65536"),
+        ({"server": {"maxRequestBytes": 2**27}}, "server.maxRequestBytes", "67108864"),
+        ({"batch": {"maxQueuedBytes": 1000}}, "batch.maxQueuedBytes", "1048576"),
+        ({"batch": {"maxQueuedBytes": 2**37}}, "batch.maxQueuedBytes", "68719476736"),
+        ({"batch": {"maxQueuedBytes": 2 * 1024 * 1024}}, "batch.maxQueuedBytes", "server.maxRequestBytes"),
+    ],
+)
+def test_front_door_settings_refused_name_their_field(doc, path, says):
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc)
+    assert [p for p, _ in err.value.problems] == [path]
+    assert says in err.value.problems[0][1]
+
+
+def test_max_request_bytes_needs_a_restart_and_passthrough_paths_do_not():
+    running = SidecarConfig()
+    bigger = parse_config({"server": {"maxRequestBytes": 8 * 1024 * 1024}})
+    assert [p for p, _ in restart_required(running, bigger)] == ["server.maxRequestBytes"]
+    assert restart_required(running, parse_config({"server": {"passthroughPaths": ["/tokenize"]}})) == []

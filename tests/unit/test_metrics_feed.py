@@ -155,3 +155,81 @@ async def test_engine_waiting_is_read_only_while_the_metrics_are_fresh() -> None
     clock.advance(2.0)
     await feed.poll_once()
     assert feed.state == "stale" and feed.engine_waiting() is None
+
+
+class Own:
+    """The dispatcher's side of the engine's waiting figure: scripted counts by model."""
+
+    def __init__(self) -> None:
+        self.unstarted: dict[str, int] = {}
+        self.sent: dict[str, int] = {}
+
+    def unstarted_by_model(self) -> dict[str, int]:
+        return dict(self.unstarted)
+
+    def sent_by_model(self) -> dict[str, int]:
+        return dict(self.sent)
+
+
+class DuringFetch(FakeSource):
+    """Runs ``during`` while the fetch is in flight (after the engine rendered its metrics)."""
+
+    def __init__(self, outcome: EngineMetrics, during) -> None:
+        super().__init__(outcome)
+        self.during = during
+
+    async def fetch(self) -> EngineMetrics:
+        out = await super().fetch()
+        self.during()
+        return out
+
+
+async def test_the_engines_waiting_drops_in_the_same_step_as_the_sidecars_request_leaves_it() -> None:
+    """The flake of test_request_signals_emulator: a scrape taken while the only request waited
+    in the engine kept binbatch_requests_waiting at 1 after its answer, until the next scrape."""
+    clock = ManualClock()
+    feed, _ = make_feed(FakeSource(metrics(waiting_by_model={"m": 1.0})), clock)
+    own = feed.own = Own()
+    own.unstarted, own.sent = {"m": 1}, {"m": 1}
+    await feed.poll_once()
+    assert feed.engine_waiting() == {"m": 1.0}
+    own.unstarted = {}  # answered (or its first token came): no longer waiting, no new scrape needed
+    assert feed.engine_waiting() == {"m": 0.0}
+
+
+async def test_other_clients_waiting_requests_stay_counted_until_the_next_scrape() -> None:
+    clock = ManualClock()
+    feed, _ = make_feed(FakeSource(metrics(waiting_by_model={"m": 3.0, "n": 2.0})), clock)
+    own = feed.own = Own()
+    own.unstarted, own.sent = {"m": 1}, {"m": 1}
+    await feed.poll_once()
+    own.unstarted = {}
+    assert feed.engine_waiting() == {"m": 2.0, "n": 2.0}  # two of m's and both of n's were never the sidecar's
+    own.unstarted = {"m": 4}  # sent since the scrape: not counted above what the scrape saw
+    assert feed.engine_waiting() == {"m": 3.0, "n": 2.0}
+
+
+async def test_a_request_sent_or_ended_during_the_fetch_is_taken_as_possibly_the_sidecars() -> None:
+    clock = ManualClock()
+    own = Own()
+    own.unstarted, own.sent = {"m": 1}, {"m": 1}
+
+    def during() -> None:  # one ends, another is sent, while the engine's answer is on its way
+        own.unstarted, own.sent = {"m": 1}, {"m": 2}
+
+    feed, _ = make_feed(DuringFetch(metrics(waiting_by_model={"m": 2.0}), during), clock)
+    feed.own = own
+    await feed.poll_once()
+    assert feed.engine_waiting() == {"m": 1.0}  # both scraped waiting could be the sidecar's: one still is
+    own.unstarted = {}
+    assert feed.engine_waiting() == {"m": 0.0}
+
+
+async def test_an_engine_gauge_without_model_name_is_matched_against_all_of_the_sidecars_requests() -> None:
+    clock = ManualClock()
+    feed, _ = make_feed(FakeSource(metrics(waiting_by_model={"": 2.0})), clock)
+    own = feed.own = Own()
+    own.unstarted, own.sent = {"a": 1, "b": 1}, {"a": 1, "b": 1}
+    await feed.poll_once()
+    own.unstarted = {"b": 1}
+    assert feed.engine_waiting() == {"": 1.0}

@@ -28,7 +28,7 @@ from binbatch_operator.status import (
     merge_conditions,
 )
 from binbatch_operator.webhook import fill_namespace, self_signed_certificate, service_hostnames
-from binbatch_sidecar.config import parse_config
+from binbatch_sidecar.config import ConfigError, parse_config
 
 IMAGE = "registry.example/binbatch:test"
 SPEC = {
@@ -60,6 +60,25 @@ def test_configmap_carries_the_sidecar_config_the_sidecar_loads():
     cfg = parse_config(yaml.safe_load(cm["data"][builders.CONFIG_KEY]))
     assert cfg.server.grpc_port == 50061 and cfg.server.metrics_port == 9191 and cfg.server.http_port == 8181
     assert list(cfg.bins.boundaries) == [64, 256] and cfg.batch.max_batch_size == 64
+
+
+def test_spec_sidecar_passthrough_paths_and_request_bytes_reach_the_sidecar_config():
+    spec = {**SPEC, "sidecar": {**SPEC["sidecar"], "passthroughPaths": ["/tokenize"], "maxRequestBytes": 1048576}}
+    cfg = parse_config(yaml.safe_load(builders.build_configmap("fast", "llm", spec)["data"][builders.CONFIG_KEY]))
+    assert cfg.server.passthrough_paths == ["/tokenize"] and cfg.server.max_request_bytes == 1048576
+    # at their defaults (as the API server fills them in) they are left out: the ConfigMap is the one it was
+    defaulted = {**SPEC, "sidecar": {**SPEC["sidecar"], "passthroughPaths": [], "maxRequestBytes": 4194304}}
+    assert builders.sidecar_config(defaulted) == builders.sidecar_config(SPEC)
+    assert "passthroughPaths" not in builders.sidecar_config(SPEC)["server"]
+    # a new request size is bound at the sidecar's start: the pods that run the old one are told apart
+    assert builders.sidecar_hash(spec, "img") != builders.sidecar_hash(SPEC, "img")
+    assert builders.sidecar_hash(defaulted, "img") == builders.sidecar_hash(SPEC, "img")
+
+
+def test_a_bad_spec_sidecar_passthrough_path_is_refused_naming_it():
+    with pytest.raises(ConfigError) as err:
+        builders.sidecar_config({**SPEC, "sidecar": {"passthroughPaths": ["/v1/../pause"]}})
+    assert [p for p, _ in err.value.problems] == ["spec.sidecar.passthroughPaths"]
 
 
 def test_the_configmap_text_is_the_one_pure_python_yaml_writes():

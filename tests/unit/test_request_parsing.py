@@ -91,3 +91,31 @@ def test_an_unset_max_tokens_is_the_cap_within_the_engines_context():
     long = "x" * 800  # 800 bytes: no room by bytes in a 512 context, room by ~4 bytes/token
     assert unset_max_tokens(2048, 512, long) == 512 - 200 - TEMPLATE_TOKENS
     assert unset_max_tokens(2048, 64, long) == 2048  # no room at all: the engine refuses, naming the context
+
+
+async def test_a_request_counts_its_message_size_for_the_queued_bytes_bound():
+    msg = pb.GenerateRequest(prompt="x" * 1000, max_tokens=3)
+    req, _ = build(msg)
+    assert req.body_bytes == msg.ByteSize() > 1000
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"prompt": "a\ud800"}, "prompt"),
+        ({"messages": (("user", "fine"), ("user", "b\udc00"))}, "chat.messages[1].content"),
+        ({"messages": (("us\udbff", "fine"),)}, "chat.messages[0].role"),
+        ({"prompt": "ok", "stop": ("\ud800",)}, "stop[0]"),
+        ({"prompt": "ok", "model": "m\udfff"}, "model"),
+    ],
+)
+async def test_a_lone_surrogate_in_any_text_is_invalid_naming_the_field(fields, named):
+    """The door-neutral intake: before the prompt-token estimate encodes it (which raised, a 500)."""
+    from binbatch_sidecar.server.front import Fields
+    from binbatch_sidecar.server.servicer import GRPC_NAMES
+
+    servicer = InferenceServicer(None, ManualClock(), config=lambda: CONFIG, default_model=lambda: "m")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest) as err:
+        servicer.front.build(Fields(**fields), False, GRPC_NAMES)
+    assert str(err.value).startswith(f"{named}: ") and "surrogate" in str(err.value)
+    assert err.value.param == named

@@ -464,3 +464,70 @@ def test_gang_auto_bins_learn_a_burst_from_its_predictions_and_keep_short_and_lo
         steps["Auto"] += sum(max(b) for b in batches)  # a batch holds the engine until its longest ends
         steps["Fixed"] += sum(max(b) for b in _gang_burst("Fixed", seed)[0])
     assert steps["Auto"] < 0.97 * steps["Fixed"]  # than equal-width bins over [1, 100]
+
+
+def sized(i: int, clock: ManualClock, n: int, deadline: float | None = None) -> Request:
+    r = req(i, clock, deadline=deadline)
+    r.body_bytes = n
+    return r
+
+
+def bounded(max_bytes: int, **kw):
+    s, clock = make(**kw)
+    s.core.max_queued_bytes = max_bytes
+    return s, clock
+
+
+def test_queued_bytes_refuse_past_the_bound_naming_it_and_free_when_the_request_is_sent():
+    s, clock = bounded(100, mode="gang", size=2, inflight=1)
+    a, b = sized(0, clock, 60), sized(1, clock, 40)
+    s.submit(a)
+    s.submit(b)
+    assert s.queued_bytes == 100
+    with pytest.raises(Rejected, match=r"batch\.maxQueuedBytes \(100\)") as full:
+        s.submit(sized(2, clock, 1))
+    assert full.value.kind == "resource_exhausted" and s.totals["rejected"] == 1
+    step = s.step(clock.now())  # the batch goes to the engine: its bytes leave the queue
+    assert ids(step) == [["0", "1"]] and s.queued_bytes == 0
+    s.submit(sized(3, clock, 100))  # room again, up to the bound exactly
+    assert s.queued_bytes == 100
+    for r in (a, b):  # answers release nothing more: released once, when sent
+        s.complete(r, OK, clock.now())
+    s.release(step.dispatches[0].slot, clock.now())
+    assert s.queued_bytes == 100
+
+
+def test_queued_bytes_are_released_once_when_cancelled_expired_or_cut_at_shutdown():
+    s, clock = bounded(1000, mode="gang", size=8, inflight=1, max_wait=60.0)
+    cancelled, expiring, cut = sized(0, clock, 10), sized(1, clock, 20, deadline=1.0), sized(2, clock, 30)
+    for r in (cancelled, expiring, cut):
+        s.submit(r)
+    assert s.queued_bytes == 60
+    assert s.cancel(cancelled, clock.now()) == "cancelled" and s.queued_bytes == 50
+    assert s.cancel(cancelled, clock.now()) is None and s.queued_bytes == 50  # a second withdraw frees nothing
+    clock.advance(2.0)
+    assert [r.id for r in s.step(clock.now()).expired] == ["1"] and s.queued_bytes == 30
+    s.start_drain()
+    assert [r.id for r in s.cut_queued()] == ["2"] and s.queued_bytes == 0
+    assert s.end(cut, "failed") is False and s.queued_bytes == 0
+
+
+def test_continuous_pending_requests_hold_their_bytes_until_admitted_and_a_requeue_holds_them_again():
+    s, clock = bounded(1000, mode="continuous", size=1, max_wait=0.0)
+    first, second = sized(0, clock, 100), sized(1, clock, 200)
+    s.submit(first)
+    s.submit(second)
+    step = s.step(clock.now())  # one goes in; the other is taken from its bin but waits for room: still queued
+    assert ids(step) == [["0"]] and s.pending_requests() == 1 and s.queued_bytes == 200
+    never_sent = Outcome(unavailable=True, sent=False)  # the engine never got it (and is not down): queued again
+    assert s.complete(first, never_sent, clock.now()) == "requeued"
+    assert s.queued_bytes == 300
+    s.release(step.dispatches[0].slot, clock.now())
+    assert s.end(first, "failed") and s.queued_bytes == 200  # ended while queued: released there, once
+    assert ids(s.step(clock.now())) == [["1"]] and s.queued_bytes == 0
+
+
+def test_without_a_byte_bound_nothing_is_refused_for_its_size():
+    s, clock = make()
+    s.submit(sized(0, clock, 10**12))
+    assert s.queued_bytes == 10**12
