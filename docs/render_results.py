@@ -16,6 +16,7 @@ Names a marker can carry:
                      (``embedded`` or ``vllm-cpu``); a newer file's row replaces an
                      older one with the same ``key``
 ``index``            every result file, newest first
+``headline-keys``    the headline keys in use and the file each row comes from
 
 Adding a run is: write its JSON file, then ``python docs/render_results.py``.
 That re-renders every marker, and writes ``docs/results/<stem>.md`` for a file
@@ -189,10 +190,23 @@ def render_index(results: dict[str, ResultFile], at: Path, repo: Path = REPO) ->
     return render_table(table)
 
 
+def render_headline_keys(results: dict[str, ResultFile]) -> str:
+    """Every headline key in use, per engine, with the file whose row the README shows."""
+    newest: dict[tuple[str, str], tuple[str, Headline]] = {}
+    for stem in sorted(results, key=lambda s: (results[s].setup.date, s)):
+        for h in results[stem].headlines:
+            newest[(h.engine, h.key)] = (stem, h)
+    rows = [[f"`{engine}`", f"`{key}`", str(h.order), h.measure, f"`{stem}.json`"]
+            for (engine, key), (stem, h) in sorted(newest.items(), key=lambda kv: (kv[0][0], kv[1][1].order, kv[0][1]))]
+    return render_table(Table(columns=["engine", "key", "order", "measure", "shown from"], align="llrll", rows=rows))
+
+
 def render(name: str, results: dict[str, ResultFile], at: Path, repo: Path = REPO) -> str:
     """What the marker ``results:<name>`` in the file ``at`` shows."""
     if name == "index":
         return render_index(results, at, repo)
+    if name == "headline-keys":
+        return render_headline_keys(results)
     if name.startswith("summary:"):
         return render_summary(name.removeprefix("summary:"), results, at, repo)
     stem, _, part = name.partition("/")
