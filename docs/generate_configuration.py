@@ -1,5 +1,8 @@
 """Write docs/configuration.md: every BatchingPolicy field and sidecar-file key.
 
+It also refreshes the "default" column of the README's table of the settings that
+matter, so a changed default reaches the README too.
+
 The page is generated, never edited by hand: from the CRD schema
 (``binbatch_operator.crd.build_crd``, itself derived from the sidecar's config
 models) and from ``binbatch_sidecar.config.SidecarConfig`` for the one section a
@@ -16,15 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from binbatch_operator.crd import CONFIG_SECTIONS, GROUP, KIND, SIDECAR_DEFAULTS, VERSION, build_crd
-from binbatch_sidecar.config import ServerConfig
+from binbatch_sidecar.config import ServerConfig, SidecarConfig
 
 PAGE = Path(__file__).resolve().parent / "configuration.md"
+README = Path(__file__).resolve().parent.parent / "README.md"
+SETTINGS = "## The settings that matter"
 
 HEADER = f"""# Configuration reference
 
@@ -172,17 +178,47 @@ def _walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _walk(child)
 
 
+def _file_default(key: str) -> str:
+    section, field = key.split(".", 1)
+    value = json.loads(SidecarConfig().model_dump_json(by_alias=True))[section][field]
+    return "none" if value == "" else f"`{value}`"
+
+
+def readme_with_defaults(text: str) -> str:
+    """The README with each settings row's default cell taken from the config model.
+
+    A row's first cell lists one or more `section.key`s; its default cell lists their
+    defaults, each once, in the same order.
+    """
+    head, sep, rest = text.partition(SETTINGS)
+    if not sep:
+        raise ValueError(f"README.md has no section {SETTINGS!r}")
+    section, nxt, tail = rest.partition("\n## ")
+
+    def row(m: re.Match[str]) -> str:
+        keys = re.findall(r"`([a-z]+\.[A-Za-z]+)`", m["keys"])
+        defaults = list(dict.fromkeys(_file_default(k) for k in keys))
+        return f"| {m['keys']} | {', '.join(defaults)} |"
+
+    section = re.sub(r"^\| (?P<keys>`[a-z]+\.[A-Za-z]+`(?:, `[a-z]+\.[A-Za-z]+`)*) \| [^|]* \|", row, section, flags=re.M)
+    return head + sep + section + nxt + tail
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if the page differs")
     args = parser.parse_args(argv)
     text = generate()
+    readme = README.read_text()
+    readme_new = readme_with_defaults(readme)
     if args.check:
-        if not PAGE.exists() or PAGE.read_text() != text:
-            print(f"{PAGE.name} differs from the schema: run python docs/generate_configuration.py", file=sys.stderr)
-            return 1
-        return 0
+        drifted = [p.name for p, old, new in ((PAGE, PAGE.read_text() if PAGE.exists() else "", text),
+                                              (README, readme, readme_new)) if old != new]  # fmt: skip
+        for name in drifted:
+            print(f"{name} differs from the schema: run python docs/generate_configuration.py", file=sys.stderr)
+        return 1 if drifted else 0
     PAGE.write_text(text)
+    README.write_text(readme_new)
     return 0
 
 

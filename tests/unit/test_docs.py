@@ -162,14 +162,26 @@ def test_the_configuration_reference_lists_every_policy_field_and_file_key():
 
 
 def test_the_readme_states_the_config_models_defaults():
-    section = README.read_text().split("## The settings that matter", 1)[1].split("\n## ", 1)[0]
+    text = README.read_text()
+    assert generate_configuration.readme_with_defaults(text) == text, "run: python docs/generate_configuration.py"
+    section = text.split("## The settings that matter", 1)[1].split("\n## ", 1)[0]
     defaults = json.loads(SidecarConfig().model_dump_json(by_alias=True))
-    checked = 0
-    for key, default in re.findall(r"^\| `([a-z]+\.[A-Za-z]+)` \| `([^`]*)`", section, re.M):
-        section_name, field = key.split(".")
-        assert str(defaults[section_name][field]) == default, key
-        checked += 1
-    assert checked >= 6
+    rows = re.findall(r"^\| `([a-z]+)\.([A-Za-z]+)` \| `([^`]*)`", section, re.M)
+    assert len(rows) >= 6
+    assert all(str(defaults[s][f]) == d for s, f, d in rows)
+
+
+def test_a_changed_default_is_rewritten_into_the_readme(monkeypatch):
+    class Changed(SidecarConfig):
+        def model_dump_json(self, **kw):  # what a branch that changes a default would give
+            doc = json.loads(super().model_dump_json(**kw))
+            doc["memory"]["admission"] = "Projected"
+            return json.dumps(doc)
+
+    monkeypatch.setattr(generate_configuration, "SidecarConfig", Changed)
+    new = generate_configuration.readme_with_defaults(README.read_text())
+    assert "| `memory.admission` | `Projected` |" in new
+    assert new.count("\n") == README.read_text().count("\n")  # only the cell changed
 
 
 # -- troubleshooting --------------------------------------------------------------------
