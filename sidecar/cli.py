@@ -1,6 +1,6 @@
 """The ``binbatch`` command.
 
-Exit codes (the README's CLI section): 0 success; 1 the sidecar cut off requests
+Exit codes (docs/api.md, 'Version and exit codes'): 0 success; 1 the sidecar cut off requests
 when its drain grace ran out, or ``bench chaos`` found a lost, duplicated or hung
 request; 2 it could not start (a bad flag, environment variable or config file,
 or a port it cannot listen on), one line on stderr.
