@@ -231,14 +231,23 @@ def test_the_readme_is_one_screen_and_starts_with_what_matters():
         assert shorthand not in README.read_text(), shorthand
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
 @pytest.mark.parametrize("path", _documents(), ids=lambda p: str(p.relative_to(REPO)))
-def test_relative_links_resolve(path):
+def test_relative_links_and_their_anchors_resolve(path):
     text = path.read_text()
     broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        file = (path.parent / target.split("#", 1)[0]).resolve()
-        if not file.exists() and file.name not in PAGES_OF_OTHER_BRANCHES:
+        name, _, anchor = target.partition("#")
+        file = (path.parent / name).resolve() if name else path
+        if file.name in PAGES_OF_OTHER_BRANCHES:
+            continue
+        if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _anchors(file)):
             broken.append(target)
     assert broken == []
