@@ -91,14 +91,16 @@ class ResultFile(_Strict):
     title: str
     summary: str = Field(description="one sentence: what the run shows")
     setup: Setup
-    page: str | None = Field(default=None, description="the docs page showing the tables, if not docs/results/<stem>.md")
+    page: str | None = Field(default=None, description="the docs page showing the tables (with an optional #anchor), "
+                             "if not docs/results/<stem>.md")
     tables: dict[str, Table] = {}
     headlines: list[Headline] = []
 
     @field_validator("page")
     @classmethod
     def _page_in_docs(cls, page: str | None) -> str | None:
-        if page is not None and not (page.startswith("docs/") and page.endswith(".md") and ".." not in page):
+        path = None if page is None else page.partition("#")[0]
+        if path is not None and not (path.startswith("docs/") and path.endswith(".md") and ".." not in path):
             raise ValueError(f"page must be a Markdown file under docs/, got {page!r}")
         return page
 
@@ -142,11 +144,12 @@ def render_table(table: Table) -> str:
 
 def page_path(stem: str, result: ResultFile, repo: Path = REPO) -> Path:
     """Where a result file's tables are shown: its ``page``, else ``docs/results/<stem>.md``."""
-    return repo / result.page if result.page else repo / "docs" / "results" / f"{stem}.md"
+    return repo / result.page.partition("#")[0] if result.page else repo / "docs" / "results" / f"{stem}.md"
 
 
 def _link(stem: str, result: ResultFile, at: Path, repo: Path) -> str:
-    return Path(os.path.relpath(page_path(stem, result, repo), at.parent)).as_posix()
+    anchor = result.page.partition("#")[2] if result.page else ""
+    return Path(os.path.relpath(page_path(stem, result, repo), at.parent)).as_posix() + (f"#{anchor}" if anchor else "")
 
 
 def render_setup(result: ResultFile) -> str:
