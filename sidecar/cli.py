@@ -1,6 +1,6 @@
 """The ``binbatch`` command.
 
-Exit codes (the README's CLI section): 0 success; 1 the sidecar cut off requests
+Exit codes (docs/api.md, 'Version and exit codes'): 0 success; 1 the sidecar cut off requests
 when its drain grace ran out, or ``bench chaos`` found a lost, duplicated or hung
 request; 2 it could not start (a bad flag, environment variable or config file,
 or a port it cannot listen on), one line on stderr.
@@ -9,6 +9,7 @@ or a port it cannot listen on), one line on stderr.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -135,7 +136,26 @@ def _bench_predictor(args: argparse.Namespace) -> int:
     return 0
 
 
+OPERATOR_BENCH_EXTRA = "pip install 'binbatch[operator-bench]'"
+
+
+def _missing_operator_bench_module(needs_kmock: bool) -> str | None:
+    """The module of the ``operator-bench`` extra that is not installed, if any."""
+    for name in ("psutil", "kmock") if needs_kmock else ("psutil",):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            return name
+    return None
+
+
 def _bench_operator(args: argparse.Namespace) -> int:
+    missing = _missing_operator_bench_module(needs_kmock=args.kubeconfig is None)
+    if missing is not None:
+        print(f"binbatch bench operator: needs the operator-bench extra ({missing} is not installed): "
+              f"{OPERATOR_BENCH_EXTRA} (from a source checkout: pip install '.[operator-bench]')",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_CANNOT_START
     from .bench import fleet
 
     cfg = fleet.quick() if args.quick else fleet.FleetConfig()

@@ -254,7 +254,7 @@ class LatencyConfig(_Section):
 
 
 class ExternalPredictorConfig(_Section):
-    url: str = Field("", max_length=2048, description="An external length-predictor service a team runs with its own model (README 'Bring your own predictor'): each request without a hint is POSTed here before it is queued, and the service's quantiles of its output length place it. Empty: none.")  # fmt: skip
+    url: str = Field("", max_length=2048, description="An external length-predictor service a team runs with its own model (docs/predictor.md, 'Bring your own predictor'): each request without a hint is POSTed here before it is queued, and the service's quantiles of its output length place it. Empty: none.")  # fmt: skip
     timeout_milliseconds: int = Field(50, ge=1, le=10_000, description="Deadline of one call; past it (or on an error or a malformed answer) the built-in predictor places the request.")  # fmt: skip
     breaker_open_milliseconds: int = Field(5000, ge=100, le=600_000, description="After a timeout or an outage (no answer, a 5xx), how long no call is made (the built-in predictor places requests at once) before one request tries the service again.")  # fmt: skip
     feedback_url: str = Field("", max_length=2048, description="Optional: where to POST the output tokens of completed requests the service was asked about, in batches, off the request path, so it can learn. Empty: none.")  # fmt: skip

@@ -14,7 +14,7 @@ from .config import SCHEDULING_POLICIES, EmulatorConfig
 from .server import CannotListen, serve
 
 DESCRIPTION = "A vLLM-compatible engine emulator: OpenAI API, /metrics, paged KV-cache blocks."
-EXIT_CANNOT_START = 2  # a bad flag, or the port cannot be bound (README: exit codes)
+EXIT_CANNOT_START = 2  # a bad flag, or the port cannot be bound (docs/api.md: exit codes)
 
 
 def _positive_int(text: str) -> int:

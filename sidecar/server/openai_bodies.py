@@ -225,7 +225,7 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
             param += f".{part}" if param else str(part)
     param = param or "body"
     if err["type"] == "extra_forbidden":
-        problem = "not a supported field (the HTTP door takes what binbatch's gRPC API can carry; see the README)"
+        problem = "not a supported field (the HTTP API takes what binbatch's gRPC API can carry; see docs/api.md, 'Not supported')"
     elif err["type"] == "missing":
         problem = "required"
     else:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the command line imports this module for ListenError alone:
     import grpc
     from aiohttp import web
 
-EXIT_CANNOT_LISTEN = 2  # documented in the README (CLI exit codes)
+EXIT_CANNOT_LISTEN = 2  # documented in docs/api.md (exit codes)
 
 HOST_SETTING = "--host or $BINBATCH_HOST"  # every listener binds the one host
 

@@ -3,7 +3,7 @@
 They run when ``BINBATCH_APISERVER_KUBECONFIG`` names the admin kubeconfig of a real
 API server, and are skipped, saying how to run them, otherwise (CI has none).  The
 server needs no scheduler and no kubelet: pods stay Pending, so what the webhook did
-is checked on the pod objects the API server stored.  README, "Tests", says how to
+is checked on the pod objects the API server stored.  docs/development.md says how to
 build and start one on this machine.
 
 What the tests leave on that server: the two CRDs, applied server-side (every policy
@@ -27,7 +27,7 @@ KUBECONFIG_ENV = "BINBATCH_APISERVER_KUBECONFIG"
 SKIP_REASON = (
     f"no real API server: {KUBECONFIG_ENV} is unset. To run these, start one "
     "(../shared/tools/kube-apiserver: build.sh once, then start.sh, which prints its kubeconfig), "
-    f"then {KUBECONFIG_ENV}=<that kubeconfig> pytest -m apiserver (README, Tests)"
+    f"then {KUBECONFIG_ENV}=<that kubeconfig> pytest -m apiserver (docs/development.md)"
 )
 DIAGNOSE = (
     ("get", "namespaces", "--show-labels"),
@@ -71,7 +71,7 @@ def namespace(cluster: Cluster, crds: None) -> Iterator[Callable[..., str]]:
 @pytest.fixture(scope="session")
 def helm_release(cluster: Cluster, crds: None) -> Iterator[str]:
     """The chart installed by the Helm library (``helm install``, default values) in a namespace of its
-    own under the restricted Pod Security Standard, as the README installs it.  The release is named
+    own under the restricted Pod Security Standard, as the quickstart installs it.  The release is named
     after its namespace; this returns that name."""
     import helm_python as helm
 

@@ -25,7 +25,7 @@ FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_siz
 SIDECARS = 3
 CALLS = 30  # sequential: round_robin rotates over the ready subchannels call by call
 BOUND_SECONDS = 60  # the whole run: three sidecars, one emulator, thirty calls
-ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})  # what the README tells clients to set
+ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})  # what the docs tell clients to set
 
 
 async def _served_by_each(tmp_path, options: list[tuple[str, str]]) -> list[int]:
@@ -54,6 +54,6 @@ async def test_round_robin_over_a_multi_address_target_reaches_every_sidecar(tmp
 
 
 async def test_the_default_pick_first_channel_pins_one_sidecar(tmp_path):
-    """Why the README asks for round_robin: without it one HTTP/2 connection carries every call."""
+    """Why the docs ask for round_robin: without it one HTTP/2 connection carries every call."""
     served = await _served_by_each(tmp_path, [("grpc.lb_policy_name", "pick_first")])
     assert sorted(served) == [0] * (SIDECARS - 1) + [CALLS], served

@@ -23,7 +23,7 @@ from binbatch_sidecar.engine.engine_client import EngineRequest, SamplingParams
 from binbatch_sidecar.engine.external_predictor import ANSWER_LIMIT, Invalid, parse_answer, query
 from binbatch_sidecar.server.assembly import build_core
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PREDICTOR_DOC = Path(__file__).resolve().parents[2] / "docs" / "predictor.md"
 
 
 # -- the service's quantiles as the core's distribution ---------------------------------
@@ -94,15 +94,15 @@ def test_the_query_says_what_is_asked_its_class_cap_and_id():
                                 "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}  # fmt: skip
 
 
-def _readme_blocks(after: str) -> list[str]:
-    """The fenced blocks of the README's section headed ``after``."""
-    text = README.read_text()
+def _doc_blocks(after: str) -> list[str]:
+    """The fenced blocks of the predictor page's section headed ``after``."""
+    text = PREDICTOR_DOC.read_text()
     section = text.split(f"## {after}\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```[a-z]*\n(.*?)```", section, re.S)
 
 
-def test_the_readme_shows_the_contract_the_sidecar_speaks():
-    blocks = _readme_blocks("Bring your own predictor")
+def test_the_docs_show_the_contract_the_sidecar_speaks():
+    blocks = _doc_blocks("Bring your own predictor")
     asked = json.loads(blocks[0])
     req = Request(id=asked["id"], arrival=0.0, request_class=asked["request_class"])
     engine_request = EngineRequest(params=SamplingParams(model=asked["model"], max_tokens=asked["max_tokens"]),
