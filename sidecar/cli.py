@@ -444,7 +444,7 @@ def _env_port(name: str) -> int | None:
 _CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
 # bench e2e's scenario keys and shapes (bench/e2e.py SCENARIO_NAMES; the CLI imports benches lazily)
 _E2E_SCENARIOS = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang", "sharegpt")
-_E2E_CLIENTS = ("direct", "priority", "hint", "engine-order", "packed", "online", "free", "ideal1", "ideal4", "ideal8",
+_E2E_CLIENTS = ("direct", "priority", "hint", "engine-order", "packed", "online", "free", "default", "ideal1", "ideal4", "ideal8",
                 "gang1", "gang4", "gang8", "learned", "cold", "learned-engine-order")  # fmt: skip
 
 

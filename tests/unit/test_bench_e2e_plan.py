@@ -95,10 +95,10 @@ def _clients_at_95(cfg: e2e.E2EConfig) -> list[str]:
 def test_vllms_priority_scheduling_is_measured_where_an_engine_runs_it():
     """The embedded engine starts one with --scheduling-policy priority; against
     the user's engine the client needs --priority-engine, else it is left out."""
-    assert _clients_at_95(e2e.E2EConfig()) == ["direct", "priority", "hint", "engine-order", "online"]
-    assert _clients_at_95(e2e.E2EConfig(engine_url="http://127.0.0.1:8000")) == ["direct", "hint", "online"]
+    assert _clients_at_95(e2e.E2EConfig()) == ["direct", "priority", "hint", "engine-order", "online", "default"]
+    assert _clients_at_95(e2e.E2EConfig(engine_url="http://127.0.0.1:8000")) == ["direct", "hint", "online", "default"]
     both = e2e.E2EConfig(engine_url="http://127.0.0.1:8000", priority_engine_url="http://127.0.0.1:8001")
-    assert _clients_at_95(both) == ["direct", "priority", "hint", "engine-order", "online"]
+    assert _clients_at_95(both) == ["direct", "priority", "hint", "engine-order", "online", "default"]
     assert e2e.sidecar_overrides(both)["kvp-hint"][0] == e2e.ENGINE_ORDER.engine == "kv-priority"
     assert e2e.PRIORITY.engine == "kv-priority" and e2e.PRIORITY.sidecar is None
 

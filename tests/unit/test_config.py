@@ -127,7 +127,7 @@ def test_no_document_gives_the_defaults():
 
 def test_defaults_convert_to_si_units():
     cfg = SidecarConfig()
-    assert cfg.max_wait_seconds == pytest.approx(0.05)
+    assert cfg.max_wait_seconds == 0  # a request goes as soon as the engine has room
     assert cfg.eps_m == pytest.approx(0.010)
     assert cfg.tpot_seconds is None and cfg.queue_budget_seconds(None) is None
     assert cfg.queue_budget_seconds(400) == pytest.approx(0.2)  # a request's own SLO, 50% of it
@@ -156,7 +156,7 @@ def test_full_example_parses_every_key():
 
 def test_config_json_is_sorted_camel_case_json():
     text = config_json(SidecarConfig())
-    assert json.loads(text)["batch"]["maxWaitMilliseconds"] == 50
+    assert json.loads(text)["memory"]["admission"] == "Auto"
     assert text == json.dumps(json.loads(text), sort_keys=True)
     assert '"staticSize": 32' in text
 
@@ -356,12 +356,16 @@ def test_drain_order_longest_fit_first_needs_the_projected_kv_plan_and_names_wha
     assert ok.batch.drain_order == "LongestFitFirst"
     assert parse_config({}).batch.drain_order == "ShortestFirst"
     with pytest.raises(ConfigError) as err:
-        parse_config({"batch": {"drainOrder": "LongestFitFirst", "order": "Fifo"}})
+        parse_config({"batch": {"drainOrder": "LongestFitFirst", "order": "Fifo"}, "memory": {"admission": "BatchSize"}})
     assert str(err.value).count("batch.drainOrder") == 1
     assert "memory.admission Projected (is BatchSize)" in str(err.value)
     assert "batch.order ShortestFirst (is Fifo)" in str(err.value)
     with pytest.raises(ConfigError, match=r"batch\.drainOrder"):
         parse_config({"batch": {"drainOrder": "Longest"}})
+    # Auto resolves to the plan in continuous mode, so the default admission packs too; Gang does not plan
+    assert parse_config({"batch": {"drainOrder": "LongestFitFirst"}}).kv_admission == "Projected"
+    with pytest.raises(ConfigError, match=r"memory\.admission Projected \(is Auto, resolving to BatchSize\)"):
+        parse_config({"batch": {"drainOrder": "LongestFitFirst", "mode": "Gang"}})
 
 
 def test_front_door_bounds_default_to_4_mib_requests_256_mib_queued_and_no_extra_passthrough():

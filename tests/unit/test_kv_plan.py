@@ -236,7 +236,8 @@ def test_memory_admission_projected_builds_a_plan_and_turns_off_b_mem():
         core.sizer.observe(0, 100, 100)
     decision = core.sizer.update(EngineSnapshot(kv_capacity_tokens=1000, kv_usage_ratio=0.1, fresh=True), 1)
     assert decision.reason == "kv-plan" and decision.sizes == [256]  # b_mem would be 4: the plan decides per request
-    assert build_core(parse_config({}), ManualClock()).kv_plan is None  # default: BatchSize (b_mem)
+    assert build_core(parse_config({}), ManualClock()).kv_plan is not None  # default: Auto, the plan in continuous mode
+    assert build_core(parse_config({"memory": {"admission": "BatchSize"}}), ManualClock()).kv_plan is None  # b_mem
     gang = parse_config({"memory": {"admission": "Projected"}, "batch": {"mode": "Gang"}})
     assert build_core(gang, ManualClock()).kv_plan is None  # a gang batch is not admitted per request
 
@@ -334,7 +335,7 @@ def test_a_chat_burst_under_the_plan_is_served_as_fast_as_direct_with_a_tenth_of
 
     cfg = parse_config({"predictor": {"kind": "Hint"}, "memory": {"admission": "Projected"},
                         "batch": {"mode": "Continuous", "sizing": "Combined", "order": "ShortestFirst",
-                                  "maxWaitMilliseconds": 0, "drainOrder": drain}})  # fmt: skip
+                                  "maxWaitMilliseconds": 0, "drainOrder": drain, "shortestBy": "OutputTokens"}})  # fmt: skip
     ratios, ours, theirs = [], 0, 0
     for seed in range(1, 9):
         burst = [Request(id=str(i), arrival=0.0, prompt_tokens=3 + len(b.prompt.split()), max_tokens=b.output_tokens,
