@@ -10,6 +10,8 @@ plain dicts, so the handlers in ``main.py`` stay thin and these are tested alone
   the sidecar would, and names the field as ``spec.<path>``.
 - ``build_configmap`` / ``build_service``: the policy's two children.
 - ``build_pod_patch``: what the admission webhook adds to a selected pod.
+- ``model_ref`` / ``model_volume``: ``spec.predictor.model``, the trained length model the
+  sidecar reads from a ConfigMap or Secret key mounted read-only at ``MODEL_PATH``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import yaml
 
 from binbatch_sidecar.config import ConfigError, parse_config
 
-from . import takeover
-from .crd import CONFIG_SECTIONS, GROUP, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
+from . import k8s_rules, takeover
+from .crd import CONFIG_SECTIONS, GROUP, MODEL_REFS, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
 from .takeover import SIDECAR_PORT_NAMES, TakeOverPlan
 
 CONFIG_KEY = "sidecar.yaml"
@@ -36,6 +38,9 @@ CONFIG_DIR = "/etc/binbatch"
 SIDECAR_CONTAINER = "binbatch-sidecar"
 CONFIG_VOLUME = "binbatch-config"
 TMP_VOLUME = "binbatch-tmp"  # the one writable place of a read-only root filesystem
+MODEL_VOLUME = "binbatch-model"  # spec.predictor.model's ConfigMap or Secret key
+MODEL_DIR = "/etc/binbatch-model"
+MODEL_PATH = f"{MODEL_DIR}/model.npz"  # the key's file in that volume: the config's predictor.warmStart
 POLICY_LABEL = f"{GROUP}/policy"  # on injected pods; the Service selects it
 INJECTED_ANNOTATION = f"{GROUP}/injected"  # "<policy>@<generation>" of the config at injection
 SIDECAR_HASH_ANNOTATION = f"{GROUP}/sidecar-hash"  # of the injected container: tells outdated pods
@@ -120,12 +125,77 @@ def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
     doc: dict[str, Any] = {name: dict(spec[name]) for name in CONFIG_SECTIONS if spec.get(name) is not None}
     doc["server"] = sidecar_settings(spec)
     takeover.config_urls(spec, doc)
+    if "model" in doc.get("predictor", {}):  # CRD-only: the mounted file becomes the warm start
+        predictor = doc["predictor"]
+        if predictor.pop("model") is None or model_ref(spec) is None:
+            raise ConfigError([(MODEL_FIELD, "must be an object: {configMapKeyRef: {name, key}} or {secretKeyRef: {name, key}}")])
+        kind = predictor.get("kind", "Learned")
+        if kind != "Learned":
+            raise ConfigError([(MODEL_FIELD, f"is only read with kind Learned (kind is {kind})")])
+        if predictor.get("warmStart"):
+            raise ConfigError([(MODEL_FIELD, "model and warmStart exclude each other: with model the operator mounts "
+                                             "the file and sets warmStart to it; leave spec.predictor.warmStart empty")])  # fmt: skip
+        predictor["warmStart"], predictor["warmStartOptional"] = MODEL_PATH, True
     try:
         parse_config(doc)
     except ConfigError as exc:
         problems = [(_spec_path(path), message) for path, message in exc.problems]
         raise ConfigError(problems) from None
     return doc
+
+
+MODEL_FIELD = "spec.predictor.model"
+
+
+def model_ref(spec: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """``spec.predictor.model`` as (``"ConfigMap"`` or ``"Secret"``, name, key); None without one.
+    ``ConfigError`` naming the field when it is not exactly one well-formed key reference."""
+    model = (spec.get("predictor") or {}).get("model")
+    if model is None:
+        return None
+    if not isinstance(model, Mapping):
+        raise ConfigError([(MODEL_FIELD, "must be an object: {configMapKeyRef: {name, key}} or {secretKeyRef: {name, key}}")])
+    unknown = sorted(set(model) - set(MODEL_REFS))
+    if unknown:
+        raise ConfigError([(f"{MODEL_FIELD}.{unknown[0]}", "unknown field: model takes configMapKeyRef or secretKeyRef")])
+    refs = [k for k in MODEL_REFS if model.get(k) is not None]
+    if len(refs) != 1:
+        raise ConfigError([(MODEL_FIELD, "model needs exactly one of configMapKeyRef and secretKeyRef")])
+    where, ref = f"{MODEL_FIELD}.{refs[0]}", model[refs[0]]
+    if not isinstance(ref, Mapping):
+        raise ConfigError([(where, "must be an object {name, key}")])
+    problems: list[tuple[str, str]] = []
+    for field, check in (("name", k8s_rules.dns1123_subdomain_problems), ("key", k8s_rules.config_key_problems)):
+        value = ref.get(field)
+        if not isinstance(value, str) or not value:
+            problems.append((f"{where}.{field}", "required: a non-empty string"))
+        else:
+            problems += [(f"{where}.{field}", message) for message in check(value)]
+    extra = sorted(set(ref) - {"name", "key"})
+    problems += [(f"{where}.{k}", "unknown field: a key reference has name and key") for k in extra]
+    if problems:
+        raise ConfigError(problems)
+    return ("ConfigMap" if refs[0] == "configMapKeyRef" else "Secret"), ref["name"], ref["key"]
+
+
+def model_volume(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The volume holding ``spec.predictor.model``'s key as ``model.npz`` (None without a valid one).
+
+    ``optional``: a ConfigMap, Secret or key that does not exist leaves the volume
+    empty instead of keeping the pod from starting (the sidecar then starts cold).
+    Not ``subPath``: kubelet updates the volume in place and the sidecar reloads it.
+    """
+    try:
+        ref = model_ref(spec)
+    except ConfigError:
+        return None
+    if ref is None:
+        return None
+    kind, name, key = ref
+    items = [{"key": key, "path": MODEL_PATH.rpartition("/")[2]}]
+    if kind == "ConfigMap":
+        return {"name": MODEL_VOLUME, "configMap": {"name": name, "items": items, "optional": True}}
+    return {"name": MODEL_VOLUME, "secret": {"secretName": name, "items": items, "optional": True}}
 
 
 def _spec_path(path: str) -> str:
@@ -270,6 +340,7 @@ def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: Ta
         "volumeMounts": [
             {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": TMP_VOLUME, "mountPath": "/tmp"},
+            *([{"name": MODEL_VOLUME, "mountPath": MODEL_DIR, "readOnly": True}] if model_volume(spec) else []),
         ],
         "securityContext": {
             "runAsNonRoot": True, "runAsUser": SIDECAR_UID, "runAsGroup": SIDECAR_UID,
@@ -292,6 +363,9 @@ def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
     described: Any = sidecar_container(spec, default_image)
     if takeover.enabled(spec):  # the per-pod port comes from the pod itself; the choice to take over from here
         described = [described, takeover.settings(spec)]
+    model = model_volume(spec)
+    if model is not None:  # which ConfigMap or Secret is mounted reaches running pods only through a new pod
+        described = [described, {"model": model}]
     text = json.dumps(described, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -317,7 +391,8 @@ def build_pod_patch(
     ConfigMap volume is mounted as a directory (not ``subPath``) so kubelet
     updates it in place and the sidecar reloads the new config without a
     restart; it is ``optional`` so a pod restarted after its policy was deleted
-    still starts.  ``native`` makes it a native sidecar (see ``as_native_sidecar``).
+    still starts.  ``spec.predictor.model`` adds its own volume (``model_volume``).
+    ``native`` makes it a native sidecar (see ``as_native_sidecar``).
     """
     pod_spec = pod.get("spec") or {}
     containers = list(pod_spec.get("containers") or [])
@@ -326,9 +401,13 @@ def build_pod_patch(
     plan = take_over_plan(pod, spec)
     if plan is not None:
         containers[plan.index] = plan.container
-    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in (CONFIG_VOLUME, TMP_VOLUME)]
+    ours = (CONFIG_VOLUME, TMP_VOLUME, MODEL_VOLUME)
+    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in ours]
     volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": child_name(policy), "optional": True}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
+    model = model_volume(spec)
+    if model is not None:
+        volumes.append(model)
     drain = sidecar_settings(spec)["drainGraceSeconds"]
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
     patch: dict[str, Any] = {

@@ -37,6 +37,10 @@ CRD_PATH = Path("manifests/crd/batchingpolicies.binbatch.io.yaml")
 # render (ports come from spec.sidecar).
 CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging", "classes")
 
+# Fields of a config section that only the operator reads (the sidecar's config has no such key).
+CRD_ONLY = {"predictor": ("model",)}
+MODEL_REFS = ("configMapKeyRef", "secretKeyRef")
+
 # spec.sidecar's defaults: the CRD's, and the builders' for a spec the API server did not default.
 SIDECAR_DEFAULTS = {"grpcPort": 50051, "httpPort": 8080, "metricsPort": 9090, "drainGraceSeconds": 30}
 # spec.sidecar.takeOverServingPort's defaults (see takeover.py).
@@ -104,6 +108,14 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
     "predictor": [
         _rule(("warmStart", "kind"), "self.warmStart == '' || self.kind == 'Learned'",
               "warmStart is only read with kind Learned", ".warmStart"),
+        _rule(("warmStartOptional", "warmStart"), "!self.warmStartOptional || self.warmStart != ''",
+              "warmStartOptional needs warmStart: it says what to do when that file cannot be read",
+              ".warmStartOptional"),
+        _rule(("kind",), "!has(self.model) || self.kind == 'Learned'",
+              "model is only read with kind Learned", ".model"),
+        _rule(("warmStart",), "!has(self.model) || self.warmStart == ''",
+              "model and warmStart exclude each other: with model the operator mounts the file and sets warmStart "
+              "to it; leave warmStart empty", ".model"),
     ],
     "metrics": [
         _rule(("staleAfterMilliseconds", "intervalMilliseconds"),
@@ -183,6 +195,8 @@ def section_schema(name: str, model: type[BaseModel], description: str | None = 
             props[alias] = section_schema(f"{name}.{alias}", field.annotation, field.description)
         elif "default" not in props[alias] and not field.is_required():  # a default_factory is not in pydantic's JSON schema
             props[alias]["default"] = field.get_default(call_default_factory=True)
+    if name == "predictor":
+        props["model"] = model_schema()
     if name == "bins":  # pydantic checks entries in a validator; the API server needs the bounds here
         props["boundaries"]["items"] |= {"minimum": 1, "maximum": 1_000_000}
         props["boundaries"]["x-kubernetes-list-type"] = "set"  # with isSorted(): strictly increasing
@@ -195,6 +209,37 @@ def section_schema(name: str, model: type[BaseModel], description: str | None = 
 
 def _str(description: str, **extra: Any) -> dict[str, Any]:
     return {"type": "string", "description": description, **extra}
+
+
+def model_schema() -> dict[str, Any]:
+    """``spec.predictor.model``: a trained length model in a ConfigMap or Secret of the policy's namespace."""
+
+    def ref(kind: str) -> dict[str, Any]:
+        return {
+            "type": "object", "description": f"A key of a {kind} in the policy's namespace.",
+            "required": ["name", "key"],
+            "properties": {
+                "name": _str(f"Name of the {kind}.", minLength=1, maxLength=k8s_rules.DNS1123_SUBDOMAIN_MAX,
+                             pattern=f"^{k8s_rules.DNS1123_SUBDOMAIN}$"),
+                "key": _str(f"Key of the {kind} that holds the model file (binaryData for a ConfigMap).", minLength=1,
+                            maxLength=k8s_rules.CONFIG_KEY_MAX, pattern=f"^{k8s_rules.CONFIG_KEY}$"),
+            },
+        }  # fmt: skip
+
+    return {
+        "type": "object",
+        "description": "Learned: a model written by the command binbatch predictor train, in a ConfigMap (e.g. "
+                       "kubectl create configmap NAME --from-file=model=FILE) or a Secret: the operator mounts that key "
+                       "read-only into every sidecar and points warmStart at it. A missing object or key does not keep "
+                       "pods from starting: their sidecars start cold and learn from completions, the ModelReady "
+                       "condition says why (for a ConfigMap), and a model that appears or changes later is loaded "
+                       "without a restart. Exactly one of configMapKeyRef and secretKeyRef.",
+        "properties": {"configMapKeyRef": ref("ConfigMap"), "secretKeyRef": ref("Secret")},
+        "x-kubernetes-validations": [
+            {"rule": "has(self.configMapKeyRef) != has(self.secretKeyRef)",
+             "message": "model needs exactly one of configMapKeyRef and secretKeyRef"},
+        ],
+    }  # fmt: skip
 
 
 def resources_schema() -> dict[str, Any]:

@@ -37,6 +37,8 @@ DNS1123_SUBDOMAIN = DNS1123_LABEL + r"(\." + DNS1123_LABEL + r")*"
 DNS1035_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
 QUALIFIED_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
 LABEL_VALUE = r"(" + QUALIFIED_NAME + r")?"
+CONFIG_KEY = r"[-._a-zA-Z0-9]+"  # a ConfigMap's or Secret's data key (IsConfigMapKey)
+CONFIG_KEY_MAX = 253
 # resource.Quantity's OpenAPI pattern (the one CRD generators copy from the core types).
 QUANTITY = r"(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
 
@@ -76,6 +78,14 @@ def dns1123_label_problems(value: str) -> list[str]:
 def dns1123_subdomain_problems(value: str) -> list[str]:
     """RFC 1123 subdomain: ConfigMap names, most object names (at most 253, labels joined by '.')."""
     return _name_problems(value, DNS1123_SUBDOMAIN, DNS1123_SUBDOMAIN_MAX, "must consist of lower case alphanumeric characters, '-' or '.', and start and end with an alphanumeric character")  # fmt: skip
+
+
+def config_key_problems(value: str) -> list[str]:
+    """A ConfigMap's or Secret's data key: at most 253 alphanumerics, '-', '_' or '.', and not '.' or '..'."""
+    problems = _name_problems(value, CONFIG_KEY, CONFIG_KEY_MAX, "must consist of alphanumeric characters, '-', '_' or '.'")
+    if value in (".", ".."):
+        problems.append("must not be '.' or '..'")
+    return problems
 
 
 def dns1035_label_problems(value: str) -> list[str]:

@@ -28,7 +28,7 @@ from binbatch_operator.status import (
     merge_conditions,
 )
 from binbatch_operator.webhook import fill_namespace, self_signed_certificate, service_hostnames
-from binbatch_sidecar.config import parse_config
+from binbatch_sidecar.config import ConfigError, parse_config
 
 IMAGE = "registry.example/binbatch:test"
 SPEC = {
@@ -115,6 +115,61 @@ def test_pod_patch_appends_a_locked_down_sidecar_and_keeps_the_pods_own_parts():
     assert patch["metadata"]["labels"] == {builders.POLICY_LABEL: "fast"}
     assert patch["metadata"]["annotations"] == {
         builders.INJECTED_ANNOTATION: "fast@3", builders.SIDECAR_HASH_ANNOTATION: builders.sidecar_hash(SPEC, IMAGE)}
+
+
+MODEL_CM = {**SPEC, "predictor": {"kind": "Learned", "model": {"configMapKeyRef": {"name": "lengths", "key": "model"}}}}
+
+
+@pytest.mark.parametrize(
+    ("model", "source"),
+    [({"configMapKeyRef": {"name": "lengths", "key": "model"}}, {"configMap": {"name": "lengths"}}),
+     ({"secretKeyRef": {"name": "lengths", "key": "model"}}, {"secret": {"secretName": "lengths"}})],
+    ids=["configmap", "secret"],
+)  # fmt: skip
+def test_a_model_key_is_mounted_read_only_and_optional_and_becomes_the_warm_start(model, source):
+    spec = {**SPEC, "predictor": {"model": model}}
+    cfg = parse_config(yaml.safe_load(builders.build_configmap("fast", "llm", spec)["data"][builders.CONFIG_KEY]))
+    assert (cfg.predictor.warm_start, cfg.predictor.warm_start_optional) == (builders.MODEL_PATH, True)
+    patch = builders.build_pod_patch(vllm_pod(), "fast", 3, spec, IMAGE)
+    volumes = {v["name"]: v for v in patch["spec"]["volumes"]}
+    [(kind, body)] = [(k, v) for k, v in volumes[builders.MODEL_VOLUME].items() if k != "name"]
+    assert {kind: {k: v for k, v in body.items() if k in ("name", "secretName")}} == source
+    assert body["optional"] is True  # a missing object or key does not keep the pod from starting
+    assert body["items"] == [{"key": "model", "path": "model.npz"}]
+    mounts = {m["name"]: m for m in patch["spec"]["containers"][-1]["volumeMounts"]}
+    assert mounts[builders.MODEL_VOLUME] == {"name": builders.MODEL_VOLUME, "mountPath": builders.MODEL_DIR, "readOnly": True}
+    assert "subPath" not in mounts[builders.MODEL_VOLUME]  # kubelet updates the file in place
+    assert builders.MODEL_PATH == f"{builders.MODEL_DIR}/{body['items'][0]['path']}"
+    plain = builders.build_pod_patch(vllm_pod(), "fast", 3, SPEC, IMAGE)
+    assert builders.MODEL_VOLUME not in {v["name"] for v in plain["spec"]["volumes"]}
+    assert builders.MODEL_VOLUME not in {m["name"] for m in plain["spec"]["containers"][-1]["volumeMounts"]}
+
+
+def test_a_changed_model_reference_marks_running_pods_outdated_and_no_model_changes_nothing():
+    other = {**MODEL_CM, "predictor": {"model": {"configMapKeyRef": {"name": "lengths-v2", "key": "model"}}}}
+    hashes = {builders.sidecar_hash(s, IMAGE) for s in (SPEC, MODEL_CM, other)}
+    assert len(hashes) == 3
+    assert builders.sidecar_hash({**SPEC, "predictor": {"kind": "Learned"}}, IMAGE) == builders.sidecar_hash(SPEC, IMAGE)
+
+
+@pytest.mark.parametrize(
+    ("predictor", "field", "message"),
+    [({"kind": "Online", "model": {"configMapKeyRef": {"name": "m", "key": "m"}}}, "spec.predictor.model",
+      "only read with kind Learned"),
+     ({"warmStart": "/m.npz", "model": {"configMapKeyRef": {"name": "m", "key": "m"}}}, "spec.predictor.model",
+      "model and warmStart exclude each other"),
+     ({"model": {"configMapKeyRef": {"name": "m", "key": "m"}, "secretKeyRef": {"name": "m", "key": "m"}}},
+      "spec.predictor.model", "exactly one of configMapKeyRef and secretKeyRef"),
+     ({"model": None}, "spec.predictor.model", "must be an object"),
+     ({"model": {"secretKeyRef": {"name": "m", "key": "a/b"}}}, "spec.predictor.model.secretKeyRef.key",
+      "alphanumeric"),
+     ({"model": {"configMapKeyRef": {"key": "m"}}}, "spec.predictor.model.configMapKeyRef.name", "required")],
+    ids=["online", "warm-start", "both", "null", "bad-key", "no-name"],
+)  # fmt: skip
+def test_a_bad_model_reference_is_refused_naming_the_field(predictor, field, message):
+    with pytest.raises(ConfigError) as err:
+        builders.sidecar_config({**SPEC, "predictor": predictor})
+    assert any(path == field and message in text for path, text in err.value.problems), err.value.problems
 
 
 def test_pod_patch_uses_the_policy_image_and_keeps_a_longer_grace_period():
