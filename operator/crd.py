@@ -392,7 +392,8 @@ def status_schema() -> dict[str, Any]:
     integer = {"type": "integer", "minimum": 0, "maximum": 1_000_000_000}
     condition = {
         "type": "object",
-        "description": "One condition: Ready, Valid, SidecarsInjected or MetricsAvailable.",
+        "description": "One condition: Ready, Valid, SidecarsInjected, MetricsAvailable, "
+                       "EnginePriorityEnabled (batch.order EnginePriority) or ModelReady (spec.predictor.model).",
         "required": ["type", "status"],
         "properties": {
             "type": _str("Condition type.", maxLength=64),

@@ -455,6 +455,7 @@ class FakeKube:
         self.pods, self.errors, self.calls = list(pods), dict(errors or {}), []
         self.namespace_labels_by_name: dict[str, dict[str, str]] = {}
         self.webhook_selector: dict | None = None  # the webhook configuration's namespaceSelector; None: gone
+        self.configmaps: dict[str, dict] = {}  # by name: what read_configmap finds (spec.predictor.model's)
 
     def _maybe_fail(self, key):
         self.calls.append(key)
@@ -480,6 +481,10 @@ class FakeKube:
     async def webhook_namespace_selector(self, name):
         self._maybe_fail(("read", "MutatingWebhookConfiguration"))
         return self.webhook_selector
+
+    async def read_configmap(self, name, namespace):
+        self._maybe_fail(("read", "ConfigMap"))
+        return self.configmaps.get(name)
 
 
 def _api_exception(code, message, causes=()):
@@ -672,3 +677,64 @@ async def test_a_policy_daemon_spawned_while_the_operator_stops_ends_with_it():
     done, _ = await asyncio.wait([daemon], timeout=main.STATS_INTERVAL * 2)  # its first re-check would come within one
     daemon.cancel()
     assert done == {daemon} and memo.ctx.kube.calls == []
+
+
+# -- spec.predictor.model: the ModelReady condition ------------------------------------------------
+
+
+async def model_ready(kube, spec=MODEL_CM, status=None, ctx=None):
+    ctx = ctx or Context(kube=kube, sidecar_image=IMAGE, model_check_seconds=0)
+    outcome = await reconcile(ctx, policy_body(spec=spec, status=status), Seen(), logging.getLogger("t"))
+    return {c["type"]: c for c in outcome.status["conditions"]}
+
+
+async def test_a_missing_model_configmap_is_model_not_found_naming_the_field_and_warned_once(caplog):
+    kube = FakeKube()
+    caplog.set_level(logging.WARNING, logger="t")
+    conditions = await model_ready(kube)
+    c = conditions["ModelReady"]
+    assert (c["status"], c["reason"], c["observedGeneration"]) == ("False", "ModelNotFound", 2)
+    assert c["message"].startswith("spec.predictor.model: ConfigMap lengths not found in namespace llm")
+    assert "start cold" in c["message"] and "kubectl create configmap lengths --from-file=model=" in c["message"]
+    assert conditions["Ready"]["status"] == "True"  # the sidecars serve without it (cold)
+    warned = [r.getMessage() for r in caplog.records if "spec.predictor.model" in r.getMessage()]
+    assert len(warned) == 1  # an Event
+    again = await model_ready(kube, status={"conditions": list(conditions.values())})
+    assert again["ModelReady"]["lastTransitionTime"] == c["lastTransitionTime"]
+    assert len([r for r in caplog.records if "spec.predictor.model" in r.getMessage()]) == 1
+
+
+async def test_the_model_configmap_is_found_by_its_binary_key_and_a_missing_or_text_key_is_named():
+    kube = FakeKube()
+    kube.configmaps["lengths"] = {"metadata": {"name": "lengths"}, "binaryData": {"other": "AAAA"}, "data": {"x": "y"}}
+    c = (await model_ready(kube))["ModelReady"]
+    assert (c["status"], c["reason"]) == ("False", "ModelNotFound")
+    assert "ConfigMap lengths has no key model (its keys: other, x)" in c["message"]
+    kube.configmaps["lengths"]["data"]["model"] = "not a model"
+    c = (await model_ready(kube))["ModelReady"]
+    assert (c["status"], c["reason"]) == ("False", "ModelNotBinary") and "key model is text" in c["message"]
+    kube.configmaps["lengths"]["binaryData"]["model"] = "A" * 4096
+    c = (await model_ready(kube))["ModelReady"]
+    assert (c["status"], c["reason"]) == ("True", "ModelFound") and "holds 3 KiB" in c["message"]
+
+
+async def test_a_model_secret_is_not_read_and_its_condition_points_at_the_sidecars_metric():
+    kube = FakeKube()
+    spec = {**SPEC, "predictor": {"model": {"secretKeyRef": {"name": "lengths", "key": "model"}}}}
+    c = (await model_ready(kube, spec))["ModelReady"]
+    assert (c["status"], c["reason"]) == ("Unknown", "SecretNotChecked")
+    assert "binbatch_predictor_model_loaded" in c["message"] and c["message"].startswith("spec.predictor.model: ")
+    assert ("read", "ConfigMap") not in kube.calls and ("read", "Secret") not in kube.calls
+
+
+async def test_the_model_configmap_is_read_at_most_once_a_minute_and_a_failed_read_is_unknown():
+    kube = FakeKube(errors={("read", "ConfigMap"): (403, "forbidden")})
+    ctx = Context(kube=kube, sidecar_image=IMAGE)
+    c = (await model_ready(kube, ctx=ctx))["ModelReady"]
+    assert (c["status"], c["reason"]) == ("Unknown", "ModelUnknown") and "reading ConfigMap lengths: 403" in c["message"]
+    kube.errors.clear()
+    assert (await model_ready(kube, ctx=ctx))["ModelReady"]["reason"] == "ModelNotFound"  # a failure is not kept
+    await model_ready(kube, ctx=ctx)
+    assert kube.calls.count(("read", "ConfigMap")) == 2  # the answer is reused within model_check_seconds
+    plain = await model_ready(FakeKube(), spec=SPEC)
+    assert "ModelReady" not in plain
