@@ -159,7 +159,8 @@ def aggregate(
     elif outdated:
         sidecars = Condition("SidecarsInjected", "False", "SidecarOutdated",
                              f"{len(outdated)} pod(s) run a sidecar from an older spec.sidecar (image, ports, "
-                             f"resources or grace; recreate them): {', '.join(outdated[:10])}")  # fmt: skip
+                             f"resources, grace, or which ConfigMap or Secret spec.predictor.model names; recreate them): "
+                             f"{', '.join(outdated[:10])}")  # fmt: skip
     elif not pods:
         sidecars = Condition("SidecarsInjected", "True", "NoPods", "No pod matches the selector yet.")
     else:

@@ -226,13 +226,14 @@ def print_tables(doc: dict[str, Any]) -> None:
             (f"q{s['plan_level']:.2f} cov", "plan_coverage", "{:.3f}"), ("p50 ms", "predict_p50_ms", "{:.3f}"),
             ("p99 ms", "predict_p99_ms", "{:.3f}"), ("cpu p99", "predict_cpu_p99_ms", "{:.3f}"),
             ("MiB", "model_bytes", "{:.2f}")]  # fmt: skip
-    print(f"{'predictor':10}" + "".join(f"{c[0]:>10}" for c in cols))
+    print(f"{'predictor':12}" + "".join(f"{c[0]:>10}" for c in cols))
     for name, row in doc["predictors"].items():
         cells = [c[2].format(row[c[1]] / 2**20 if c[1] == "model_bytes" else row[c[1]]) for c in cols]
-        print(f"{name:10}" + "".join(f"{x:>10}" for x in cells))
-    for name, row in doc["predictors"].items():
-        if "file_bytes" in row:
-            print(f"{name} model file: {row['file_bytes'] / 1024:.0f} KiB")
+        print(f"{name:12}" + "".join(f"{x:>10}" for x in cells))
+    files = doc["predictors"].get("learned", {}), doc["predictors"].get("learned_file", {})
+    if all("file_bytes" in row for row in files):
+        print(f"model file: {files[1]['file_bytes'] / 1024:.0f} KiB as binbatch predictor train writes it (learned_file: "
+              f"sparse float16), {files[0]['file_bytes'] / 1024:.0f} KiB in the older dense float32 layout (learned)")
     print("learning curve (tau / 4-bin accuracy after N training records; first_turns: the first turns alone):")
     for name, row in doc["predictors"].items():
         if "learning_curve" in row:
