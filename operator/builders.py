@@ -15,6 +15,8 @@ plain dicts, so the handlers in ``main.py`` stay thin and these are tested alone
 pod patch mounts that one Secret key read-only into the sidecar (the kubelet
 reads the Secret; the operator never does) and the config gets
 ``engine.apiKeyFile`` pointing at the mounted file.
+- ``model_ref`` / ``model_volume``: ``spec.predictor.model``, the trained length model the
+  sidecar reads from a ConfigMap or Secret key mounted read-only at ``MODEL_PATH``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import yaml
 from binbatch_sidecar.config import ConfigError, parse_config
 
 from . import k8s_rules, takeover
-from .crd import API_KEY_SECRET_REF, CONFIG_SECTIONS, GROUP, SERVER_KEYS, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
+from .crd import API_KEY_SECRET_REF, CONFIG_SECTIONS, GROUP, MODEL_REFS, SERVER_KEYS, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
 from .takeover import SIDECAR_PORT_NAMES, TakeOverPlan
 
 CONFIG_KEY = "sidecar.yaml"
@@ -51,6 +53,9 @@ ENGINE_KEY_PATH = f"{ENGINE_KEY_DIR}/api-key"
 # to set: it would re-own the model server's volumes).
 ENGINE_KEY_MODE_FSGROUP = 0o440
 ENGINE_KEY_MODE_NO_FSGROUP = 0o444
+MODEL_VOLUME = "binbatch-model"  # spec.predictor.model's ConfigMap or Secret key
+MODEL_DIR = "/etc/binbatch-model"
+MODEL_PATH = f"{MODEL_DIR}/model.npz"  # the key's file in that volume: the config's predictor.warmStart
 POLICY_LABEL = f"{GROUP}/policy"  # on injected pods; the Service selects it
 INJECTED_ANNOTATION = f"{GROUP}/injected"  # "<policy>@<generation>" of the config at injection
 SIDECAR_HASH_ANNOTATION = f"{GROUP}/sidecar-hash"  # of the injected container: tells outdated pods
@@ -144,6 +149,17 @@ def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
     doc["server"] = {key: value for key, value in sidecar_settings(spec).items()
                      if key not in SERVER_KEYS or value != SIDECAR_DEFAULTS[key]}  # fmt: skip
     takeover.config_urls(spec, doc)
+    if "model" in doc.get("predictor", {}):  # CRD-only: the mounted file becomes the warm start
+        predictor = doc["predictor"]
+        if predictor.pop("model") is None or model_ref(spec) is None:
+            raise ConfigError([(MODEL_FIELD, "must be an object: {configMapKeyRef: {name, key}} or {secretKeyRef: {name, key}}")])
+        kind = predictor.get("kind", "Learned")
+        if kind != "Learned":
+            raise ConfigError([(MODEL_FIELD, f"is only read with kind Learned (kind is {kind})")])
+        if predictor.get("warmStart"):
+            raise ConfigError([(MODEL_FIELD, "model and warmStart exclude each other: with model the operator mounts "
+                                             "the file and sets warmStart to it; leave spec.predictor.warmStart empty")])  # fmt: skip
+        predictor["warmStart"], predictor["warmStartOptional"] = MODEL_PATH, True
     try:
         parse_config(doc)
     except ConfigError as exc:
@@ -163,7 +179,7 @@ def api_key_secret_ref(spec: Mapping[str, Any]) -> dict[str, str] | None:
     if not isinstance(ref, Mapping):
         raise ConfigError([(where, "must be an object {name, key}")])
     problems = [(f"{where}.{extra}", "unknown field (allowed: name, key)") for extra in sorted(set(ref) - {"name", "key"})]
-    for field, check in (("name", k8s_rules.dns1123_subdomain_problems), ("key", k8s_rules.secret_key_problems)):
+    for field, check in (("name", k8s_rules.dns1123_subdomain_problems), ("key", k8s_rules.config_key_problems)):
         value = ref.get(field)
         if not isinstance(value, str) or not value:
             problems.append((f"{where}.{field}", "is required (a non-empty string)"))
@@ -175,6 +191,60 @@ def api_key_secret_ref(spec: Mapping[str, Any]) -> dict[str, str] | None:
     if problems:
         raise ConfigError(problems)
     return {"name": ref["name"], "key": ref["key"]}
+
+
+MODEL_FIELD = "spec.predictor.model"
+
+
+def model_ref(spec: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """``spec.predictor.model`` as (``"ConfigMap"`` or ``"Secret"``, name, key); None without one.
+    ``ConfigError`` naming the field when it is not exactly one well-formed key reference."""
+    model = (spec.get("predictor") or {}).get("model")
+    if model is None:
+        return None
+    if not isinstance(model, Mapping):
+        raise ConfigError([(MODEL_FIELD, "must be an object: {configMapKeyRef: {name, key}} or {secretKeyRef: {name, key}}")])
+    unknown = sorted(set(model) - set(MODEL_REFS))
+    if unknown:
+        raise ConfigError([(f"{MODEL_FIELD}.{unknown[0]}", "unknown field: model takes configMapKeyRef or secretKeyRef")])
+    refs = [k for k in MODEL_REFS if model.get(k) is not None]
+    if len(refs) != 1:
+        raise ConfigError([(MODEL_FIELD, "model needs exactly one of configMapKeyRef and secretKeyRef")])
+    where, ref = f"{MODEL_FIELD}.{refs[0]}", model[refs[0]]
+    if not isinstance(ref, Mapping):
+        raise ConfigError([(where, "must be an object {name, key}")])
+    problems: list[tuple[str, str]] = []
+    for field, check in (("name", k8s_rules.dns1123_subdomain_problems), ("key", k8s_rules.config_key_problems)):
+        value = ref.get(field)
+        if not isinstance(value, str) or not value:
+            problems.append((f"{where}.{field}", "required: a non-empty string"))
+        else:
+            problems += [(f"{where}.{field}", message) for message in check(value)]
+    extra = sorted(set(ref) - {"name", "key"})
+    problems += [(f"{where}.{k}", "unknown field: a key reference has name and key") for k in extra]
+    if problems:
+        raise ConfigError(problems)
+    return ("ConfigMap" if refs[0] == "configMapKeyRef" else "Secret"), ref["name"], ref["key"]
+
+
+def model_volume(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The volume holding ``spec.predictor.model``'s key as ``model.npz`` (None without a valid one).
+
+    ``optional``: a ConfigMap, Secret or key that does not exist leaves the volume
+    empty instead of keeping the pod from starting (the sidecar then starts cold).
+    Not ``subPath``: kubelet updates the volume in place and the sidecar reloads it.
+    """
+    try:
+        ref = model_ref(spec)
+    except ConfigError:
+        return None
+    if ref is None:
+        return None
+    kind, name, key = ref
+    items = [{"key": key, "path": MODEL_PATH.rpartition("/")[2]}]
+    if kind == "ConfigMap":
+        return {"name": MODEL_VOLUME, "configMap": {"name": name, "items": items, "optional": True}}
+    return {"name": MODEL_VOLUME, "secret": {"secretName": name, "items": items, "optional": True}}
 
 
 def _spec_path(path: str) -> str:
@@ -321,6 +391,7 @@ def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: Ta
             {"name": TMP_VOLUME, "mountPath": "/tmp"},
             *([{"name": ENGINE_KEY_VOLUME, "mountPath": ENGINE_KEY_DIR, "readOnly": True}]
               if api_key_secret_ref(spec) is not None else []),
+            *([{"name": MODEL_VOLUME, "mountPath": MODEL_DIR, "readOnly": True}] if model_volume(spec) else []),
         ],
         "securityContext": {
             "runAsNonRoot": True, "runAsUser": SIDECAR_UID, "runAsGroup": SIDECAR_UID,
@@ -349,6 +420,9 @@ def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
     max_request_bytes = sidecar_settings(spec)["maxRequestBytes"]
     if max_request_bytes != SIDECAR_DEFAULTS["maxRequestBytes"]:  # bound at start-up: a running sidecar keeps its own
         described = [described, {"maxRequestBytes": max_request_bytes}]
+    model = model_volume(spec)
+    if model is not None:  # which ConfigMap or Secret is mounted reaches running pods only through a new pod
+        described = [described, {"model": model}]
     text = json.dumps(described, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -374,7 +448,8 @@ def build_pod_patch(
     ConfigMap volume is mounted as a directory (not ``subPath``) so kubelet
     updates it in place and the sidecar reloads the new config without a
     restart; it is ``optional`` so a pod restarted after its policy was deleted
-    still starts.  ``native`` makes it a native sidecar (see ``as_native_sidecar``).
+    still starts.  ``spec.predictor.model`` adds its own volume (``model_volume``).
+    ``native`` makes it a native sidecar (see ``as_native_sidecar``).
     """
     pod_spec = pod.get("spec") or {}
     containers = list(pod_spec.get("containers") or [])
@@ -383,13 +458,16 @@ def build_pod_patch(
     plan = take_over_plan(pod, spec)
     if plan is not None:
         containers[plan.index] = plan.container
-    ours = (CONFIG_VOLUME, TMP_VOLUME, ENGINE_KEY_VOLUME)
+    ours = (CONFIG_VOLUME, TMP_VOLUME, ENGINE_KEY_VOLUME, MODEL_VOLUME)
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in ours]
     volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": child_name(policy), "optional": True}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
     ref = api_key_secret_ref(spec)
     if ref is not None:
         volumes.append(engine_key_volume(ref, pod_spec))
+    model = model_volume(spec)
+    if model is not None:
+        volumes.append(model)
     drain = sidecar_settings(spec)["drainGraceSeconds"]
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
     patch: dict[str, Any] = {

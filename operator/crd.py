@@ -37,6 +37,10 @@ CRD_PATH = Path("manifests/crd/batchingpolicies.binbatch.io.yaml")
 # render (ports come from spec.sidecar).
 CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging", "classes")
 
+# Fields of a config section that only the operator reads (the sidecar's config has no such key).
+CRD_ONLY = {"predictor": ("model",), "engine": ("apiKeySecretRef",)}
+MODEL_REFS = ("configMapKeyRef", "secretKeyRef")
+
 # spec.sidecar's defaults: the CRD's, and the builders' for a spec the API server did not default.
 SIDECAR_DEFAULTS: dict[str, Any] = {"grpcPort": 50051, "httpPort": 8080, "metricsPort": 9090, "drainGraceSeconds": 30,
                                     "passthroughPaths": [], "maxRequestBytes": MAX_REQUEST_BYTES_DEFAULT}
@@ -114,6 +118,14 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
     "predictor": [
         _rule(("warmStart", "kind"), "self.warmStart == '' || self.kind == 'Learned'",
               "warmStart is only read with kind Learned", ".warmStart"),
+        _rule(("warmStartOptional", "warmStart"), "!self.warmStartOptional || self.warmStart != ''",
+              "warmStartOptional needs warmStart: it says what to do when that file cannot be read",
+              ".warmStartOptional"),
+        _rule(("kind",), "!has(self.model) || self.kind == 'Learned'",
+              "model is only read with kind Learned", ".model"),
+        _rule(("warmStart",), "!has(self.model) || self.warmStart == ''",
+              "model and warmStart exclude each other: with model the operator mounts the file and sets warmStart "
+              "to it; leave warmStart empty", ".model"),
     ],
     "metrics": [
         _rule(("staleAfterMilliseconds", "intervalMilliseconds"),
@@ -207,6 +219,8 @@ def section_schema(name: str, model: type[BaseModel], description: str | None = 
             props[alias]["default"] = field.get_default(call_default_factory=True)
     if name == "engine":  # the policy's own field: the operator mounts the Secret and renders apiKeyFile
         props[API_KEY_SECRET_REF] = api_key_secret_ref_schema()
+    if name == "predictor":
+        props["model"] = model_schema()
     if name == "bins":  # pydantic checks entries in a validator; the API server needs the bounds here
         props["boundaries"]["items"] |= {"minimum": 1, "maximum": 1_000_000}
         props["boundaries"]["x-kubernetes-list-type"] = "set"  # with isSorted(): strictly increasing
@@ -235,8 +249,39 @@ def api_key_secret_ref_schema() -> dict[str, Any]:
             "name": _str("Name of the Secret, in the policy's namespace.", minLength=1,
                          maxLength=k8s_rules.DNS1123_SUBDOMAIN_MAX, pattern=f"^{k8s_rules.DNS1123_SUBDOMAIN}$"),
             "key": _str("Key within the Secret whose value is the API key.", minLength=1,
-                        maxLength=k8s_rules.SECRET_KEY_MAX, pattern=f"^{k8s_rules.SECRET_KEY}$"),
+                        maxLength=k8s_rules.CONFIG_KEY_MAX, pattern=f"^{k8s_rules.CONFIG_KEY}$"),
         },
+    }  # fmt: skip
+
+
+def model_schema() -> dict[str, Any]:
+    """``spec.predictor.model``: a trained length model in a ConfigMap or Secret of the policy's namespace."""
+
+    def ref(kind: str) -> dict[str, Any]:
+        return {
+            "type": "object", "description": f"A key of a {kind} in the policy's namespace.",
+            "required": ["name", "key"],
+            "properties": {
+                "name": _str(f"Name of the {kind}.", minLength=1, maxLength=k8s_rules.DNS1123_SUBDOMAIN_MAX,
+                             pattern=f"^{k8s_rules.DNS1123_SUBDOMAIN}$"),
+                "key": _str(f"Key of the {kind} that holds the model file (binaryData for a ConfigMap).", minLength=1,
+                            maxLength=k8s_rules.CONFIG_KEY_MAX, pattern=f"^{k8s_rules.CONFIG_KEY}$"),
+            },
+        }  # fmt: skip
+
+    return {
+        "type": "object",
+        "description": "Learned: a model written by the command binbatch predictor train, in a ConfigMap (e.g. "
+                       "kubectl create configmap NAME --from-file=model=FILE) or a Secret: the operator mounts that key "
+                       "read-only into every sidecar and points warmStart at it. A missing object or key does not keep "
+                       "pods from starting: their sidecars start cold and learn from completions, the ModelReady "
+                       "condition says why (for a ConfigMap), and a model that appears or changes later is loaded "
+                       "without a restart. Exactly one of configMapKeyRef and secretKeyRef.",
+        "properties": {"configMapKeyRef": ref("ConfigMap"), "secretKeyRef": ref("Secret")},
+        "x-kubernetes-validations": [
+            {"rule": "has(self.configMapKeyRef) != has(self.secretKeyRef)",
+             "message": "model needs exactly one of configMapKeyRef and secretKeyRef"},
+        ],
     }  # fmt: skip
 
 
@@ -399,7 +444,8 @@ def status_schema() -> dict[str, Any]:
     integer = {"type": "integer", "minimum": 0, "maximum": 1_000_000_000}
     condition = {
         "type": "object",
-        "description": "One condition: Ready, Valid, SidecarsInjected or MetricsAvailable.",
+        "description": "One condition: Ready, Valid, SidecarsInjected, MetricsAvailable, "
+                       "EnginePriorityEnabled (batch.order EnginePriority) or ModelReady (spec.predictor.model).",
         "required": ["type", "status"],
         "properties": {
             "type": _str("Condition type.", maxLength=64),

@@ -31,14 +31,14 @@ DNS1123_SUBDOMAIN_MAX = 253
 DNS1035_LABEL_MAX = 63
 QUALIFIED_NAME_MAX = 63
 LABEL_VALUE_MAX = 63
-SECRET_KEY_MAX = 253
 
 DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS1123_SUBDOMAIN = DNS1123_LABEL + r"(\." + DNS1123_LABEL + r")*"
 DNS1035_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
 QUALIFIED_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
 LABEL_VALUE = r"(" + QUALIFIED_NAME + r")?"
-SECRET_KEY = r"[-._a-zA-Z0-9]+"  # IsConfigMapKey: a Secret's or ConfigMap's data key
+CONFIG_KEY = r"[-._a-zA-Z0-9]+"  # a ConfigMap's or Secret's data key (IsConfigMapKey)
+CONFIG_KEY_MAX = 253
 # resource.Quantity's OpenAPI pattern (the one CRD generators copy from the core types).
 QUANTITY = r"(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
 
@@ -80,6 +80,14 @@ def dns1123_subdomain_problems(value: str) -> list[str]:
     return _name_problems(value, DNS1123_SUBDOMAIN, DNS1123_SUBDOMAIN_MAX, "must consist of lower case alphanumeric characters, '-' or '.', and start and end with an alphanumeric character")  # fmt: skip
 
 
+def config_key_problems(value: str) -> list[str]:
+    """A ConfigMap's or Secret's data key: at most 253 alphanumerics, '-', '_' or '.', and not '.' or '..'."""
+    problems = _name_problems(value, CONFIG_KEY, CONFIG_KEY_MAX, "must consist of alphanumeric characters, '-', '_' or '.'")
+    if value in (".", ".."):
+        problems.append("must not be '.' or '..'")
+    return problems
+
+
 def dns1035_label_problems(value: str) -> list[str]:
     """RFC 1035 label: what a Service name must be (at most 63, starts with a letter)."""
     return _name_problems(value, DNS1035_LABEL, DNS1035_LABEL_MAX, "must consist of lower case alphanumeric characters or '-', start with a letter, and end with an alphanumeric character")  # fmt: skip
@@ -94,13 +102,6 @@ def object_name_problems(kind: str, name: str) -> list[str]:
     """Why the API server would refuse ``name`` for an object of ``kind`` (a Service's is the strictest)."""
     return NAME_RULES[kind](name)
 
-
-def secret_key_problems(value: str) -> list[str]:
-    """A Secret's data key (``IsConfigMapKey``): at most 253 alphanumerics, '-', '_' or '.', not '.' or '..'."""
-    problems = _name_problems(value, SECRET_KEY, SECRET_KEY_MAX, "must consist of alphanumeric characters, '-', '_' or '.'")  # fmt: skip
-    if value in (".", ".."):
-        problems.append("must not be '.' or '..'")
-    return problems
 
 
 def qualified_name_problems(value: str) -> list[str]:

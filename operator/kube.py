@@ -210,6 +210,15 @@ class KubeApi:
         await self._call(patch_fn, name, namespace, body, _content_type=MERGE_PATCH)
         return f"{kind}/{name}"
 
+    async def read_configmap(self, name: str, namespace: str) -> dict[str, Any] | None:
+        """A ConfigMap (``spec.predictor.model``'s); None if it does not exist."""
+        try:
+            return await self._call(self.core.read_namespaced_config_map, name, namespace)  # type: ignore[no-any-return]
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     # -- the webhook's shared certificate (built-in source) ----------------------
 
     async def read_secret(self, name: str, namespace: str) -> dict[str, Any] | None:

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import time
+
 import kopf
 import urllib3
 from kubernetes.client.exceptions import ApiException
@@ -40,6 +42,7 @@ from .builders import (
     headless_enabled,
     headless_name,
     matching_policies,
+    model_ref,
     opted_out,
     policy_label,
     sidecar_config,
@@ -51,7 +54,7 @@ from .indexes import Seen
 from .k8s_rules import policy_problems
 from .kube import KubeApi, api_error_message, namespace_is_terminating
 from .sidecar_stats import SidecarStats
-from .status import ApiFailure, PodReport, adjustments, aggregate, merge_conditions, now_iso
+from .status import ApiFailure, Condition, PodReport, adjustments, aggregate, merge_conditions, model_condition, now_iso
 
 CHILD_KINDS = ("ConfigMap", "Service")
 
@@ -63,6 +66,8 @@ class Context:
     stats: SidecarStats = field(default_factory=SidecarStats)
     stats_max_age: float = 7.5  # seconds an answer of a sidecar is reused (half the re-check interval)
     webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
+    model_check_seconds: float = 60.0  # spec.predictor.model's ConfigMap (up to 1 MiB) is read at most this often
+    model_checks: dict[tuple[str, str, str], tuple[float, Condition]] = field(default_factory=dict)
 
 
 @dataclass
@@ -155,8 +160,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
     return outcome
 
 
-# Conditions that are also a warning Event: pods the take-over refused, vLLM ignoring the policy's order.
-WARNED = (("SidecarsInjected", "TakeOverRefused"), ("EnginePriorityEnabled", "SchedulingPolicyNotPriority"))
+# Conditions that are also a warning Event: pods the take-over refused, vLLM ignoring the policy's order,
+# a model the sidecars cannot load.
+WARNED = (("SidecarsInjected", "TakeOverRefused"), ("EnginePriorityEnabled", "SchedulingPolicyNotPriority"),
+          ("ModelReady", "ModelNotFound"), ("ModelReady", "ModelNotBinary"))
 
 
 def _warn_once(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
@@ -245,6 +252,9 @@ async def observe(
     unreached = await _not_reached(ctx, namespace) if any(r.missing for r in reports) else ""
 
     conditions, fields = aggregate(reports, problems, children_ready, failures, unreached, engine_priority)
+    model = await _model_ready(ctx, spec, namespace) if not problems else None
+    if model is not None:  # not one of Ready's checks: without its model a sidecar still serves (cold)
+        conditions.append(model)
     status = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions"), conditions, generation, now_iso()),
@@ -252,6 +262,29 @@ async def observe(
         "adjustments": adjustments(reports, old.get("adjustments")),
     }
     return Outcome(status, failures)
+
+
+async def _model_ready(ctx: Context, spec: Mapping[str, Any], namespace: str) -> Condition | None:
+    """``ModelReady`` for ``spec.predictor.model`` (None without one); the ConfigMap is read at most
+    every ``model_check_seconds`` per reference (it holds up to 1 MiB, and every policy is re-checked often)."""
+    ref = model_ref(spec)
+    if ref is None:
+        return None
+    kind, name, key = ref
+    cache_key, now = (namespace, f"{kind}/{name}", key), time.monotonic()
+    cached = ctx.model_checks.get(cache_key)
+    if cached is not None and now - cached[0] < ctx.model_check_seconds:
+        return cached[1]
+    found, failure = None, None
+    if kind == "ConfigMap":
+        try:
+            found = await ctx.kube.read_configmap(name, namespace)
+        except API_ERRORS as exc:
+            failure = _failure(f"reading ConfigMap {name}", exc)
+    condition = model_condition(ref, namespace, found, failure)
+    if failure is None:
+        ctx.model_checks[cache_key] = (now, condition)
+    return condition
 
 
 async def _not_reached(ctx: Context, namespace: str) -> str:

@@ -159,7 +159,8 @@ def aggregate(
     elif outdated:
         sidecars = Condition("SidecarsInjected", "False", "SidecarOutdated",
                              f"{len(outdated)} pod(s) run a sidecar from an older spec.sidecar (image, ports, "
-                             f"resources or grace; recreate them): {', '.join(outdated[:10])}")  # fmt: skip
+                             f"resources, grace, or which ConfigMap or Secret spec.predictor.model names; recreate them): "
+                             f"{', '.join(outdated[:10])}")  # fmt: skip
     elif not pods:
         sidecars = Condition("SidecarsInjected", "True", "NoPods", "No pod matches the selector yet.")
     else:
@@ -190,6 +191,43 @@ def aggregate(
         fields["bins"] = ", ".join(f"{b:g}" for b in bounds) if bounds else "one bin"
         fields["throughputRequestsPerSecond"] = f"{sum(s.throughput.requests_per_second for s in stats):.3g}"  # type: ignore[union-attr]
     return [ready, *checks], fields
+
+
+def model_condition(
+    ref: tuple[str, str, str], namespace: str, configmap: Mapping[str, Any] | None, failure: ApiFailure | None = None
+) -> Condition:
+    """``ModelReady`` for ``spec.predictor.model`` (``ref``: kind, name, key) from what the operator could
+    read: the ConfigMap (None: it does not exist), or ``failure``.  Secrets are not read (the
+    operator has no cluster-wide access to them): their sidecars report through their metric."""
+    kind, name, key = ref
+    cold = ("the sidecars start cold and learn from completions; once it is there they load it without a restart "
+            "(binbatch_predictor_model_loaded)")  # fmt: skip
+    if kind == "Secret":
+        return Condition("ModelReady", "Unknown", "SecretNotChecked",
+                         f"spec.predictor.model: Secret {name} key {key} is mounted into the sidecars; the operator "
+                         f"does not read Secrets, so each sidecar's binbatch_predictor_model_loaded says whether it "
+                         f"loaded (0: missing or no model, it learns from completions)")  # fmt: skip
+    if failure is not None:
+        return Condition("ModelReady", "Unknown", "ModelUnknown", f"spec.predictor.model: {failure}")
+    if configmap is None:
+        return Condition("ModelReady", "False", "ModelNotFound",
+                         f"spec.predictor.model: ConfigMap {name} not found in namespace {namespace}: {cold}; make it "
+                         f"with kubectl create configmap {name} --from-file={key}=MODEL_FILE")  # fmt: skip
+    binary, text = configmap.get("binaryData") or {}, configmap.get("data") or {}
+    if key in binary:
+        size = len(binary[key]) * 3 // 4  # base64
+        return Condition("ModelReady", "True", "ModelFound",
+                         f"spec.predictor.model: ConfigMap {name} key {key} holds {size // 1024} KiB; the sidecars load "
+                         "it (binbatch_predictor_model_loaded says each one did)")  # fmt: skip
+    if key in text:
+        return Condition("ModelReady", "False", "ModelNotBinary",
+                         f"spec.predictor.model: ConfigMap {name} key {key} is text (data), not a model file: {cold}; a "
+                         f"model written by binbatch predictor train is binary (kubectl create configmap --from-file "
+                         f"puts it in binaryData)")  # fmt: skip
+    keys = sorted({*binary, *text})
+    return Condition("ModelReady", "False", "ModelNotFound",
+                     f"spec.predictor.model: ConfigMap {name} has no key {key} (its keys: {', '.join(keys) or 'none'}): "
+                     f"{cold}")  # fmt: skip
 
 
 def _engine_priority(injected: Sequence[PodReport]) -> Condition:

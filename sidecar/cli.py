@@ -209,8 +209,9 @@ def _predictor_train(args: argparse.Namespace) -> int:
         print(f"binbatch predictor train: --out: cannot write {args.out}: {(exc.strerror or str(exc)).lower()}",
               file=sys.stderr)  # fmt: skip
         return EXIT_CANNOT_START
-    print(f"wrote {args.out}: a length model fitted on {model.records} records "
-          f"({model.nbytes / 2**20:.1f} MiB of weights); load it with predictor.warmStart")  # fmt: skip
+    size = os.path.getsize(args.out)
+    print(f"wrote {args.out}: a length model fitted on {model.records} records ({size / 1024:.0f} KiB: fits a "
+          f"ConfigMap for a policy's spec.predictor.model); load it with predictor.warmStart")  # fmt: skip
     return 0
 
 

@@ -25,7 +25,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 drainOrder: ShortestFirst|LongestFitFirst, shortestBy: OutputTokens|KvFootprint}
     memory:    {admission: BatchSize|Projected, overflowPerMille, kvReservePercent, kvSaturationPercent}
     latency:   {tpotMilliseconds, ttftMilliseconds, tolerancePercent}
-    predictor: {kind: Hint|Online|Learned, defaultOutputTokens, warmStart, refitEveryRecords,
+    predictor: {kind: Hint|Online|Learned, defaultOutputTokens, warmStart, warmStartOptional, refitEveryRecords,
                 trainingBufferRecords, external: {url, timeoutMilliseconds, breakerOpenMilliseconds, feedbackUrl}}
     metrics:   {source: Scrape|PromQL|None, url, intervalMilliseconds,
                 staleAfterMilliseconds, promqlSelector}
@@ -275,7 +275,8 @@ class PredictorConfig(_Section):
     kind: PredictorKind = Field("Learned", description="Hint: the client's hint only. Online: the spread of the last 64 output lengths per request class and prompt-length bucket seen in completions. Learned: a model that reads the prompt (what is asked, its class, max_tokens) predicts a distribution of the length; refitted off the request path from the completions the sidecar sees (their prompts kept only as hashed features), warm-started from warmStart; Online answers until it has a model. The client's hint always wins.")  # fmt: skip
     default_output_tokens: int = Field(256, ge=1, le=1_000_000, description="Expected output length with no hint, no max_tokens and no history.")  # fmt: skip
     external: ExternalPredictorConfig = Field(default_factory=ExternalPredictorConfig, description="An external length-predictor service, asked after the client's hint and before the built-in predictor.")  # fmt: skip
-    warm_start: str = Field("", max_length=4096, description="Learned: path, in the sidecar's filesystem, of a model written by the command binbatch predictor train to start from (a file that cannot be read as one refuses the config); empty: start with none and learn from completions.")  # fmt: skip
+    warm_start: str = Field("", max_length=4096, description="Learned: path, in the sidecar's filesystem, of a model written by the command binbatch predictor train to start from (a file that cannot be read as one refuses the config, unless warmStartOptional); empty: start with none and learn from completions. When the file changes (a ConfigMap volume updated in place) the new model is swapped in.")  # fmt: skip
+    warm_start_optional: bool = Field(False, description="Learned: a warmStart file that is missing or cannot be read is not an error: the sidecar starts cold (learning from completions) with one warning, binbatch_predictor_model_loaded is 0, and the model is loaded when the file appears. The operator sets it for the file spec.predictor.model mounts; a path you type yourself is best left strict.")  # fmt: skip
     refit_every_records: int = Field(1024, ge=16, le=1_000_000, description="Learned: refit the model after this many new completions (the first fits come sooner: after 64, then each time the records double).")  # fmt: skip
     training_buffer_records: int = Field(4096, ge=64, le=100_000, description="Learned: the latest completions kept to refit on (hashed features, about 5 KiB each).")  # fmt: skip
 
@@ -283,6 +284,8 @@ class PredictorConfig(_Section):
     def _warm_start_needs_learned(self) -> PredictorConfig:
         if self.warm_start and self.kind != "Learned":
             _broken([("warmStart", f"is only read with kind Learned (kind is {self.kind})")])
+        if self.warm_start_optional and not self.warm_start:
+            _broken([("warmStartOptional", "needs warmStart: it says what to do when that file cannot be read")])
         return self
 
 

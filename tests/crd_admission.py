@@ -447,6 +447,16 @@ CASES: dict[str, tuple[dict[str, Any], str | None]] = {
     "external predictor with feedback": ({"predictor": {"external": {"url": "http://p:9000/predict", "feedbackUrl": "http://p:9000/completions"}}}, None),
     "external predictor feedback without its url": ({"predictor": {"external": {"feedbackUrl": "http://p:9000/completions"}}}, "spec.predictor.external.feedbackUrl"),
     "external predictor timeout of 0": ({"predictor": {"external": {"url": "http://p:9000/predict", "timeoutMilliseconds": 0}}}, "spec.predictor.external.timeoutMilliseconds"),
+    "model from a ConfigMap": ({"predictor": {"model": {"configMapKeyRef": {"name": "lengths", "key": "model.npz"}}}}, None),
+    "model from a Secret": ({"predictor": {"kind": "Learned", "model": {"secretKeyRef": {"name": "lengths", "key": "model"}}}}, None),
+    "model from both": ({"predictor": {"model": {"configMapKeyRef": {"name": "a", "key": "m"}, "secretKeyRef": {"name": "b", "key": "m"}}}}, "spec.predictor.model"),
+    "model from neither": ({"predictor": {"model": {}}}, "spec.predictor.model"),
+    "model without its key": ({"predictor": {"model": {"configMapKeyRef": {"name": "lengths"}}}}, "spec.predictor.model.configMapKeyRef"),
+    "model with a bad ConfigMap name": ({"predictor": {"model": {"configMapKeyRef": {"name": "Lengths_1", "key": "m"}}}}, "spec.predictor.model.configMapKeyRef.name"),
+    "model with kind Online": ({"predictor": {"kind": "Online", "model": {"configMapKeyRef": {"name": "lengths", "key": "m"}}}}, "spec.predictor.model"),
+    "model with a hand-set warmStart": ({"predictor": {"warmStart": "/m.npz", "model": {"configMapKeyRef": {"name": "lengths", "key": "m"}}}}, "spec.predictor.model"),
+    "warmStartOptional without warmStart": ({"predictor": {"warmStartOptional": True}}, "spec.predictor.warmStartOptional"),
+    "warmStartOptional with warmStart": ({"predictor": {"warmStart": "/m.npz", "warmStartOptional": True}}, None),
 }  # fmt: skip
 
 

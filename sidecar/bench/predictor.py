@@ -10,6 +10,10 @@ with no ``max_tokens`` cap so the model itself is measured:
 * ``online``: ``Online``, the spread of each prompt-length bucket's last answers (the prompt's
   tokens estimated as the front door does, from its bytes);
 * ``learned``: ``Learned`` (``core/length_model.py``), fitted on the training split;
+* ``learned_file``: that same model written by ``save_model`` (what ``binbatch predictor
+  train`` writes: sparse float16, deflated) and read back, as a pod reads it from a
+  ConfigMap; ``file_bytes`` its file's size, ``legacy_file_bytes`` the older dense
+  float32 file's (``learned`` scores exactly what that older file held);
 * ``oracle``: the true length, the yardstick.
 
 Measures (the seed's Table 1 and more):
@@ -34,8 +38,11 @@ Measures (the seed's Table 1 and more):
 
 from __future__ import annotations
 
+import io
+import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -47,6 +54,7 @@ from ..core import length_model
 from ..core.length_dist import PLAN_LEVEL, LengthDist
 from ..core.predictor import LearnedPredictor, LengthPredictor, OnlinePredictor
 from ..core.request import Request
+from ..engine.model_file import load_model, save_model
 from ..engine.training_records import Record
 from ..engine.training_records import train as train_model
 from ..server.front import estimate_prompt_tokens
@@ -105,6 +113,19 @@ def _learned(train: Sequence[Record]) -> LearnedPredictor:
     return LearnedPredictor(model=train_model(train))
 
 
+def _through_file(model: length_model.LengthModel) -> tuple[LearnedPredictor, int, int]:
+    """``model`` written to a model file and read back; the file's bytes, and the older dense layout's."""
+    with tempfile.TemporaryDirectory(prefix="binbatch-bench-") as tmp:
+        path = os.path.join(tmp, "model.npz")
+        save_model(path, model)
+        size, back = os.path.getsize(path), load_model(path)
+    arrays = {k: v for k, v in model.to_arrays().items() if k != "slots"}
+    arrays.update(format=np.array(length_model.LEGACY_FORMAT), weights=model.weights)
+    legacy = io.BytesIO()  # what binbatch-length-model/3 wrote: every weight, float32, uncompressed
+    np.savez(legacy, **arrays)
+    return LearnedPredictor(model=back), size, len(legacy.getvalue())
+
+
 def score(predictor: LengthPredictor, turns: Sequence[sharegpt.Turn], cuts: dict[int, list[float]],
           timed: bool = True) -> dict[str, Any]:  # fmt: skip
     """Every measure of ``predictor`` on ``turns``, bins cut at ``cuts[k]``."""
@@ -156,6 +177,8 @@ def run(cfg: PredictorBenchConfig = PredictorBenchConfig(),
     predictors["online"] = _online(train)
     predictors["learned"] = _learned(train)
     fit_seconds = time.perf_counter() - t0
+    model = predictors["learned"].model  # type: ignore[attr-defined]
+    predictors["learned_file"], file_bytes, legacy_bytes = _through_file(model)
     predictors["oracle"] = _Oracle(truth)
     doc: dict[str, Any] = {"predictors": {}}
     for name, p in predictors.items():
@@ -163,6 +186,8 @@ def run(cfg: PredictorBenchConfig = PredictorBenchConfig(),
         row = score(p, evaluation, cuts)
         row["model_bytes"] = _memory(p)
         doc["predictors"][name] = row
+    doc["predictors"]["learned"]["file_bytes"] = legacy_bytes
+    doc["predictors"]["learned_file"]["file_bytes"] = file_bytes
     for name, make in (("online", _online), ("learned", _learned)):
         curve = {}
         for n in cfg.curve:
@@ -201,10 +226,14 @@ def print_tables(doc: dict[str, Any]) -> None:
             (f"q{s['plan_level']:.2f} cov", "plan_coverage", "{:.3f}"), ("p50 ms", "predict_p50_ms", "{:.3f}"),
             ("p99 ms", "predict_p99_ms", "{:.3f}"), ("cpu p99", "predict_cpu_p99_ms", "{:.3f}"),
             ("MiB", "model_bytes", "{:.2f}")]  # fmt: skip
-    print(f"{'predictor':10}" + "".join(f"{c[0]:>10}" for c in cols))
+    print(f"{'predictor':12}" + "".join(f"{c[0]:>10}" for c in cols))
     for name, row in doc["predictors"].items():
         cells = [c[2].format(row[c[1]] / 2**20 if c[1] == "model_bytes" else row[c[1]]) for c in cols]
-        print(f"{name:10}" + "".join(f"{x:>10}" for x in cells))
+        print(f"{name:12}" + "".join(f"{x:>10}" for x in cells))
+    files = doc["predictors"].get("learned", {}), doc["predictors"].get("learned_file", {})
+    if all("file_bytes" in row for row in files):
+        print(f"model file: {files[1]['file_bytes'] / 1024:.0f} KiB as binbatch predictor train writes it (learned_file: "
+              f"sparse float16), {files[0]['file_bytes'] / 1024:.0f} KiB in the older dense float32 layout (learned)")
     print("learning curve (tau / 4-bin accuracy after N training records; first_turns: the first turns alone):")
     for name, row in doc["predictors"].items():
         if "learning_curve" in row:

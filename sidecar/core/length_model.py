@@ -30,7 +30,13 @@ unexplained (a ridge centred on the prior's weights), so a warm-started model
 keeps what it knew while it learns the sidecar's own traffic.
 
 Pure: no I/O and no clock.  A model travels as plain arrays (``to_arrays`` /
-``from_arrays``; engine/model_file.py writes them as an .npz without pickle).
+``from_arrays``; engine/model_file.py writes them as a compressed .npz without
+pickle).  The arrays are sparse: of the ``DIM`` hashed slots only those the
+training saw have a weight at all, and of those the ``MAX_WEIGHTS`` largest are
+kept, as float16, their slots as a bitmap -- so a model file fits a Kubernetes
+ConfigMap (1 MiB) whatever was trained (on ShareGPT: 4.2 MB dense float32, about
+0.4 MB this way, Kendall tau unchanged within 0.001).  The dense float32 layout of
+``LEGACY_FORMAT`` is still read.
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ import numpy as np
 
 from .length_dist import LEVELS, LengthDist
 
-FORMAT = "binbatch-length-model/3"
+FORMAT = "binbatch-length-model/4"  # sparse: a slot bitmap and float16 weights
+LEGACY_FORMAT = "binbatch-length-model/3"  # dense float32 weights (still read)
+MAX_WEIGHTS = 200_000  # the largest hashed weights a model file keeps (the meta and class slots always)
 DIM = 1 << 20  # hashed feature slots (the weights: 4 MiB of float32)
 HEAD_CHARS = 1000  # the prompt's head that is read
 TAIL_CHARS = 400  # and its tail (a long prompt's middle is skipped: bounded cost)
@@ -195,9 +203,21 @@ class LengthModel:
     # -- as plain arrays (no pickle) -------------------------------------------------
 
     def to_arrays(self) -> dict[str, np.ndarray]:
+        """The model as plain arrays: the slot bitmap and float16 weights of the ``MAX_WEIGHTS``
+        largest hashed weights and every meta and class slot (a dropped weight reads as 0)."""
+        kept = np.flatnonzero(self.weights[:DIM])
+        if len(kept) > MAX_WEIGHTS:  # the largest magnitudes; ties by slot, so the same model writes the same file
+            order = np.lexsort((kept, -np.abs(self.weights[kept])))[:MAX_WEIGHTS]
+            kept = np.sort(kept[order])
+        slots = np.zeros(N_FEATURES, bool)
+        slots[kept] = True
+        slots[DIM:] = True
+        values = self.weights[slots].astype(np.float16)
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"weights: a weight beyond float16's range ({float(np.abs(self.weights).max()):g})")
         return {
             "format": np.array(FORMAT), "dim": np.array(DIM), "meta": np.array(META),
-            "weights": self.weights.astype(np.float32), "intercept": np.array(self.intercept, dtype=np.float64),
+            "slots": np.packbits(slots), "weights": values, "intercept": np.array(self.intercept, dtype=np.float64),
             "levels": np.array(LEVELS), "offsets": np.array(self.offsets, dtype=np.float64),
             "knots": self.knots.astype(np.float64), "records": np.array(self.records, dtype=np.int64),
             "version": np.array(self.version, dtype=np.int64),
@@ -205,21 +225,36 @@ class LengthModel:
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> LengthModel:
-        """The model those arrays hold; ValueError naming the array that is wrong."""
+        """The model those arrays hold (``FORMAT``, or the dense ``LEGACY_FORMAT``); ValueError
+        naming the array that is wrong."""
         names = ("format", "dim", "meta", "weights", "intercept", "levels", "offsets", "knots", "records", "version")
         missing = [k for k in names if k not in arrays]
         if missing:
             raise ValueError(f"{missing[0]}: missing (not a binbatch length model)")
-        if str(arrays["format"]) != FORMAT:
-            raise ValueError(f"format: expected {FORMAT!r}, got {str(arrays['format'])!r}")
+        fmt = str(arrays["format"])
+        if fmt not in (FORMAT, LEGACY_FORMAT):
+            raise ValueError(f"format: expected {FORMAT!r} (or the older {LEGACY_FORMAT!r}), got {fmt!r}")
         if int(arrays["dim"]) != DIM or tuple(str(m) for m in arrays["meta"]) != META:
             raise ValueError(f"dim: the model's features ({int(arrays['dim'])} slots) are not this version's ({DIM})")
         if tuple(float(x) for x in arrays["levels"]) != LEVELS:
             raise ValueError(f"levels: expected {LEVELS}")
-        weights = np.asarray(arrays["weights"])
-        if weights.dtype.kind != "f" or not np.all(np.isfinite(weights)):
+        values = np.asarray(arrays["weights"])
+        if values.dtype.kind != "f" or values.ndim != 1 or not np.all(np.isfinite(values)):
             raise ValueError("weights: must be finite floats")
-        return cls(weights.astype(np.float32), float(arrays["intercept"]), tuple(float(r) for r in arrays["offsets"]),
+        if fmt == LEGACY_FORMAT:
+            weights = values.astype(np.float32)
+        else:
+            if "slots" not in arrays:
+                raise ValueError("slots: missing (not a binbatch length model)")
+            packed = np.asarray(arrays["slots"])
+            if packed.dtype != np.uint8 or packed.shape != ((N_FEATURES + 7) // 8,):
+                raise ValueError(f"slots: a bitmap of {N_FEATURES} slots expected, got {packed.dtype} {packed.shape}")
+            slots = np.unpackbits(packed, count=N_FEATURES).astype(bool)
+            if int(slots.sum()) != len(values):
+                raise ValueError(f"weights: {int(slots.sum())} expected (one per slot set), got {len(values)}")
+            weights = np.zeros(N_FEATURES, np.float32)
+            weights[slots] = values
+        return cls(weights, float(arrays["intercept"]), tuple(float(r) for r in arrays["offsets"]),
                    np.asarray(arrays["knots"], dtype=np.float64), int(arrays["records"]), int(arrays["version"]))  # fmt: skip
 
 

@@ -256,6 +256,7 @@ class LearnedPredictor:
             raise ValueError(f"refit_every must be >= 1, got {refit_every}")
         self.prior = model  # the warm start: every refit is centred on it
         self.warm_start = warm_start  # where the prior came from ("" none)
+        self.warm_start_stamp: tuple[int, int, int] | None = None  # that file as last read (the engine layer's)
         self.model = model
         self.fallback = fallback or OnlinePredictor()
         self.first_fit, self.refit_every = first_fit, refit_every

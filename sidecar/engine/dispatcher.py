@@ -35,7 +35,7 @@ from ..core.breaker import STATES
 from ..core.clock import Clock
 from ..core.inflight import Slot
 from ..core.length_model import fit as fit_length_model
-from ..core.predictor import LearnedPredictor
+from ..core.predictor import ExternalFirst, LearnedPredictor
 from ..core.request import Request
 from ..core.scheduler import (
     ADJUSTMENT_FIELDS,
@@ -183,6 +183,7 @@ class Dispatcher:
         metrics.predictor_model_version.set_function(lambda: self._learned_model("version", 0))
         metrics.predictor_model_records.set_function(lambda: self._learned_model("records", 0))
         metrics.predictor_model_age.set_function(self._model_age)
+        metrics.predictor_model_loaded.set_function(self._warm_start_loaded)
         metrics.predictor_buffered_records.set_function(
             lambda: p.buffered if isinstance(p := self.core.predictor, LearnedPredictor) else 0)
         self._publish_queue()
@@ -704,6 +705,13 @@ class Dispatcher:
         p = self.core.predictor
         model = p.model if isinstance(p, LearnedPredictor) else None
         return none if model is None else float(getattr(model, attr))
+
+    def _warm_start_loaded(self) -> float:
+        p = self.core.predictor
+        p = p.inner if isinstance(p, ExternalFirst) else p
+        if not isinstance(p, LearnedPredictor) or not p.warm_start:
+            return -1.0
+        return 1.0 if p.prior is not None else 0.0
 
     def _model_age(self) -> float:
         p = self.core.predictor

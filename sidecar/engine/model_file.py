@@ -1,8 +1,10 @@
-"""A length model on disk: an uncompressed .npz of plain arrays, read without pickle.
+"""A length model on disk: a compressed .npz of plain arrays, read without pickle.
 
 ``np.load(..., allow_pickle=False)`` refuses any object array, so a model file
 can hold numbers and strings only: loading one runs no code.  Written by
-``binbatch predictor train`` and read by ``predictor.warmStart``.
+``binbatch predictor train`` and read by ``predictor.warmStart``.  What ``save_model`` writes fits a ConfigMap (``MAX_FILE_BYTES``):
+the arrays are sparse float16 (``LengthModel.to_arrays``) and deflated.  Files in the
+older dense layout (uncompressed float32, about 4 MiB) are still read.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import numpy as np
 from ..core.length_model import LengthModel
 
 
+MAX_FILE_BYTES = 700 * 1024  # base64 in a ConfigMap's binaryData (4/3 of it) stays under the API's 1 MiB
+
+
 class ModelFileError(ValueError):
     """The file is not a readable length model; the message says why."""
 
@@ -22,7 +27,7 @@ class ModelFileError(ValueError):
 def save_model(path: str | os.PathLike[str], model: LengthModel) -> None:
     """Write ``model`` to ``path`` (a file object is given, so numpy adds no ``.npz`` to the name)."""
     with open(path, "wb") as f:
-        np.savez(f, **model.to_arrays())
+        np.savez_compressed(f, **model.to_arrays())
 
 
 def load_model(path: str | os.PathLike[str]) -> LengthModel:

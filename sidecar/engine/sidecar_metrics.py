@@ -214,6 +214,11 @@ class SidecarMetrics:
             "binbatch_predictor_model_records", "Learned predictor: training records behind the running model "
             "(the warm start's included)", registry=r,
         )  # fmt: skip
+        self.predictor_model_loaded = Gauge(
+            "binbatch_predictor_model_loaded", "Learned predictor: 1 when the model file predictor.warmStart names "
+            "(a policy's spec.predictor.model) is loaded, 0 when that file is missing or holds no model (the "
+            "predictor started cold and learns from completions), -1 with no warmStart", registry=r,
+        )  # fmt: skip
         self.predictor_buffered_records = Gauge(
             "binbatch_predictor_training_records", "Learned predictor: completions held to refit on "
             "(hashed features, bounded by predictor.trainingBufferRecords)", registry=r,

@@ -36,7 +36,16 @@ from ..engine.external_predictor import ExternalPredictor
 from ..engine.metrics_feed import MetricsFeed
 from ..engine.sidecar_metrics import SidecarMetrics
 from . import logs, ports
-from .assembly import build_bin_count, build_core, build_smdp, dispatch_mode, metrics_source
+from .assembly import (
+    build_bin_count,
+    build_core,
+    build_smdp,
+    dispatch_mode,
+    learned_of,
+    metrics_source,
+    model_file_changed,
+    model_stamp,
+)
 from .config_watcher import ConfigWatcher
 from .metrics_endpoint import metrics_app
 from .openai_http import OpenAIDoor
@@ -187,7 +196,7 @@ class Sidecar:
         self.metrics.config_generation.set(self.loaded.generation)
         await self._check_engine()
         loops = (self.dispatcher.run(), self.feed.run(), self._health_loop(), self._solve_smdp(), self.external.run(),
-                 self._key_loop())  # fmt: skip
+                 self._key_loop(), self._model_loop())  # fmt: skip
         self._tasks = [asyncio.create_task(t) for t in loops]
         if self.watcher:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
@@ -335,6 +344,34 @@ class Sidecar:
             await asyncio.sleep(HEALTH_INTERVAL)
             if self.dispatcher.accepting:
                 await self._check_engine()
+
+    def check_model(self) -> bool:
+        """``predictor.warmStart``'s file changed (kubelet updated the mounted ConfigMap or Secret,
+        or a missing one appeared): swap its model in whole; True if the core was rebuilt.  A file
+        that cannot be read keeps the running model (a strict warmStart logs why, once per file)."""
+        cfg, d = self.config, self.dispatcher
+        if not model_file_changed(cfg, d.core.predictor):
+            return False
+        try:
+            core = build_core(cfg, self.clock, previous=d.core, k=self.bin_count and self.bin_count.k, policy=self.smdp)
+        except ConfigError as exc:
+            learned = learned_of(d.core.predictor)
+            if learned is not None:  # model_file_changed saw one: not again until the file changes again
+                learned.warm_start_stamp = model_stamp(learned.warm_start)
+            log.warning("predictor.warmStart changed and cannot be read; keeping the running model: %s", exc)
+            return False
+        d.replace_core(core, mode=dispatch_mode(cfg), max_inflight_batches=cfg.batch.max_inflight_batches,
+                       engine_timeout=cfg.engine.request_timeout_seconds)  # fmt: skip
+        return True
+
+    async def _model_loop(self) -> None:
+        """Look at the warm-start file as often as at the config file."""
+        while True:
+            await asyncio.sleep(self.config.server.config_poll_milliseconds / 1000)
+            try:
+                self.check_model()
+            except Exception:  # noqa: BLE001 - a model check must never stop the loop
+                log.exception("model check failed")
 
     async def _set_health(self, serving: bool) -> None:
         """Readiness follows the engine's health (DESIGN §2 Lifecycle)."""

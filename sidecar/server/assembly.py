@@ -3,11 +3,14 @@ predictor, binner, former and sizer the dispatcher runs (at start and on every
 reload), and the metrics source the feed reads.
 
 Construction only: the lifecycle (``app.py``) decides when to build; the one file
-read is ``predictor.warmStart``'s model, when the path changes.
+read is ``predictor.warmStart``'s model, when the path or the file changes
+(``model_stamp``: kubelet swaps a ConfigMap volume's files in place).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import replace
 from urllib.parse import urlsplit
 
@@ -29,6 +32,8 @@ from ..engine.model_file import ModelFileError, load_model
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+log = logging.getLogger("binbatch.predictor")
+
 AUTO_FIRST_ESTIMATE = 16  # bins.mode Auto: arrivals before the first estimate (then at 32, 64, ...)
 
 
@@ -50,11 +55,38 @@ def build_binner(cfg: SidecarConfig, k: int | None = None) -> Binner:
     return AdaptiveBinner(1, b.max_output_tokens, n_max, theta=b.split_threshold_percent / 100, max_buckets=b.count)
 
 
+def model_stamp(path: str) -> tuple[int, int, int] | None:
+    """What tells a changed model file: its inode, size and mtime (None: not there).  A
+    ConfigMap volume's update swaps a symlink to new files, which ``stat`` follows."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def learned_of(predictor: LengthPredictor | None) -> LearnedPredictor | None:
+    """The ``LearnedPredictor`` running (behind an external service's answers), if any."""
+    if isinstance(predictor, ExternalFirst):
+        predictor = predictor.inner
+    return predictor if isinstance(predictor, LearnedPredictor) else None
+
+
+def model_file_changed(cfg: SidecarConfig, predictor: LengthPredictor | None) -> bool:
+    """The running Learned predictor's warm-start file is not the one it loaded (or failed to)."""
+    learned = learned_of(predictor)
+    if cfg.predictor.kind != "Learned" or learned is None or not learned.warm_start:
+        return False
+    return learned.warm_start == cfg.predictor.warm_start and model_stamp(learned.warm_start) != learned.warm_start_stamp
+
+
 def build_predictor(cfg: SidecarConfig, previous: LengthPredictor | None = None, now: float = 0.0) -> LengthPredictor:
     """The predictor ``predictor.kind`` names; what a previous one learned is kept (an
     online predictor's estimates, a learned one's model and records unless its warm
-    start changed; ``now`` dates a warm start's install).  A warm start that is no model
-    raises ``ConfigError`` naming it."""
+    start's path or file changed; ``now`` dates a warm start's install).  A warm start
+    that is no model raises ``ConfigError`` naming it; with ``warmStartOptional`` it
+    is a warning instead: the predictor starts cold (or keeps the model it loaded
+    from that path before)."""
     p = cfg.predictor
     hint = HintPredictor(p.default_output_tokens)
     if p.kind == "Hint":
@@ -65,19 +97,38 @@ def build_predictor(cfg: SidecarConfig, previous: LengthPredictor | None = None,
     online.fallback = hint
     if p.kind == "Online":
         return online
-    if isinstance(previous, LearnedPredictor) and previous.warm_start == p.warm_start:
-        previous.fallback, previous.refit_every = online, p.refit_every_records
-        previous.resize(p.training_buffer_records)
-        return previous
+    stamp = model_stamp(p.warm_start) if p.warm_start else None  # before reading: a change meanwhile is seen next time
+    same = previous if isinstance(previous, LearnedPredictor) and previous.warm_start == p.warm_start else None
+    if same is not None and (not p.warm_start or same.warm_start_stamp == stamp):
+        return _keep(same, online, p.refit_every_records, p.training_buffer_records)
     model = None
     if p.warm_start:
         try:
             model = load_model(p.warm_start)
         except ModelFileError as exc:
-            raise ConfigError([("predictor.warmStart", str(exc))]) from None
+            if not p.warm_start_optional:
+                raise ConfigError([("predictor.warmStart", str(exc))]) from None
+            if same is not None and same.prior is not None:  # it went or broke after a model was loaded from it
+                log.warning("predictor.warmStart: %s; keeping the model loaded from it before "
+                            "(a policy's spec.predictor.model: its ConfigMap or Secret changed)", exc)  # fmt: skip
+                same.warm_start_stamp = stamp
+                return _keep(same, online, p.refit_every_records, p.training_buffer_records)
+            log.warning("predictor.warmStart: %s; starting cold, learning from completions (a policy's "
+                        "spec.predictor.model: its ConfigMap or Secret, or the key, is missing or holds no model "
+                        "written by `binbatch predictor train`); binbatch_predictor_model_loaded is 0", exc)  # fmt: skip
+        else:
+            if same is not None:
+                log.info("predictor.warmStart %s changed: its model (%d records) swapped in", p.warm_start, model.records)
     learned = LearnedPredictor(model=model, fallback=online, buffer=p.training_buffer_records,
                                refit_every=p.refit_every_records, warm_start=p.warm_start)  # fmt: skip
+    learned.warm_start_stamp = stamp
     learned.installed_at = now if model is not None else None
+    return learned
+
+
+def _keep(learned: LearnedPredictor, online: OnlinePredictor, refit_every: int, buffer: int) -> LearnedPredictor:
+    learned.fallback, learned.refit_every = online, refit_every
+    learned.resize(buffer)
     return learned
 
 

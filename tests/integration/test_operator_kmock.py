@@ -535,3 +535,25 @@ async def test_injection_fails_open() -> None:
     )  # fmt: skip
     assert dict(patch) == {}
     assert "pod admitted without it" in warnings[0]
+
+
+async def test_a_policys_missing_model_configmap_is_reported_and_its_pods_mount_the_key(cluster: Any, operator: int) -> None:
+    """spec.predictor.model: the ConfigMap is not there, so ModelReady says so naming the field;
+    a pod created meanwhile still gets the sidecar, with the key mounted (optional) as its warm start."""
+    api = cluster
+    model = {"configMapKeyRef": {"name": "lengths", "key": "model"}}
+    await api.post(POLICIES, json=policy_doc("learned", predictor={"kind": "Learned", "model": model}))
+    missing = await until(lambda: condition(api, "learned", "ModelReady"), "a ModelReady condition")
+    assert (missing["status"], missing["reason"]) == ("False", "ModelNotFound"), missing
+    assert missing["message"].startswith("spec.predictor.model: ConfigMap lengths not found in namespace")
+    cm = await until(lambda: obj(api, "configmaps", "learned-binbatch"), "the ConfigMap")
+    config = yaml.safe_load(cm["data"]["sidecar.yaml"])
+    assert config["predictor"] == {"kind": "Learned", "warmStart": "/etc/binbatch-model/model.npz", "warmStartOptional": True}
+    ca_pem = await until(lambda: ca_bundle(api), "the CA bundle in the webhook configuration")
+    pod = controller_pod()
+    response = await admission(operator, ca_pem, pod)
+    patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(response["patch"])))
+    volume = next(v for v in patched["spec"]["volumes"] if v["name"] == "binbatch-model")
+    assert volume["configMap"] == {"name": "lengths", "items": [{"key": "model", "path": "model.npz"}], "optional": True}
+    mount = next(m for m in patched["spec"]["containers"][1]["volumeMounts"] if m["name"] == "binbatch-model")
+    assert mount == {"name": "binbatch-model", "mountPath": "/etc/binbatch-model", "readOnly": True}

@@ -40,6 +40,7 @@ FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_siz
 OTHER = "http://127.0.0.1:9"  # a second engine URL; rows that need it to answer use a second emulator
 WARM_START = os.path.join(tempfile.gettempdir(), f"binbatch-reload-warm-{os.getpid()}.npz")  # written by warm_start()
 KEY_FILE = os.path.join(tempfile.gettempdir(), f"binbatch-reload-key-{os.getpid()}")  # written by key_file()
+NO_MODEL = os.path.join(tempfile.gettempdir(), f"binbatch-reload-none-{os.getpid()}.npz")  # never written
 
 
 @pytest.fixture
@@ -175,6 +176,10 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ),  # fmt: skip
     ("predictor", "warm_start"): (
         {"predictor": {"kind": "Learned", "warmStart": WARM_START}}, lambda s: _core(s).predictor.model.records, 20,
+    ),  # fmt: skip
+    ("predictor", "warm_start_optional"): (  # a missing file is no error then: a cold Learned predictor
+        {"predictor": {"kind": "Learned", "warmStart": NO_MODEL, "warmStartOptional": True}},
+        lambda s: (_core(s).predictor.warm_start, _core(s).predictor.model), (NO_MODEL, None),
     ),  # fmt: skip
     ("predictor", "refit_every_records"): (
         {"predictor": {"kind": "Learned", "refitEveryRecords": 64}}, lambda s: _core(s).predictor.refit_every, 64,

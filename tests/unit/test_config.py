@@ -71,6 +71,7 @@ predictor:
   kind: Learned
   defaultOutputTokens: 128
   warmStart: /models/length.npz
+  warmStartOptional: true
   refitEveryRecords: 512
   trainingBufferRecords: 2048
   external:
@@ -145,6 +146,7 @@ def test_full_example_parses_every_key():
     assert cfg.metrics.promql_selector == '{pod="vllm-0"}'
     assert cfg.logging.log_prompts is True and cfg.logging.format == "Text"
     assert cfg.predictor.external.timeout_milliseconds == 30
+    assert cfg.predictor.warm_start_optional is True
     assert cfg.tpot_seconds == pytest.approx(0.05)
     assert cfg.queue_budget_seconds(None) == pytest.approx(2.0 * 0.25)  # the policy's SLO, 25% of it
     assert cfg.queue_budget_seconds(800) == pytest.approx(0.8 * 0.25)

@@ -51,8 +51,7 @@ def test_spec_sections_carry_every_sidecar_config_field():
     for name in crd.CONFIG_SECTIONS:
         model = SidecarConfig.model_fields[name].annotation
         aliases = {f.alias or key for key, f in model.model_fields.items()}
-        policy_only = {crd.API_KEY_SECRET_REF} if name == "engine" else set()  # the operator's, rendered as apiKeyFile
-        assert set(spec[name]["properties"]) == aliases | policy_only, name
+        assert set(spec[name]["properties"]) == aliases | set(crd.CRD_ONLY.get(name, ())), name
 
 
 def test_crd_is_namespaced_with_short_name_status_and_printer_columns():

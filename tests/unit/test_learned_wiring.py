@@ -21,7 +21,7 @@ from binbatch_sidecar.engine.dispatcher import Call, Core, Dispatcher
 from binbatch_sidecar.engine.engine_client import EngineRequest, EngineResult, SamplingParams
 from binbatch_sidecar.engine.model_file import save_model
 from binbatch_sidecar.engine.sidecar_metrics import SidecarMetrics
-from binbatch_sidecar.server.assembly import build_core
+from binbatch_sidecar.server.assembly import build_core, model_file_changed
 from binbatch_sidecar.server.front import Fields, Front
 
 from test_dispatcher import FakeClient, settle
@@ -146,3 +146,83 @@ def test_a_warm_start_that_is_no_model_refuses_the_config_naming_the_field(tmp_p
 def test_a_warm_start_needs_kind_learned():
     with pytest.raises(ConfigError, match=r"predictor\.warmStart: is only read with kind Learned"):
         parse_config({"predictor": {"kind": "Online", "warmStart": "/m.npz"}})
+
+
+# -- an optional warm start (the file spec.predictor.model mounts) ------------------------
+
+
+def _optional(path) -> object:
+    return parse_config({"predictor": {"kind": "Learned", "warmStart": str(path), "warmStartOptional": True}})
+
+
+def test_warm_start_optional_needs_a_warm_start():
+    with pytest.raises(ConfigError, match=r"predictor\.warmStartOptional: needs warmStart"):
+        parse_config({"predictor": {"kind": "Learned", "warmStartOptional": True}})
+
+
+@pytest.mark.parametrize("content", [None, b"garbage"], ids=["missing", "no-model"])
+async def test_an_optional_warm_start_that_is_no_model_starts_cold_with_one_warning(tmp_path, content, caplog):
+    path = tmp_path / "m.npz"
+    if content is not None:
+        path.write_bytes(content)
+    clock = ManualClock()
+    core = build_core(_optional(path), clock)
+    assert isinstance(core.predictor, LearnedPredictor) and core.predictor.model is None  # cold: Online answers
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "spec.predictor.model" in warnings[0].getMessage()
+    assert str(path) in warnings[0].getMessage() and "starting cold" in warnings[0].getMessage()
+    metrics = SidecarMetrics()
+    Dispatcher(core, FakeClient(), clock, metrics)
+    assert _gauge(metrics, "binbatch_predictor_model_loaded") == 0
+    again = build_core(_optional(path), clock, previous=core)  # a reload of the same config: no second warning
+    assert again.predictor is core.predictor
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    assert not model_file_changed(_optional(path), again.predictor)
+
+
+async def test_a_model_file_that_appears_or_changes_is_swapped_in_whole(tmp_path):
+    path, clock = tmp_path / "m.npz", ManualClock()
+    cfg = _optional(path)
+    cold = build_core(cfg, clock)
+    assert not model_file_changed(cfg, cold.predictor)
+    save_model(path, _model(40))  # kubelet fills the volume once the ConfigMap exists
+    assert model_file_changed(cfg, cold.predictor)
+    first = build_core(cfg, clock, previous=cold)
+    assert first.predictor is not cold.predictor and first.predictor.model.records == 40
+    metrics = SidecarMetrics()
+    Dispatcher(first, FakeClient(), clock, metrics)
+    assert _gauge(metrics, "binbatch_predictor_model_loaded") == 1
+    replacement = tmp_path / "new.npz"  # kubelet writes the new files, then swaps them in
+    save_model(replacement, _model(60))
+    replacement.replace(path)
+    assert model_file_changed(cfg, first.predictor)
+    second = build_core(cfg, clock, previous=first)
+    assert second.predictor.model.records == 60 and second.predictor.prior is second.predictor.model
+    assert not model_file_changed(cfg, second.predictor)
+
+
+def test_a_mounted_model_that_goes_away_keeps_the_model_loaded_before(tmp_path, caplog):
+    path, clock = tmp_path / "m.npz", ManualClock()
+    save_model(path, _model(40))
+    cfg = _optional(path)
+    core = build_core(cfg, clock)
+    path.unlink()  # the ConfigMap was deleted
+    assert model_file_changed(cfg, core.predictor)
+    again = build_core(cfg, clock, previous=core)
+    assert again.predictor is core.predictor and again.predictor.model.records == 40
+    assert "keeping the model loaded from it before" in caplog.text
+    assert not model_file_changed(cfg, again.predictor)  # once: not retried every poll
+
+
+async def test_without_a_warm_start_the_loaded_gauge_says_none_is_asked(tmp_path):
+    clock, metrics = ManualClock(), SidecarMetrics()
+    Dispatcher(build_core(parse_config({"predictor": {"kind": "Learned"}}), clock), FakeClient(), clock, metrics)
+    assert _gauge(metrics, "binbatch_predictor_model_loaded") == -1
+
+
+def _gauge(metrics: SidecarMetrics, name: str) -> float:
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"{name} not exported")

@@ -10,7 +10,7 @@ import pytest
 
 from binbatch_sidecar.core import length_model as lm
 from binbatch_sidecar.core.length_dist import LEVELS
-from binbatch_sidecar.engine.model_file import ModelFileError, load_model, save_model
+from binbatch_sidecar.engine.model_file import MAX_FILE_BYTES, ModelFileError, load_model, save_model
 
 SHORT = ["yes or no: is {} a colour?", "one word for {}", "translate '{}' to French", "is {} a prime?"]
 LONG = ["write a 1000 word essay on {}", "write a detailed story about {}", "explain {} step by step in detail"]
@@ -105,13 +105,48 @@ def test_fit_refuses_too_few_or_mismatched_records():
         lm.fit(f * 5, [1.0])
 
 
-def test_model_file_round_trips(tmp_path, model):
+def test_model_file_round_trips_within_float16(tmp_path, model):
     path = tmp_path / "m.npz"
     save_model(path, model)
     back = load_model(path)
+    assert np.count_nonzero(model.weights) < lm.MAX_WEIGHTS  # nothing dropped: only float16's rounding differs
+    assert back.weights == pytest.approx(model.weights, rel=2**-11, abs=1e-7)
+    for prompt in ("write a detailed story about topic5", "one word for topic3", "something never seen"):
+        f = lm.featurize(prompt)
+        assert back.score(f) == pytest.approx(model.score(f), abs=1e-3)
+        # a score 1e-3 apart moves a quantile by up to the knots' slope there: well within 1%
+        assert back.dist(f).points == pytest.approx(model.dist(f).points, rel=1e-2)
+    assert (back.version, back.records, back.offsets) == (model.version, model.records, model.offsets)
+    assert np.array_equal(back.knots, model.knots) and back.intercept == model.intercept
+
+
+def test_any_model_file_fits_a_configmap_keeping_the_largest_weights(tmp_path, model):
+    """Every slot trained (the worst case): the file keeps the MAX_WEIGHTS largest hashed
+    weights and every meta and class slot, and stays under the ConfigMap-safe size."""
+    rng = np.random.default_rng(7)
+    weights = rng.normal(0.0, 0.05, lm.N_FEATURES).astype(np.float32)
+    weights[lm.DIM:] = 1e-3  # small, yet kept: the meta and class slots are never dropped
+    dense = lm.LengthModel(weights, model.intercept, model.offsets, model.knots, model.records)
+    path = tmp_path / "dense.npz"
+    save_model(path, dense)
+    assert path.stat().st_size <= MAX_FILE_BYTES
+    assert 4 * (path.stat().st_size + 2) // 3 < 1024 * 1024 - 4096  # as base64 binaryData, with room for metadata
+    back = load_model(path).weights
+    kept = np.flatnonzero(back[: lm.DIM])
+    assert len(kept) == lm.MAX_WEIGHTS
+    cut = np.sort(np.abs(weights[: lm.DIM]))[-lm.MAX_WEIGHTS]
+    assert np.all(np.abs(weights[kept]) >= cut)  # the largest are the ones kept
+    assert back[lm.DIM:] == pytest.approx(weights[lm.DIM:], rel=2**-10)
+
+
+def test_a_dense_float32_model_file_of_the_older_format_is_still_read(tmp_path, model):
+    arrays = {k: v for k, v in model.to_arrays().items() if k != "slots"}
+    path = tmp_path / "old.npz"
+    np.savez(path, **{**arrays, "format": np.array(lm.LEGACY_FORMAT), "weights": model.weights})
+    back = load_model(path)
     f = lm.featurize("write a detailed story about topic5")
-    assert back.dist(f).points == pytest.approx(model.dist(f).points)
-    assert (back.version, back.records) == (model.version, model.records)
+    assert np.array_equal(back.weights, model.weights)
+    assert back.dist(f).points == model.dist(f).points
 
 
 def test_model_file_holds_no_pickle(tmp_path, model):
@@ -134,6 +169,10 @@ def test_model_file_holds_no_pickle(tmp_path, model):
         ("partial", "format: missing"),
         ("wrong-dim", "dim: "),
         ("nan", "weights: must be finite"),
+        ("no-slots", "slots: missing"),
+        ("short-slots", "slots: a bitmap of"),
+        ("count", "weights: .* expected \\(one per slot set\\)"),
+        ("future", "format: expected 'binbatch-length-model/4'"),
     ],
 )
 def test_a_bad_model_file_says_what_is_wrong(tmp_path, model, content, message):
@@ -149,5 +188,13 @@ def test_a_bad_model_file_says_what_is_wrong(tmp_path, model, content, message):
         np.savez(path, **{**arrays, "dim": np.array(1 << 10)})
     elif content == "nan":
         np.savez(path, **{**arrays, "weights": np.full_like(arrays["weights"], math.nan)})
+    elif content == "no-slots":
+        np.savez(path, **{k: v for k, v in arrays.items() if k != "slots"})
+    elif content == "short-slots":
+        np.savez(path, **{**arrays, "slots": arrays["slots"][:-1]})
+    elif content == "count":
+        np.savez(path, **{**arrays, "weights": arrays["weights"][:-1]})
+    elif content == "future":
+        np.savez(path, **{**arrays, "format": np.array("binbatch-length-model/9")})
     with pytest.raises(ModelFileError, match=message):
         load_model(path)

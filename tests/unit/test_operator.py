@@ -136,6 +136,61 @@ def test_pod_patch_appends_a_locked_down_sidecar_and_keeps_the_pods_own_parts():
         builders.INJECTED_ANNOTATION: "fast@3", builders.SIDECAR_HASH_ANNOTATION: builders.sidecar_hash(SPEC, IMAGE)}
 
 
+MODEL_CM = {**SPEC, "predictor": {"kind": "Learned", "model": {"configMapKeyRef": {"name": "lengths", "key": "model"}}}}
+
+
+@pytest.mark.parametrize(
+    ("model", "source"),
+    [({"configMapKeyRef": {"name": "lengths", "key": "model"}}, {"configMap": {"name": "lengths"}}),
+     ({"secretKeyRef": {"name": "lengths", "key": "model"}}, {"secret": {"secretName": "lengths"}})],
+    ids=["configmap", "secret"],
+)  # fmt: skip
+def test_a_model_key_is_mounted_read_only_and_optional_and_becomes_the_warm_start(model, source):
+    spec = {**SPEC, "predictor": {"model": model}}
+    cfg = parse_config(yaml.safe_load(builders.build_configmap("fast", "llm", spec)["data"][builders.CONFIG_KEY]))
+    assert (cfg.predictor.warm_start, cfg.predictor.warm_start_optional) == (builders.MODEL_PATH, True)
+    patch = builders.build_pod_patch(vllm_pod(), "fast", 3, spec, IMAGE)
+    volumes = {v["name"]: v for v in patch["spec"]["volumes"]}
+    [(kind, body)] = [(k, v) for k, v in volumes[builders.MODEL_VOLUME].items() if k != "name"]
+    assert {kind: {k: v for k, v in body.items() if k in ("name", "secretName")}} == source
+    assert body["optional"] is True  # a missing object or key does not keep the pod from starting
+    assert body["items"] == [{"key": "model", "path": "model.npz"}]
+    mounts = {m["name"]: m for m in patch["spec"]["containers"][-1]["volumeMounts"]}
+    assert mounts[builders.MODEL_VOLUME] == {"name": builders.MODEL_VOLUME, "mountPath": builders.MODEL_DIR, "readOnly": True}
+    assert "subPath" not in mounts[builders.MODEL_VOLUME]  # kubelet updates the file in place
+    assert builders.MODEL_PATH == f"{builders.MODEL_DIR}/{body['items'][0]['path']}"
+    plain = builders.build_pod_patch(vllm_pod(), "fast", 3, SPEC, IMAGE)
+    assert builders.MODEL_VOLUME not in {v["name"] for v in plain["spec"]["volumes"]}
+    assert builders.MODEL_VOLUME not in {m["name"] for m in plain["spec"]["containers"][-1]["volumeMounts"]}
+
+
+def test_a_changed_model_reference_marks_running_pods_outdated_and_no_model_changes_nothing():
+    other = {**MODEL_CM, "predictor": {"model": {"configMapKeyRef": {"name": "lengths-v2", "key": "model"}}}}
+    hashes = {builders.sidecar_hash(s, IMAGE) for s in (SPEC, MODEL_CM, other)}
+    assert len(hashes) == 3
+    assert builders.sidecar_hash({**SPEC, "predictor": {"kind": "Learned"}}, IMAGE) == builders.sidecar_hash(SPEC, IMAGE)
+
+
+@pytest.mark.parametrize(
+    ("predictor", "field", "message"),
+    [({"kind": "Online", "model": {"configMapKeyRef": {"name": "m", "key": "m"}}}, "spec.predictor.model",
+      "only read with kind Learned"),
+     ({"warmStart": "/m.npz", "model": {"configMapKeyRef": {"name": "m", "key": "m"}}}, "spec.predictor.model",
+      "model and warmStart exclude each other"),
+     ({"model": {"configMapKeyRef": {"name": "m", "key": "m"}, "secretKeyRef": {"name": "m", "key": "m"}}},
+      "spec.predictor.model", "exactly one of configMapKeyRef and secretKeyRef"),
+     ({"model": None}, "spec.predictor.model", "must be an object"),
+     ({"model": {"secretKeyRef": {"name": "m", "key": "a/b"}}}, "spec.predictor.model.secretKeyRef.key",
+      "alphanumeric"),
+     ({"model": {"configMapKeyRef": {"key": "m"}}}, "spec.predictor.model.configMapKeyRef.name", "required")],
+    ids=["online", "warm-start", "both", "null", "bad-key", "no-name"],
+)  # fmt: skip
+def test_a_bad_model_reference_is_refused_naming_the_field(predictor, field, message):
+    with pytest.raises(ConfigError) as err:
+        builders.sidecar_config({**SPEC, "predictor": predictor})
+    assert any(path == field and message in text for path, text in err.value.problems), err.value.problems
+
+
 def test_pod_patch_uses_the_policy_image_and_keeps_a_longer_grace_period():
     spec = {**SPEC, "sidecar": {"image": "mine:1"}}
     patch = builders.build_pod_patch(vllm_pod(terminationGracePeriodSeconds=120), "fast", 1, spec, IMAGE)
@@ -419,6 +474,7 @@ class FakeKube:
         self.pods, self.errors, self.calls = list(pods), dict(errors or {}), []
         self.namespace_labels_by_name: dict[str, dict[str, str]] = {}
         self.webhook_selector: dict | None = None  # the webhook configuration's namespaceSelector; None: gone
+        self.configmaps: dict[str, dict] = {}  # by name: what read_configmap finds (spec.predictor.model's)
 
     def _maybe_fail(self, key):
         self.calls.append(key)
@@ -444,6 +500,10 @@ class FakeKube:
     async def webhook_namespace_selector(self, name):
         self._maybe_fail(("read", "MutatingWebhookConfiguration"))
         return self.webhook_selector
+
+    async def read_configmap(self, name, namespace):
+        self._maybe_fail(("read", "ConfigMap"))
+        return self.configmaps.get(name)
 
 
 def _api_exception(code, message, causes=()):
@@ -636,3 +696,64 @@ async def test_a_policy_daemon_spawned_while_the_operator_stops_ends_with_it():
     done, _ = await asyncio.wait([daemon], timeout=main.STATS_INTERVAL * 2)  # its first re-check would come within one
     daemon.cancel()
     assert done == {daemon} and memo.ctx.kube.calls == []
+
+
+# -- spec.predictor.model: the ModelReady condition ------------------------------------------------
+
+
+async def model_ready(kube, spec=MODEL_CM, status=None, ctx=None):
+    ctx = ctx or Context(kube=kube, sidecar_image=IMAGE, model_check_seconds=0)
+    outcome = await reconcile(ctx, policy_body(spec=spec, status=status), Seen(), logging.getLogger("t"))
+    return {c["type"]: c for c in outcome.status["conditions"]}
+
+
+async def test_a_missing_model_configmap_is_model_not_found_naming_the_field_and_warned_once(caplog):
+    kube = FakeKube()
+    caplog.set_level(logging.WARNING, logger="t")
+    conditions = await model_ready(kube)
+    c = conditions["ModelReady"]
+    assert (c["status"], c["reason"], c["observedGeneration"]) == ("False", "ModelNotFound", 2)
+    assert c["message"].startswith("spec.predictor.model: ConfigMap lengths not found in namespace llm")
+    assert "start cold" in c["message"] and "kubectl create configmap lengths --from-file=model=" in c["message"]
+    assert conditions["Ready"]["status"] == "True"  # the sidecars serve without it (cold)
+    warned = [r.getMessage() for r in caplog.records if "spec.predictor.model" in r.getMessage()]
+    assert len(warned) == 1  # an Event
+    again = await model_ready(kube, status={"conditions": list(conditions.values())})
+    assert again["ModelReady"]["lastTransitionTime"] == c["lastTransitionTime"]
+    assert len([r for r in caplog.records if "spec.predictor.model" in r.getMessage()]) == 1
+
+
+async def test_the_model_configmap_is_found_by_its_binary_key_and_a_missing_or_text_key_is_named():
+    kube = FakeKube()
+    kube.configmaps["lengths"] = {"metadata": {"name": "lengths"}, "binaryData": {"other": "AAAA"}, "data": {"x": "y"}}
+    c = (await model_ready(kube))["ModelReady"]
+    assert (c["status"], c["reason"]) == ("False", "ModelNotFound")
+    assert "ConfigMap lengths has no key model (its keys: other, x)" in c["message"]
+    kube.configmaps["lengths"]["data"]["model"] = "not a model"
+    c = (await model_ready(kube))["ModelReady"]
+    assert (c["status"], c["reason"]) == ("False", "ModelNotBinary") and "key model is text" in c["message"]
+    kube.configmaps["lengths"]["binaryData"]["model"] = "A" * 4096
+    c = (await model_ready(kube))["ModelReady"]
+    assert (c["status"], c["reason"]) == ("True", "ModelFound") and "holds 3 KiB" in c["message"]
+
+
+async def test_a_model_secret_is_not_read_and_its_condition_points_at_the_sidecars_metric():
+    kube = FakeKube()
+    spec = {**SPEC, "predictor": {"model": {"secretKeyRef": {"name": "lengths", "key": "model"}}}}
+    c = (await model_ready(kube, spec))["ModelReady"]
+    assert (c["status"], c["reason"]) == ("Unknown", "SecretNotChecked")
+    assert "binbatch_predictor_model_loaded" in c["message"] and c["message"].startswith("spec.predictor.model: ")
+    assert ("read", "ConfigMap") not in kube.calls and ("read", "Secret") not in kube.calls
+
+
+async def test_the_model_configmap_is_read_at_most_once_a_minute_and_a_failed_read_is_unknown():
+    kube = FakeKube(errors={("read", "ConfigMap"): (403, "forbidden")})
+    ctx = Context(kube=kube, sidecar_image=IMAGE)
+    c = (await model_ready(kube, ctx=ctx))["ModelReady"]
+    assert (c["status"], c["reason"]) == ("Unknown", "ModelUnknown") and "reading ConfigMap lengths: 403" in c["message"]
+    kube.errors.clear()
+    assert (await model_ready(kube, ctx=ctx))["ModelReady"]["reason"] == "ModelNotFound"  # a failure is not kept
+    await model_ready(kube, ctx=ctx)
+    assert kube.calls.count(("read", "ConfigMap")) == 2  # the answer is reused within model_check_seconds
+    plain = await model_ready(FakeKube(), spec=SPEC)
+    assert "ModelReady" not in plain
