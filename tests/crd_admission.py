@@ -233,6 +233,8 @@ def schema_findings(schema: dict[str, Any], value: Any, path: str) -> list[Findi
     out = []
     for err in OpenAPIValidator(schema).iter_errors(value):
         where = path + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
+        if err.validator == "required":  # the API server names the missing field itself ("x.key: Required value")
+            where += "." + err.message.split("'")[1]
         out.append(Finding(where, "blocking" if err.validator in BLOCKING else "schema", err.message))
     return out + _structure(schema, value, path)
 
@@ -451,7 +453,7 @@ CASES: dict[str, tuple[dict[str, Any], str | None]] = {
     "model from a Secret": ({"predictor": {"kind": "Learned", "model": {"secretKeyRef": {"name": "lengths", "key": "model"}}}}, None),
     "model from both": ({"predictor": {"model": {"configMapKeyRef": {"name": "a", "key": "m"}, "secretKeyRef": {"name": "b", "key": "m"}}}}, "spec.predictor.model"),
     "model from neither": ({"predictor": {"model": {}}}, "spec.predictor.model"),
-    "model without its key": ({"predictor": {"model": {"configMapKeyRef": {"name": "lengths"}}}}, "spec.predictor.model.configMapKeyRef"),
+    "model without its key": ({"predictor": {"model": {"configMapKeyRef": {"name": "lengths"}}}}, "spec.predictor.model.configMapKeyRef.key"),
     "model with a bad ConfigMap name": ({"predictor": {"model": {"configMapKeyRef": {"name": "Lengths_1", "key": "m"}}}}, "spec.predictor.model.configMapKeyRef.name"),
     "model with kind Online": ({"predictor": {"kind": "Online", "model": {"configMapKeyRef": {"name": "lengths", "key": "m"}}}}, "spec.predictor.model"),
     "model with a hand-set warmStart": ({"predictor": {"warmStart": "/m.npz", "model": {"configMapKeyRef": {"name": "lengths", "key": "m"}}}}, "spec.predictor.model"),
