@@ -224,6 +224,25 @@ def covers(current: Any, desired: Any) -> bool:
     return bool(current == desired)
 
 
+def owned_by(current: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Whether the existing object ``current`` is the policy's own, so the operator may patch or delete it.
+
+    ``desired`` is what the builder made, owner reference included (``kopf.adopt``).  Its own: an
+    owner reference to the policy's uid; or, with no owner reference at all, both of our labels
+    (managed-by binbatch-operator and this policy's ``binbatch.io/policy``), as a child orphaned by
+    an earlier policy of the same name keeps them.  Anything else, a ConfigMap or Service someone
+    made under that name, is not ours: the operator never writes it (no confused deputy).
+    """
+    meta, want = current.get("metadata") or {}, desired.get("metadata") or {}
+    uids = {o.get("uid") for o in want.get("ownerReferences") or [] if o.get("uid")}
+    owners = meta.get("ownerReferences") or []
+    if owners:
+        return any(o.get("uid") in uids for o in owners)
+    labels, wanted = meta.get("labels") or {}, want.get("labels") or {}
+    keys = ("app.kubernetes.io/managed-by", POLICY_LABEL)
+    return all(k in wanted and labels.get(k) == wanted[k] for k in keys)
+
+
 def selector_matches(match_labels: Mapping[str, str], labels: Mapping[str, str] | None) -> bool:
     """``matchLabels`` semantics: every pair present (an empty selector matches nothing here).
 

@@ -23,7 +23,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from .builders import covers
+from .builders import covers, owned_by
 from .crd import GROUP, PLURAL, VERSION
 from .leadership import LEASE_GATE
 
@@ -55,6 +55,18 @@ def api_error_message(exc: ApiException) -> str:
     except (ValueError, AttributeError):
         message = None
     return f"{exc.status} {message or exc.reason or 'error'}"
+
+
+class ChildConflict(Exception):
+    """A ConfigMap or Service with a child's name exists and is not the policy's own: left untouched."""
+
+    def __init__(self, desired: Mapping[str, Any], found: Mapping[str, Any] | None = None) -> None:
+        meta = desired["metadata"]
+        self.kind, self.name, self.namespace = desired["kind"], meta["name"], meta["namespace"]
+        owners = ((found or {}).get("metadata") or {}).get("ownerReferences") or []
+        whose = ", ".join(f"{o.get('kind')}/{o.get('name')}" for o in owners)
+        self.owner = f"owned by {whose}" if whose else "not made by this policy"
+        super().__init__(f"{self.kind} {self.namespace}/{self.name} already exists and is {self.owner}")
 
 
 class KubeApi:
@@ -98,18 +110,24 @@ class KubeApi:
         ``current`` is the object as the operator's watch last saw it (None:
         not there), so nothing is read: a write is sent only when it is missing
         or differs from what the builder says (``covers``).  The watch may lag
-        a write by a moment: a create that meets the object (409) patches it,
-        a patch that misses it (404) creates it.  A merge patch replaces lists
+        a write by a moment: a create that meets the object (409) reads it and
+        patches it if it is the policy's own (``owned_by``), a patch that misses
+        it (404) creates it.  An object of that name that is not the policy's
+        is never written: ``ChildConflict``.  A merge patch replaces lists
         whole (a Service's ports), so after an update the object is exactly what
         the builder said.
         """
+        if current is not None and not owned_by(current, obj):
+            raise ChildConflict(obj, current)
         if current is not None and covers(current, obj):
             return "unchanged"
         kind, meta = obj["kind"], obj["metadata"]
-        create, patch = {
-            "ConfigMap": (self.core.create_namespaced_config_map, self.core.patch_namespaced_config_map),
-            "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service),
-        }[kind]
+        create, patch, read = {
+            "ConfigMap": (self.core.create_namespaced_config_map, self.core.patch_namespaced_config_map,
+                          self.core.read_namespaced_config_map),
+            "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service,
+                        self.core.read_namespaced_service),
+        }[kind]  # fmt: skip
         if current is not None:
             try:
                 await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
@@ -121,8 +139,13 @@ class KubeApi:
             await self._call(create, meta["namespace"], dict(obj))
             return "created"
         except ApiException as exc:
-            if exc.status != 409:  # 409: it exists after all; patch it
+            if exc.status != 409:  # 409: it exists after all; ours to patch only if it is the policy's
                 raise
+        found = await self._call(read, meta["name"], meta["namespace"])
+        if not owned_by(found, obj):
+            raise ChildConflict(obj, found)
+        if covers(found, obj):
+            return "unchanged"
         await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
         return "updated"
 

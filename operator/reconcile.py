@@ -40,6 +40,7 @@ from .builders import (
     headless_enabled,
     headless_name,
     matching_policies,
+    owned_by,
     opted_out,
     policy_label,
     sidecar_config,
@@ -49,7 +50,7 @@ from .builders import (
 )
 from .indexes import Seen
 from .k8s_rules import policy_problems
-from .kube import KubeApi, api_error_message, namespace_is_terminating
+from .kube import ChildConflict, KubeApi, api_error_message, namespace_is_terminating
 from .sidecar_stats import SidecarStats
 from .status import ApiFailure, PodReport, adjustments, aggregate, merge_conditions, now_iso
 
@@ -91,9 +92,12 @@ def _spec_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
 def candidate(policy: Mapping[str, Any]) -> dict[str, Any]:
     """A policy as ``admit()`` and the conflict check see it (the index's entries and the webhook's)."""
     meta = policy.get("metadata") or {}
+    ready = next((c for c in (policy.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
     return {
         "name": meta.get("name"), "spec": dict(policy.get("spec") or {}), "generation": meta.get("generation", 0),
         "deletionTimestamp": meta.get("deletionTimestamp"),
+        # Its ConfigMap's name is held by an object not its own: a pod must not mount that.
+        "childConflict": ready.get("reason") == "ChildConflict" and ready.get("message", ""),
     }  # fmt: skip
 
 
@@ -123,6 +127,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
     name, namespace = meta["name"], meta["namespace"]
     problems = _spec_problems(spec)
     failures: list[ApiFailure] = []
+    conflicts: list[str] = []  # children whose names someone else's objects hold (never written)
     children_ready = True
     if problems:
         # The old ConfigMap stays: running sidecars keep their last good config.
@@ -136,10 +141,14 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
         if headless_enabled(spec):
             children.append(build_headless_service(name, namespace, spec))
         for obj in children:
-            kopf.adopt(obj, owner=dict(body))  # owner reference: deleted with the policy
+            _owned(obj, body)
             what = f"{obj['kind']} {obj['metadata']['name']}"
             try:
                 done = await ctx.kube.ensure(obj, seen.children.get((obj["kind"], obj["metadata"]["name"])))
+            except ChildConflict as exc:
+                conflicts.append(str(exc))
+                children_ready = False
+                continue
             except API_ERRORS as exc:
                 if namespace_is_terminating(exc):
                     return Outcome({}, terminating=True)
@@ -149,14 +158,15 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
             if done != "unchanged":
                 logger.info("%s %s", what, done)
         if not headless_enabled(spec):
-            await _drop_headless(ctx, name, namespace, seen, failures, logger)
-    outcome = await observe(ctx, body, seen, problems, children_ready, failures)
+            await _drop_headless(ctx, body, name, namespace, seen, failures, logger)
+    outcome = await observe(ctx, body, seen, problems, children_ready, failures, conflicts)
     _warn_once(body, outcome, logger)
     return outcome
 
 
 # Conditions that are also a warning Event: pods the take-over refused, vLLM ignoring the policy's order.
-WARNED = (("SidecarsInjected", "TakeOverRefused"), ("EnginePriorityEnabled", "SchedulingPolicyNotPriority"))
+WARNED = (("SidecarsInjected", "TakeOverRefused"), ("EnginePriorityEnabled", "SchedulingPolicyNotPriority"),
+          ("Ready", "ChildConflict"))
 
 
 def _warn_once(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
@@ -168,14 +178,19 @@ def _warn_once(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
             logger.warning("%s", now["message"])
 
 
+def _owned(obj: dict[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
+    kopf.adopt(obj, owner=dict(body))  # owner reference: deleted with the policy
+    return obj
+
+
 async def _drop_headless(
-    ctx: Context, name: str, namespace: str, seen: Seen, failures: list[ApiFailure], logger: Any
+    ctx: Context, body: Mapping[str, Any], name: str, namespace: str, seen: Seen, failures: list[ApiFailure], logger: Any
 ) -> None:
     """``spec.service.headless`` is off: delete the headless Service if we made it (and the watch shows it)."""
     headless = headless_name(name)
-    labels = (seen.children.get(("Service", headless), {}).get("metadata") or {}).get("labels") or {}
-    if labels.get(POLICY_LABEL) != policy_label(name):
-        return
+    current = seen.children.get(("Service", headless))
+    if current is None or not owned_by(current, _owned(build_headless_service(name, namespace, {}), body)):
+        return  # not there, or not ours: never deleted
     try:
         if await ctx.kube.delete("Service", headless, namespace):
             logger.info("Service %s deleted (spec.service.headless is off)", headless)
@@ -204,6 +219,7 @@ async def observe(
     problems: Sequence[tuple[str, str]],
     children_ready: bool,
     failures: list[ApiFailure],
+    conflicts: Sequence[str] = (),
 ) -> Outcome:
     meta, spec = body["metadata"], body.get("spec") or {}
     name, namespace = meta["name"], meta["namespace"]
@@ -244,7 +260,7 @@ async def observe(
         report.stats, report.error = answers[key].stats, answers[key].error
     unreached = await _not_reached(ctx, namespace) if any(r.missing for r in reports) else ""
 
-    conditions, fields = aggregate(reports, problems, children_ready, failures, unreached, engine_priority)
+    conditions, fields = aggregate(reports, problems, children_ready, failures, unreached, engine_priority, conflicts)
     status = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions"), conditions, generation, now_iso()),
@@ -333,6 +349,8 @@ def admit(
         message = f"binbatch: policies {', '.join(names)} all select this pod; no sidecar injected"
         return {"metadata": {"annotations": {CONFLICT_ANNOTATION: ",".join(names)}}}, [message]
     (policy,) = [c for c in candidates if c["name"] == names[0]]
+    if policy.get("childConflict"):
+        return {}, [f"binbatch: policy {policy['name']} does not own its children ({policy['childConflict']}); no sidecar"]
     problems = _spec_problems(policy.get("spec") or {})
     if problems:
         return {}, [f"binbatch: policy {policy['name']} is invalid ({problems[0][0]}: {problems[0][1]}); no sidecar"]

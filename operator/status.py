@@ -116,6 +116,7 @@ def aggregate(
     failures: Sequence[ApiFailure] = (),
     not_reached: str = "",
     engine_priority: bool = False,
+    child_conflicts: Sequence[str] = (),
 ) -> tuple[list[Condition], dict[str, Any]]:
     """Conditions and the status fields for a policy from what its pods report.
 
@@ -124,6 +125,8 @@ def aggregate(
     left as they were.  ``not_reached`` is why the webhook never sees the
     namespace's pods (``opt_in.not_reached``), "" when it does or cannot be told.
     ``engine_priority`` (``batch.order: EnginePriority``) adds ``EnginePriorityEnabled``.
+    ``child_conflicts``: children whose names objects not the policy's hold (left untouched):
+    Ready is False with reason ``ChildConflict`` naming them, before any other reason.
     """
     valid = valid_condition(problems, [f for f in failures if f.rejected])
     if pods is None:
@@ -131,7 +134,7 @@ def aggregate(
         sidecars = Condition("SidecarsInjected", "Unknown", "PodsUnknown", unknown)
         metrics = Condition("MetricsAvailable", "Unknown", "PodsUnknown", unknown)
         checks = [valid, sidecars, metrics] + ([Condition("EnginePriorityEnabled", "Unknown", "PodsUnknown", unknown)] if engine_priority else [])
-        return [_ready(checks, children_ready, failures, 0), *checks], {}
+        return [_ready(checks, children_ready, failures, 0, child_conflicts), *checks], {}
     pods = [p for p in pods if not p.opted_out]
     injected = [p for p in pods if p.injected]
     refused = sorted(f"{p.name}: {p.refused}" for p in pods if not p.injected and p.refused)
@@ -179,7 +182,7 @@ def aggregate(
         metrics = Condition("MetricsAvailable", "True", "MetricsFresh", f"{len(reporting)} sidecar(s) report.")
 
     checks = [valid, sidecars, metrics] + ([_engine_priority(injected)] if engine_priority else [])
-    ready = _ready(checks, children_ready, failures, len(injected))
+    ready = _ready(checks, children_ready, failures, len(injected), child_conflicts)
 
     # None deletes a field in the merge patch: no reporting sidecar, no stale aggregate.
     fields: dict[str, Any] = {"pods": len(injected), "batchSize": None, "bins": None, "throughputRequestsPerSecond": None}
@@ -212,9 +215,16 @@ def _engine_priority(injected: Sequence[PodReport]) -> Condition:
                      f"{len(injected)} pod(s) run vLLM with --scheduling-policy priority.")
 
 
-def _ready(checks: Sequence[Condition], children_ready: bool, failures: Sequence[ApiFailure], injected: int) -> Condition:
+def _ready(
+    checks: Sequence[Condition], children_ready: bool, failures: Sequence[ApiFailure], injected: int,
+    child_conflicts: Sequence[str] = (),
+) -> Condition:
     """Ready=True only when nothing blocks; otherwise the first blocker's reason and message."""
     blockers = [c for c in checks if c.status == "False"]
+    if child_conflicts:
+        blockers.insert(0, Condition("Ready", "False", "ChildConflict",
+                                     "; ".join(child_conflicts) + ": the operator leaves it untouched and injects no "
+                                     "pod; delete or rename it, or rename the policy"))  # fmt: skip
     errors = [f for f in failures if not f.rejected]
     if errors:
         blockers.append(Condition("Ready", "False", "ApiError", "; ".join(str(f) for f in errors)))

@@ -535,3 +535,50 @@ async def test_injection_fails_open() -> None:
     )  # fmt: skip
     assert dict(patch) == {}
     assert "pod admitted without it" in warnings[0]
+
+
+async def test_a_foreign_object_under_a_childs_name_is_never_patched_adopted_or_deleted(
+    cluster: Any, operator: int
+) -> None:
+    """No confused deputy: a create that meets someone else's `x-binbatch` ConfigMap (409) used to
+    patch it and add the policy's owner reference, so deleting the policy garbage-collected it.
+    Now it is left as it was, the policy says ChildConflict naming it, and no pod mounts it."""
+    api = cluster
+    foreign = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x-binbatch", "namespace": NS},
+               "data": {"sidecar.yaml": "someone else's"}}  # fmt: skip
+    await api.post(f"/api/v1/namespaces/{NS}/configmaps", json=foreign)
+    await api.post(POLICIES, json=policy_doc("x"))
+    ca_pem = await until(lambda: ca_bundle(api), "the CA bundle")
+
+    def conflict() -> dict | None:
+        ready = condition(api, "x", "Ready")
+        return ready if ready and ready["reason"] == "ChildConflict" else None
+
+    ready = await until(conflict, "Ready=False ChildConflict")
+    assert ready["status"] == "False" and f"ConfigMap {NS}/x-binbatch already exists" in ready["message"], ready
+    await until(lambda: obj(api, "services", "x-binbatch"), "the policy's own Service")  # made all the same
+    left = obj(api, "configmaps", "x-binbatch")
+    assert left["data"] == foreign["data"] and not left["metadata"].get("ownerReferences"), left
+    assert left["metadata"].get("labels") in (None, {}), left
+    assert len(api["patch", kmock.resource("v1/configmaps")]) == 0
+    # The webhook does not mount a ConfigMap the policy does not own.
+    response = await until_admitted_without_patch(operator, ca_pem)
+    assert "does not own its children" in response["warnings"][0], response
+
+    await api.delete(f"{POLICIES}/x")
+    await until(lambda: obj(api, PLURAL, "x") is None, "the policy to go (finalizer released)")
+    after = obj(api, "configmaps", "x-binbatch")
+    assert after is not None and after["data"] == foreign["data"] and not after["metadata"].get("ownerReferences")
+    assert len(api["delete", kmock.resource("v1/configmaps")]) == 0
+    assert len(api["patch", kmock.resource("v1/configmaps")]) == 0
+
+
+async def until_admitted_without_patch(port: int, ca_pem: bytes) -> dict[str, Any]:
+    """The webhook's answer once its watch has the policy's status (it may lag the status write)."""
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        response = await admission(port, ca_pem, controller_pod())
+        if "patch" not in response and response.get("warnings"):
+            return response
+        assert time.monotonic() < deadline, f"the webhook kept injecting: {response}"
+        await asyncio.sleep(0.05)  # ok-sleep: polling the webhook's eventually-consistent view, bounded

@@ -617,3 +617,69 @@ async def test_a_policy_daemon_spawned_while_the_operator_stops_ends_with_it():
     done, _ = await asyncio.wait([daemon], timeout=main.STATS_INTERVAL * 2)  # its first re-check would come within one
     daemon.cancel()
     assert done == {daemon} and memo.ctx.kube.calls == []
+
+
+# -- no confused deputy ------------------------------------------------------------
+
+
+def _desired(uid="u1"):
+    cm = builders.build_configmap("fast", "llm", SPEC)
+    kopf.adopt(cm, owner=policy_body() | {"metadata": {**policy_body()["metadata"], "uid": uid}})
+    return cm
+
+
+@pytest.mark.parametrize("meta, owned", [
+    ({"ownerReferences": [{"kind": "BatchingPolicy", "name": "fast", "uid": "u1"}]}, True),
+    ({"ownerReferences": [{"kind": "BatchingPolicy", "name": "fast", "uid": "an-older-fast"}]}, False),
+    ({"ownerReferences": [{"kind": "Deployment", "name": "web", "uid": "d1"}],
+      "labels": {**builders.MANAGED_LABELS, builders.POLICY_LABEL: "fast"}}, False),
+    ({}, False),  # someone's own ConfigMap of that name
+    ({"labels": {builders.POLICY_LABEL: "fast"}}, False),  # one of our labels is not enough
+    ({"labels": {**builders.MANAGED_LABELS, builders.POLICY_LABEL: "slow"}}, False),
+    ({"labels": {**builders.MANAGED_LABELS, builders.POLICY_LABEL: "fast"}}, True),  # orphaned from an earlier 'fast'
+])  # fmt: skip
+def test_only_the_policys_own_children_count_as_its_own(meta, owned):
+    assert builders.owned_by({"metadata": {"name": "fast-binbatch", **meta}}, _desired()) is owned
+
+
+def test_admit_injects_nothing_for_a_policy_whose_children_are_not_its_own():
+    held = policy("fast") | {"childConflict": "ConfigMap llm/fast-binbatch already exists and is not made by this policy"}
+    patch, warnings = admit(vllm_pod(), [held], IMAGE)
+    assert patch == {} and "does not own its children" in warnings[0] and "llm/fast-binbatch" in warnings[0]
+    status = {"conditions": [{"type": "Ready", "status": "False", "reason": "ChildConflict", "message": "m"}]}
+    assert candidate({"metadata": {"name": "fast"}, "spec": SPEC, "status": status})["childConflict"] == "m"
+    assert not candidate({"metadata": {"name": "fast"}, "spec": SPEC})["childConflict"]
+
+
+async def test_a_conflicting_child_sets_ready_child_conflict_and_is_not_written():
+    from binbatch_operator.kube import ChildConflict
+
+    class Conflicting(FakeKube):
+        async def ensure(self, obj, current):
+            if obj["kind"] == "ConfigMap":
+                raise ChildConflict(obj, {"metadata": {"ownerReferences": [{"kind": "Deployment", "name": "web"}]}})
+            return await super().ensure(obj, current)
+
+    kube = Conflicting()
+    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(), Seen(), logging.getLogger("t"))
+    ready = next(c for c in outcome.status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ChildConflict")
+    assert "ConfigMap llm/fast-binbatch already exists and is owned by Deployment/web" in ready["message"]
+    assert ("Service", "fast-binbatch") in kube.children and ("ConfigMap", "fast-binbatch") not in kube.children
+    assert outcome.failures == []  # not an API error to retry with backoff: the re-check looks again
+
+
+async def test_a_headless_service_not_the_policys_own_is_never_deleted():
+    spec = {**SPEC, "service": {"headless": False}}
+    theirs = {"apiVersion": "v1", "kind": "Service",
+              "metadata": {"name": "fast-binbatch-headless", "namespace": "llm",
+                           "labels": {builders.POLICY_LABEL: "fast"}}}  # fmt: skip
+    kube = FakeKube()
+    seen = Seen(children={("Service", "fast-binbatch-headless"): theirs})
+    await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(spec=spec), seen, logging.getLogger("t"))
+    assert ("delete", "Service") not in kube.calls
+    ours = {**theirs, "metadata": {**theirs["metadata"], "ownerReferences": [{"kind": "BatchingPolicy", "uid": "u1"}]}}
+    kube.children[("Service", "fast-binbatch-headless")] = ours
+    seen = Seen(children={("Service", "fast-binbatch-headless"): ours})
+    await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(spec=spec), seen, logging.getLogger("t"))
+    assert ("delete", "Service") in kube.calls
