@@ -15,6 +15,9 @@ environment the Helm chart sets:
                                    whether its namespace is opted in; the built-in certificate's CA goes into it
   BINBATCH_WEBHOOK_CERT_DIR        cert-manager: the mounted Secret (tls.crt, tls.key, ca.crt); no CA patching
   POD_NAMESPACE                    the operator's namespace (the Service's)
+  BINBATCH_ALLOWED_IMAGES          comma-separated images a policy's spec.sidecar.image may name (allowlist.py;
+                                   unset: the sidecar image's repository)
+  BINBATCH_ALLOW_REMOTE_URLS       "true": a policy's engine/metrics/predictor URLs may leave the pod's loopback
   BINBATCH_STATS_INTERVAL_SECONDS  how often each policy re-checks its pods and asks their sidecars (default 15)
 
 The operator watches what it reads, on every replica: the policies, every pod,
@@ -48,6 +51,7 @@ from typing import Any
 
 import kopf
 
+from .allowlist import Allowlist
 from .builders import POLICY_LABEL, as_native_sidecar, child_name, headless_name, policy_label
 from .crd import GROUP, PLURAL, VERSION
 from .indexes import Seen, Watched
@@ -82,9 +86,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
             logger.info("created ClusterKopfPeering %s", settings.peering.name)
         memo.elector = elector(kube, settings, logger)
         memo.elector.start()
-    memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE,
-                       stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
-                       webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""))  # fmt: skip
+    image = os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE
+    memo.ctx = Context(kube=kube, sidecar_image=image, stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
+                       webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""),
+                       allowlist=Allowlist.from_environment(image))  # fmt: skip
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
     # Pods, policies and our children, listed once and then watched on every replica (see indexes.py).
     memo.watched = watched = Watched(candidate)
@@ -321,7 +326,7 @@ async def inject_sidecar(
         namespace = body.get("metadata", {}).get("namespace")
         await asyncio.wait_for(memo.watched.synced(["BatchingPolicy"]), WEBHOOK_WAIT_SECONDS)
         candidates = memo.watched.policies(namespace)
-        merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image)
+        merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image, memo.ctx.allowlist)
         if memo.get("native_sidecar"):
             merge = as_native_sidecar(merge, body)
     except Exception as exc:  # noqa: BLE001

@@ -25,6 +25,7 @@ from kubernetes.client.exceptions import ApiException
 from binbatch_sidecar.config import ConfigError
 
 from . import opt_in, takeover, vllm_args
+from .allowlist import Allowlist
 from .builders import (
     CONFLICT_ANNOTATION,
     INJECTED_ANNOTATION,
@@ -64,6 +65,11 @@ class Context:
     stats: SidecarStats = field(default_factory=SidecarStats)
     stats_max_age: float = 7.5  # seconds an answer of a sidecar is reused (half the re-check interval)
     webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
+    allowlist: Allowlist | None = None  # the install's bounds on images and URLs; None: its default (allowlist.py)
+
+    def __post_init__(self) -> None:
+        if self.allowlist is None:
+            self.allowlist = Allowlist(self.sidecar_image)
 
 
 @dataclass
@@ -79,9 +85,12 @@ class Outcome:
     terminating: bool = False
 
 
-def _spec_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Everything wrong with a spec: the sidecar config, and what the API server would refuse later."""
+def _spec_problems(spec: Mapping[str, Any], allowlist: Allowlist | None = None) -> list[tuple[str, str]]:
+    """Everything wrong with a spec: the sidecar config, what the API server would refuse later, and
+    (given the install's ``allowlist``) an image or URL beyond what the install allows."""
     problems = policy_problems(spec) + takeover.spec_problems(spec)
+    if allowlist is not None:
+        problems += allowlist.problems(spec)
     try:
         sidecar_config(spec)
     except ConfigError as exc:
@@ -125,7 +134,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
     """
     meta, spec = body["metadata"], body.get("spec") or {}
     name, namespace = meta["name"], meta["namespace"]
-    problems = _spec_problems(spec)
+    problems = _spec_problems(spec, ctx.allowlist)
     failures: list[ApiFailure] = []
     conflicts: list[str] = []  # children whose names someone else's objects hold (never written)
     children_ready = True
@@ -326,7 +335,8 @@ async def cleanup(ctx: Context, body: Mapping[str, Any], carriers: Sequence[Mapp
 
 
 def admit(
-    pod: Mapping[str, Any], candidates: Sequence[Mapping[str, Any]], default_image: str
+    pod: Mapping[str, Any], candidates: Sequence[Mapping[str, Any]], default_image: str,
+    allowlist: Allowlist | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The merge patch for a new pod and the warnings for whoever created it.
 
@@ -336,7 +346,8 @@ def admit(
     invalid policy: nothing, with a warning (its status says why).  A policy
     being deleted counts as gone (its rollout restart must bring pods back
     without it), and a pod annotated ``binbatch.io/inject: "false"`` is never
-    touched.
+    touched.  A policy asking for an image or URL beyond the install's ``allowlist`` (default:
+    the default image's repository, loopback URLs) is invalid: nothing.
     """
     pod_meta = pod.get("metadata") or {}
     if opted_out(pod_meta):
@@ -351,7 +362,7 @@ def admit(
     (policy,) = [c for c in candidates if c["name"] == names[0]]
     if policy.get("childConflict"):
         return {}, [f"binbatch: policy {policy['name']} does not own its children ({policy['childConflict']}); no sidecar"]
-    problems = _spec_problems(policy.get("spec") or {})
+    problems = _spec_problems(policy.get("spec") or {}, allowlist or Allowlist(default_image))
     if problems:
         return {}, [f"binbatch: policy {policy['name']} is invalid ({problems[0][0]}: {problems[0][1]}); no sidecar"]
     try:

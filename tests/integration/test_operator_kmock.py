@@ -582,3 +582,26 @@ async def until_admitted_without_patch(port: int, ca_pem: bytes) -> dict[str, An
             return response
         assert time.monotonic() < deadline, f"the webhook kept injecting: {response}"
         await asyncio.sleep(0.05)  # ok-sleep: polling the webhook's eventually-consistent view, bounded
+
+
+async def test_a_policy_asking_for_an_image_or_url_the_install_does_not_allow_is_refused(
+    cluster: Any, operator: int
+) -> None:
+    """The operator as started (BINBATCH_ALLOWED_IMAGES unset: its sidecar image's repository only,
+    URLs on the pod's loopback): a policy naming another image or a remote engine is Valid=False
+    naming the field, gets no children, and the webhook injects nothing with it."""
+    api = cluster
+    await api.post(POLICIES, json=policy_doc("evil", sidecar={"grpcPort": 50051, "image": "docker.io/x/miner:1"},
+                                             engine={"url": "http://collector.example:8000"}))  # fmt: skip
+    ca_pem = await until(lambda: ca_bundle(api), "the CA bundle")
+
+    def invalid() -> dict | None:
+        valid = condition(api, "evil", "Valid")
+        return valid if valid and valid["status"] == "False" else None
+
+    message = (await until(invalid, "Valid=False"))["message"]
+    assert "spec.sidecar.image: 'docker.io/x/miner:1' is not allowed" in message, message
+    assert "spec.engine.url: must name the pod's loopback" in message, message
+    assert obj(api, "configmaps", "evil-binbatch") is None and obj(api, "services", "evil-binbatch") is None
+    response = await until_admitted_without_patch(operator, ca_pem)
+    assert "policy evil is invalid (spec.sidecar.image" in response["warnings"][0], response

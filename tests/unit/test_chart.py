@@ -545,6 +545,8 @@ def test_operator_command_and_environment():
         "POD_ID": {"fieldRef": {"fieldPath": "metadata.name"}},
         "BINBATCH_SIDECAR_IMAGE": "ghcr.io/binbatch/binbatch:0.1.0",
         "BINBATCH_SIDECAR_NATIVE": "false",
+        "BINBATCH_ALLOWED_IMAGES": "ghcr.io/binbatch/binbatch",
+        "BINBATCH_ALLOW_REMOTE_URLS": "false",
         "BINBATCH_WEBHOOK_SERVICE": service,
         "BINBATCH_WEBHOOK_ADDRESS": "0.0.0.0",
         "BINBATCH_WEBHOOK_PORT": "9443",
@@ -1010,3 +1012,26 @@ def test_sample_tells_to_opt_its_namespace_in_before_applying(path):
     text = path.read_text()
     assert re.search(rf"kubectl label namespace \S+ {re.escape(key)}={value}", text), path.name
     assert text.index(f"{key}={value}") < text.index(" apply -f manifests/samples/")
+
+
+def test_allowed_images_and_remote_urls_reach_the_operators_check():
+    """sidecar.allowedImages / allowRemoteUrls -> the operator's environment -> what a policy may ask for."""
+    from binbatch_operator.allowlist import Allowlist
+
+    def bounds(values: dict[str, Any] | None = None) -> Allowlist:
+        variables = env(operator_container(values))
+        return Allowlist.from_environment(variables["BINBATCH_SIDECAR_IMAGE"], variables)
+
+    default = bounds()
+    assert default.problems({"sidecar": {"image": "ghcr.io/binbatch/binbatch:0.2.0"}}) == []
+    assert [p for p, _ in default.problems({"sidecar": {"image": "docker.io/evil/binbatch:1"}})] == ["spec.sidecar.image"]
+    assert [p for p, _ in default.problems({"engine": {"url": "http://vllm.other:8000"}})] == ["spec.engine.url"]
+    opened = bounds({"sidecar": {"allowedImages": ["registry.corp/ml/", "docker.io/evil/*"], "allowRemoteUrls": True}})
+    assert opened.problems({"sidecar": {"image": "docker.io/evil/binbatch:1"}, "engine": {"url": "http://vllm.other:8000"}}) == []
+    assert opened.problems({"sidecar": {"image": "registry.corp/ml/binbatch@sha256:" + "0" * 64}}) == []
+    # The listed entries replace the default: the operator's own repository is no longer listed,
+    # but its own sidecar image (the default a policy gets) stays allowed.
+    assert [p for p, _ in opened.problems({"sidecar": {"image": "ghcr.io/binbatch/binbatch:9"}})] == ["spec.sidecar.image"]
+    assert opened.problems({"sidecar": {"image": "ghcr.io/binbatch/binbatch:0.1.0"}}) == []
+    with pytest.raises(helm.HelmValuesError, match="allowedImages"):
+        rendered({"sidecar": {"allowedImages": ["a,b"]}})

@@ -683,3 +683,71 @@ async def test_a_headless_service_not_the_policys_own_is_never_deleted():
     seen = Seen(children={("Service", "fast-binbatch-headless"): ours})
     await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(spec=spec), seen, logging.getLogger("t"))
     assert ("delete", "Service") in kube.calls
+
+
+# -- what the install allows a policy ------------------------------------------------
+
+
+@pytest.mark.parametrize("image, patterns, allowed", [
+    ("ghcr.io/binbatch/binbatch:0.2.0", ("ghcr.io/binbatch/binbatch",), True),
+    ("ghcr.io/binbatch/binbatch@sha256:" + "a" * 64, ("ghcr.io/binbatch/binbatch",), True),
+    ("ghcr.io/binbatch/binbatch", ("ghcr.io/binbatch/binbatch",), True),
+    ("ghcr.io/binbatch/binbatch-evil:1", ("ghcr.io/binbatch/binbatch",), False),  # a repository is no prefix
+    ("ghcr.io/binbatch/binbatch.evil.io/x:1", ("ghcr.io/binbatch/binbatch",), False),
+    ("localhost:5000/binbatch:1", ("localhost:5000/binbatch",), True),  # a registry port is not a tag
+    ("registry.corp/ml/team/binbatch:3", ("registry.corp/ml/",), True),
+    ("registry.corp/mlx/binbatch:3", ("registry.corp/ml/",), False),
+    ("ghcr.io/binbatch/binbatch:1.4", ("ghcr.io/binbatch/binbatch:1.*",), True),
+    ("ghcr.io/binbatch/binbatch:2.0", ("ghcr.io/binbatch/binbatch:1.*",), False),
+    ("anything/at:all", ("*",), True),
+])  # fmt: skip
+def test_an_image_is_allowed_by_repository_path_or_glob(image, patterns, allowed):
+    from binbatch_operator.allowlist import image_allowed
+
+    assert image_allowed(image, patterns) is allowed
+
+
+@pytest.mark.parametrize("section, field", [
+    ({"engine": {"url": "http://10.0.0.5:8000"}}, "spec.engine.url"),
+    ({"engine": {"url": "http://127.0.0.1@evil.example:8000"}}, "spec.engine.url"),
+    ({"metrics": {"source": "PromQL", "url": "http://prometheus.monitoring:9090"}}, "spec.metrics.url"),
+    ({"predictor": {"external": {"url": "https://predict.example"}}}, "spec.predictor.external.url"),
+    ({"predictor": {"external": {"url": "http://localhost:7000", "feedbackUrl": "http://collect.example/x"}}},
+     "spec.predictor.external.feedbackUrl"),
+])  # fmt: skip
+def test_urls_off_the_pods_loopback_are_refused_naming_the_field_unless_allowed(section, field):
+    from binbatch_operator.allowlist import Allowlist
+
+    spec = {**SPEC, **section}
+    found = Allowlist(IMAGE).problems(spec)
+    assert [p for p, _ in found] == [field] and "allowRemoteUrls" in found[0][1]
+    assert Allowlist(IMAGE, remote_urls=True).problems(spec) == []
+    loopback = {**SPEC, "engine": {"url": "http://[::1]:8000"}, "metrics": {"url": "https://localhost:8000/metrics"}}
+    assert Allowlist(IMAGE).problems(loopback) == []
+
+
+def test_the_allowlist_environment_is_read_and_a_bad_switch_named():
+    from binbatch_operator.allowlist import Allowlist
+
+    bounds = Allowlist.from_environment(IMAGE, {"BINBATCH_ALLOWED_IMAGES": " a/b , c/ ", "BINBATCH_ALLOW_REMOTE_URLS": "TRUE"})
+    assert (bounds.patterns, bounds.remote_urls) == (("a/b", "c/"), True)
+    assert Allowlist.from_environment(IMAGE, {}).patterns == ("registry.example/binbatch",)
+    with pytest.raises(ValueError, match="BINBATCH_ALLOW_REMOTE_URLS"):
+        Allowlist.from_environment(IMAGE, {"BINBATCH_ALLOW_REMOTE_URLS": "yes"})
+
+
+async def test_a_policy_naming_an_image_the_install_does_not_allow_is_invalid_and_injects_nothing():
+    spec = {**SPEC, "sidecar": {**SPEC["sidecar"], "image": "docker.io/someone/miner:latest"}}
+    kube = FakeKube()
+    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(spec=spec), Seen(), logging.getLogger("t"))
+    valid = next(c for c in outcome.status["conditions"] if c["type"] == "Valid")
+    assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec")
+    assert "spec.sidecar.image: 'docker.io/someone/miner:latest' is not allowed" in valid["message"]
+    assert kube.children == {}  # no ConfigMap, no Service for it
+    patch, warnings = admit(vllm_pod(), [policy("fast", spec)], IMAGE)
+    assert patch == {} and "spec.sidecar.image" in warnings[0]
+    from binbatch_operator.allowlist import Allowlist
+
+    allowed = Allowlist(IMAGE, images=("docker.io/someone/",))
+    patch, _ = admit(vllm_pod(), [policy("fast", spec)], IMAGE, allowed)
+    assert patch["spec"]["containers"][-1]["image"] == "docker.io/someone/miner:latest"
