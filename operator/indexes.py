@@ -38,7 +38,9 @@ def pod_entry(body: Mapping[str, Any]) -> dict[str, Any]:
     """
     meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
     annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k.startswith(f"{GROUP}/")}
-    groups = {group: list(spec.get(group) or []) for group in ("initContainers", "containers")}
+    groups: dict[str, Any] = {group: list(spec.get(group) or []) for group in ("initContainers", "containers")}
+    if spec.get("hostNetwork"):
+        groups["hostNetwork"] = True  # never injected (reconcile.admit); the status says so
     return {
         "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid"),
                      "labels": dict(meta.get("labels") or {}), "annotations": annotations,

@@ -252,10 +252,11 @@ async def observe(
             conflict=matching_policies(others, pod_meta.get("labels")),
             outdated=injected and digest is not None and digest != current,
             opted_out=opted_out(pod_meta), sidecar_of=_sidecar_of(pod),
+            host_network=bool((pod.get("spec") or {}).get("hostNetwork")),
         )  # fmt: skip
         reports.append(report)
         if not injected:
-            if report.sidecar_of is None and not report.conflict and not report.opted_out:
+            if report.sidecar_of is None and not report.conflict and not report.opted_out and not report.host_network:
                 report.refused = _take_over_refusal(pod, spec)
             continue
         if engine_priority:
@@ -346,7 +347,7 @@ def admit(
     invalid policy: nothing, with a warning (its status says why).  A policy
     being deleted counts as gone (its rollout restart must bring pods back
     without it), and a pod annotated ``binbatch.io/inject: "false"`` is never
-    touched.  A policy asking for an image or URL beyond the install's ``allowlist`` (default:
+    touched, nor is a ``hostNetwork`` pod.  A policy asking for an image or URL beyond the install's ``allowlist`` (default:
     the default image's repository, loopback URLs) is invalid: nothing.
     """
     pod_meta = pod.get("metadata") or {}
@@ -360,6 +361,9 @@ def admit(
         message = f"binbatch: policies {', '.join(names)} all select this pod; no sidecar injected"
         return {"metadata": {"annotations": {CONFLICT_ANNOTATION: ",".join(names)}}}, [message]
     (policy,) = [c for c in candidates if c["name"] == names[0]]
+    if (pod.get("spec") or {}).get("hostNetwork"):
+        return {}, [f"binbatch: policy {policy['name']} selects this pod, but a hostNetwork pod is never injected "
+                    "(the sidecar would listen on the node's network); no sidecar"]  # fmt: skip
     if policy.get("childConflict"):
         return {}, [f"binbatch: policy {policy['name']} does not own its children ({policy['childConflict']}); no sidecar"]
     problems = _spec_problems(policy.get("spec") or {}, allowlist or Allowlist(default_image))

@@ -67,11 +67,13 @@ class PodReport:
     sidecar_of: str | None = None  # a sidecar container it runs: the injecting policy ("" unknown); None: none
     refused: str = ""  # why the port take-over cannot rewrite it (field: message); "" when it can or is not asked
     engine_order: Finding | None = None  # batch.order EnginePriority: why its vLLM may not order by priority
+    host_network: bool = False  # spec.hostNetwork: the webhook never injects it
 
     @property
     def missing(self) -> bool:
         """It has no sidecar and nothing but the moment it was created explains why."""
-        return not self.injected and self.sidecar_of is None and not self.conflict and not self.refused and not self.opted_out
+        return (not self.injected and self.sidecar_of is None and not self.conflict and not self.refused
+                and not self.opted_out and not self.host_network)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ def aggregate(
     injected = [p for p in pods if p.injected]
     refused = sorted(f"{p.name}: {p.refused}" for p in pods if not p.injected and p.refused)
     missing = sorted(p.name for p in pods if p.missing)
+    host_network = sorted(p.name for p in pods if not p.injected and p.host_network)
     conflicts = sorted(_conflict_entry(p) for p in pods if p.conflict)
     outdated = sorted(p.name for p in injected if p.outdated)
 
@@ -151,6 +154,12 @@ def aggregate(
                              f"{len(refused)} selected pod(s) cannot have their serving port taken over "
                              "(spec.sidecar.takeOverServingPort) and run without a sidecar; change the named field "
                              "and recreate them: " + "; ".join(refused[:10]))  # fmt: skip
+    elif host_network:
+        sidecars = Condition("SidecarsInjected", "False", "HostNetwork",
+                             f"{len(host_network)} selected pod(s) use hostNetwork and are never injected (the "
+                             "sidecar's ports and its loopback would be the node's, shared with every "
+                             "hostNetwork pod there); run them without hostNetwork or narrow spec.selector: "
+                             + ", ".join(host_network[:10]))  # fmt: skip
     elif missing and not_reached:
         sidecars = Condition("SidecarsInjected", "False", "NamespaceNotOptedIn",
                              f"{len(missing)} selected pod(s) have no sidecar: {not_reached}: {', '.join(missing[:10])}")

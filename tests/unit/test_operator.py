@@ -751,3 +751,32 @@ async def test_a_policy_naming_an_image_the_install_does_not_allow_is_invalid_an
     allowed = Allowlist(IMAGE, images=("docker.io/someone/",))
     patch, _ = admit(vllm_pod(), [policy("fast", spec)], IMAGE, allowed)
     assert patch["spec"]["containers"][-1]["image"] == "docker.io/someone/miner:latest"
+
+
+# -- hostNetwork pods ------------------------------------------------------------------
+
+
+def test_a_host_network_pod_is_never_injected_and_says_why():
+    patch, warnings = admit(vllm_pod(hostNetwork=True), [policy("fast")], IMAGE)
+    assert patch == {} and "hostNetwork" in warnings[0] and "policy fast" in warnings[0]
+    assert admit(vllm_pod(hostNetwork=False), [policy("fast")], IMAGE)[0]["spec"]["containers"][-1]["name"] == builders.SIDECAR_CONTAINER
+
+
+async def test_selected_host_network_pods_are_reported_not_asked_to_restart():
+    from binbatch_operator.indexes import pod_entry
+
+    host = pod_entry({"metadata": {"name": "vllm-host", "namespace": "llm", "labels": {"app": "vllm"}},
+                      "spec": {"hostNetwork": True, "containers": [{"name": "vllm"}]}})  # fmt: skip
+    plain = pod_entry({"metadata": {"name": "vllm-plain", "namespace": "llm", "labels": {"app": "vllm"}},
+                       "spec": {"containers": [{"name": "vllm"}]}})  # fmt: skip
+    assert host["spec"]["hostNetwork"] is True and "hostNetwork" not in plain["spec"]
+    kube = FakeKube()
+    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(), Seen(pods=[host]), logging.getLogger("t"))
+    injected = next(c for c in outcome.status["conditions"] if c["type"] == "SidecarsInjected")
+    assert (injected["status"], injected["reason"]) == ("False", "HostNetwork")
+    assert injected["message"].startswith("1 selected pod(s) use hostNetwork") and "vllm-host" in injected["message"]
+    # With a pod that only needs a restart beside it, the pod that never will is what is reported.
+    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(), Seen(pods=[plain, host]),
+                              logging.getLogger("t"))  # fmt: skip
+    injected = next(c for c in outcome.status["conditions"] if c["type"] == "SidecarsInjected")
+    assert injected["reason"] == "HostNetwork" and "vllm-plain" not in injected["message"]
