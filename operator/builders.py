@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
+from kubernetes.utils import parse_quantity
 
 from binbatch_sidecar.config import ConfigError, parse_config
 
@@ -46,6 +47,15 @@ HEADLESS_LABEL = f"{GROUP}/headless"  # on the headless Service: the chart's Ser
 SIDECAR_UID = 10001
 MANAGED_LABELS = {"app.kubernetes.io/name": "binbatch-sidecar", "app.kubernetes.io/managed-by": "binbatch-operator"}
 
+
+# The injected sidecar's resources unless spec.sidecar.resources says otherwise (docs/operator-security.md):
+# about 150 MiB is the process with its libraries loaded; the queue holds at most batch.maxQueuedBytes
+# (256 MiB by default) of request bodies, plus the bodies being read (server.maxRequestBytes each, 4 MiB)
+# and the predictor's training buffer (about 20 MiB): 768Mi bounds a full queue with room for the copies
+# parsing makes; 384Mi is what an ordinary queue uses.  One CPU serves the request path at the rates vLLM
+# on one pod reaches; 250m is its share when idle.
+DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "384Mi"}, "limits": {"cpu": "1", "memory": "768Mi"}}
+QOS_RESOURCES = ("cpu", "memory")  # what decides a pod's QoS class
 
 CHILD_SUFFIX = "-binbatch"
 HEADLESS_SUFFIX = "-binbatch-headless"
@@ -296,9 +306,45 @@ def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: Ta
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
         },
     }  # fmt: skip
-    if side.get("resources"):
-        container["resources"] = dict(side["resources"])
+    given = side.get("resources")
+    source = given if given else DEFAULT_RESOURCES
+    container["resources"] = {key: dict(value) for key, value in source.items() if value is not None}
     return container
+
+
+def _quantity(value: Any) -> Any:
+    try:
+        return parse_quantity(value)
+    except (ValueError, TypeError):
+        return None
+
+
+def guaranteed(pod_spec: Mapping[str, Any]) -> bool:
+    """Whether the pod is in the Guaranteed QoS class: every container (init ones too) has cpu and memory
+    limits, and requests equal to them where it states requests (an unstated request defaults to the limit)."""
+    containers = [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]
+    if not containers:
+        return False
+    for container in containers:
+        resources = container.get("resources") or {}
+        limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+        for name in QOS_RESOURCES:
+            limit = _quantity(limits.get(name))
+            if limit is None or (name in requests and _quantity(requests[name]) != limit):
+                return False
+    return True
+
+
+def as_guaranteed(resources: Mapping[str, Any]) -> dict[str, Any]:
+    """``resources`` with cpu and memory requests equal to limits, so a Guaranteed pod stays Guaranteed.
+
+    The limit is what counts (the request rises to it); a resource with a request and no limit gets
+    the request as its limit; one with neither gets the default limit."""
+    requests, limits = dict(resources.get("requests") or {}), dict(resources.get("limits") or {})
+    for name in QOS_RESOURCES:
+        value = limits.get(name) or requests.get(name) or DEFAULT_RESOURCES["limits"][name]
+        requests[name] = limits[name] = value
+    return {**resources, "requests": requests, "limits": limits}
 
 
 def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
@@ -350,6 +396,9 @@ def build_pod_patch(
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
     drain = sidecar_settings(spec)["drainGraceSeconds"]
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
+    sidecar = sidecar_container(spec, default_image, plan)
+    if guaranteed(pod_spec):  # the sidecar must not demote a Guaranteed pod to Burstable
+        sidecar["resources"] = as_guaranteed(sidecar["resources"])
     patch: dict[str, Any] = {
         "metadata": {
             "labels": {POLICY_LABEL: policy_label(policy)},
@@ -359,7 +408,7 @@ def build_pod_patch(
             },
         },
         "spec": {
-            "containers": [*containers, sidecar_container(spec, default_image, plan)],
+            "containers": [*containers, sidecar],
             "volumes": volumes,
             "terminationGracePeriodSeconds": grace,
         },

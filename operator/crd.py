@@ -239,7 +239,10 @@ def resources_schema() -> dict[str, Any]:
     request, limit = "string(self.requests[k])", "string(self.limits[k])"
     return {
         "type": "object",
-        "description": "Container resources (requests and limits), as in a Pod spec.",
+        "description": "The sidecar container's resources (requests and limits), as in a Pod spec. Unset: requests "
+                       "cpu 250m and memory 384Mi, limits cpu 1 and memory 768Mi (the memory bounds a full queue). "
+                       "In a pod whose every container has requests equal to limits (Guaranteed QoS), the sidecar's "
+                       "cpu and memory requests are raised to its limits, so the pod stays Guaranteed.",
         "properties": {"requests": amounts("Requested amount"), "limits": amounts("Upper limit")},
         "x-kubernetes-validations": [
             _rule(("requests", "limits"),

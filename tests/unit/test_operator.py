@@ -780,3 +780,66 @@ async def test_selected_host_network_pods_are_reported_not_asked_to_restart():
                               logging.getLogger("t"))  # fmt: skip
     injected = next(c for c in outcome.status["conditions"] if c["type"] == "SidecarsInjected")
     assert injected["reason"] == "HostNetwork" and "vllm-plain" not in injected["message"]
+
+
+# -- the sidecar's resources -------------------------------------------------------------
+
+NO_RESOURCES = {**SPEC, "sidecar": {k: v for k, v in SPEC["sidecar"].items() if k != "resources"}}
+
+
+def _sidecar_of_patch(patch):
+    return next(c for c in patch["spec"]["containers"] if c["name"] == builders.SIDECAR_CONTAINER)
+
+
+def _pod_with(*resources, init=None):
+    pod = vllm_pod()
+    pod["spec"]["containers"] = [{"name": f"c{i}", "image": "x", "resources": r} for i, r in enumerate(resources)]
+    if init is not None:
+        pod["spec"]["initContainers"] = [{"name": "init", "image": "x", "resources": init}]
+    return pod
+
+
+GUARANTEED = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2000m", "memory": "8Gi"}}
+
+
+def test_an_unset_spec_sidecar_resources_gets_bounded_defaults_and_a_given_one_wins():
+    sidecar = _sidecar_of_patch(builders.build_pod_patch(vllm_pod(), "fast", 1, NO_RESOURCES, IMAGE))
+    assert sidecar["resources"] == builders.DEFAULT_RESOURCES
+    assert sidecar["resources"]["limits"]["memory"] == "768Mi"  # a full 256 MiB queue and its copies fit
+    given = _sidecar_of_patch(builders.build_pod_patch(vllm_pod(), "fast", 1, SPEC, IMAGE))
+    assert given["resources"] == {"requests": {"cpu": "100m"}, "limits": {"cpu": 1}}
+    builders.build_pod_patch(vllm_pod(), "fast", 1, NO_RESOURCES, IMAGE)["spec"]["containers"][-1]["resources"]["requests"]["cpu"] = "9"
+    assert builders.DEFAULT_RESOURCES["requests"]["cpu"] == "250m"  # the defaults are copied, never shared
+
+
+@pytest.mark.parametrize("pod_resources, init, qos", [
+    ((GUARANTEED,), None, True),
+    ((GUARANTEED, {"limits": {"cpu": "500m", "memory": "1Gi"}}), None, True),  # unstated requests = limits
+    ((GUARANTEED, {"requests": {"cpu": "500m", "memory": "1Gi"}}), None, False),  # no limits: Burstable
+    ((GUARANTEED, {"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"cpu": "500m", "memory": "1Gi"}}), None, False),
+    ((GUARANTEED,), {"requests": {"cpu": "1"}}, False),  # an init container counts too
+    (({},), None, False),  # BestEffort
+])  # fmt: skip
+def test_a_guaranteed_pod_keeps_its_qos_class_with_the_sidecar(pod_resources, init, qos):
+    pod = _pod_with(*pod_resources, init=init)
+    assert builders.guaranteed(pod["spec"]) is qos
+    for spec in (NO_RESOURCES, SPEC):
+        patch = builders.build_pod_patch(pod, "fast", 1, spec, IMAGE)
+        resources = _sidecar_of_patch(patch)["resources"]
+        if qos:
+            assert resources["requests"] == resources["limits"], resources
+            assert builders.guaranteed({"containers": patch["spec"]["containers"]})  # the whole pod still is
+        else:
+            assert resources == (builders.DEFAULT_RESOURCES if spec is NO_RESOURCES else SPEC["sidecar"]["resources"])
+    limits = _sidecar_of_patch(builders.build_pod_patch(pod, "fast", 1, NO_RESOURCES, IMAGE))["resources"]["limits"]
+    assert limits == builders.DEFAULT_RESOURCES["limits"]  # the request rises to the limit, never the reverse
+
+
+def test_a_guaranteed_pods_sidecar_takes_a_given_request_as_its_limit():
+    spec = {**SPEC, "sidecar": {**SPEC["sidecar"], "resources": {"requests": {"cpu": "300m", "memory": "2Gi"}}}}
+    patch = builders.build_pod_patch(_pod_with(GUARANTEED), "fast", 1, spec, IMAGE)
+    assert _sidecar_of_patch(patch)["resources"] == {"requests": {"cpu": "300m", "memory": "2Gi"},
+                                                     "limits": {"cpu": "300m", "memory": "2Gi"}}  # fmt: skip
+    native = builders.build_pod_patch(_pod_with(GUARANTEED), "fast", 1, spec, IMAGE, native=True)
+    (sidecar,) = native["spec"]["initContainers"]
+    assert sidecar["resources"]["requests"] == sidecar["resources"]["limits"]
