@@ -217,6 +217,53 @@ def build_headless_service(name: str, namespace: str, spec: Mapping[str, Any]) -
     }  # fmt: skip
 
 
+def allow_from(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``spec.sidecar.allowFrom``; unset: every pod of the policy's own namespace."""
+    given = (spec.get("sidecar") or {}).get("allowFrom")
+    return [dict(peer) for peer in given] if given else [{"podSelector": {}}]
+
+
+def sidecar_serving_ports(pods: Iterable[Mapping[str, Any]], policy: str) -> list[int]:
+    """The ports the policy's injected sidecars listen on besides their own three: with the port take-over,
+    the pods' serving ports (each pod's own, from its sidecar container), sorted."""
+    found: set[int] = set()
+    label = policy_label(policy)
+    for pod in pods:
+        if ((pod.get("metadata") or {}).get("labels") or {}).get(POLICY_LABEL) != label:
+            continue
+        spec = pod.get("spec") or {}
+        for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+            if container.get("name") == SIDECAR_CONTAINER:
+                found |= {int(p["containerPort"]) for p in container.get("ports") or []
+                          if p.get("name") not in SIDECAR_PORT_NAMES and p.get("containerPort")}  # fmt: skip
+    return sorted(found)
+
+
+def build_network_policy(name: str, namespace: str, spec: Mapping[str, Any], serving_ports: Iterable[int] = ()) -> dict[str, Any]:
+    """The NetworkPolicy over the policy's injected pods: only ``allow_from(spec)`` reaches the sidecar's ports.
+
+    It selects the pods the webhook injected for this policy (the Service's selector) and makes them
+    isolated for ingress: what it allows is the sidecar's gRPC, HTTP and metrics ports (by their
+    container port names, which every injected pod has) and, with the port take-over, the pods'
+    serving ports (``serving_ports``), from the peers ``allow_from`` gives.  vLLM itself listens on the
+    pod's loopback under the take-over, which no peer reaches.  Other NetworkPolicies that select
+    the same pods still add what they allow (NetworkPolicies are a union); traffic from the node
+    (kubelet's probes) is always allowed.
+    """
+    ports = [{"protocol": "TCP", "port": port_name} for port_name in SIDECAR_PORT_NAMES]
+    ports += [{"protocol": "TCP", "port": int(port)} for port in sorted(set(serving_ports))]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": child_name(name), "namespace": namespace, "labels": _labels(name)},
+        "spec": {
+            "podSelector": {"matchLabels": {POLICY_LABEL: policy_label(name)}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": allow_from(spec), "ports": ports}],
+        },
+    }
+
+
 def covers(current: Any, desired: Any) -> bool:
     """Whether ``current`` already holds every field ``desired`` sets, with the same value.
 

@@ -27,7 +27,8 @@ from typing import Any
 from .builders import POLICY_LABEL, selector_matches
 from .crd import GROUP
 
-KINDS = ("Pod", "ConfigMap", "Service", "BatchingPolicy")
+API_VERSIONS = {"NetworkPolicy": "networking.k8s.io/v1"}  # list items carry none; the builders' objects do
+KINDS = ("Pod", "ConfigMap", "Service", "NetworkPolicy", "BatchingPolicy")
 
 
 def pod_entry(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def child_entry(body: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """A ConfigMap or Service as ``covers`` compares it with what the builders say (no managed fields)."""
     meta = body.get("metadata") or {}
     kept = {k: meta[k] for k in ("name", "namespace", "uid", "labels", "ownerReferences") if k in meta}
-    return {"apiVersion": "v1", "kind": kind, "metadata": kept, **{k: body[k] for k in ("data", "spec") if k in body}}
+    return {"apiVersion": API_VERSIONS.get(kind, "v1"), "kind": kind, "metadata": kept, **{k: body[k] for k in ("data", "spec") if k in body}}
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class Watched:
         self._drop(kind, uid)
         if event == "DELETED":
             return
-        if kind in ("ConfigMap", "Service") and POLICY_LABEL not in (body["metadata"].get("labels") or {}):
+        if kind in ("ConfigMap", "Service", "NetworkPolicy") and POLICY_LABEL not in (body["metadata"].get("labels") or {}):
             return  # not ours (the server filters by this label; a fake one may not)
         if kind == "Pod":
             entry = pod_entry(body)

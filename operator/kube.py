@@ -76,6 +76,7 @@ class KubeApi:
         self.apps = kubernetes.client.AppsV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.admission = kubernetes.client.AdmissionregistrationV1Api(client)
+        self.networking = kubernetes.client.NetworkingV1Api(client)
 
     @classmethod
     def from_environment(cls) -> KubeApi:
@@ -105,7 +106,7 @@ class KubeApi:
     # -- the policy's children -------------------------------------------------
 
     async def ensure(self, obj: Mapping[str, Any], current: Mapping[str, Any] | None) -> str:
-        """Make the ConfigMap or Service ``obj`` exist as built: ``"created"``, ``"updated"`` or ``"unchanged"``.
+        """Make the ConfigMap, Service or NetworkPolicy ``obj`` exist as built: ``"created"``, ``"updated"`` or ``"unchanged"``.
 
         ``current`` is the object as the operator's watch last saw it (None:
         not there), so nothing is read: a write is sent only when it is missing
@@ -127,6 +128,9 @@ class KubeApi:
                           self.core.read_namespaced_config_map),
             "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service,
                         self.core.read_namespaced_service),
+            "NetworkPolicy": (self.networking.create_namespaced_network_policy,
+                              self.networking.patch_namespaced_network_policy,
+                              self.networking.read_namespaced_network_policy),
         }[kind]  # fmt: skip
         if current is not None:
             try:
@@ -151,7 +155,8 @@ class KubeApi:
 
     async def delete(self, kind: str, name: str, namespace: str) -> bool:
         """Delete a child the spec no longer asks for: True if it was there (404 is success)."""
-        delete = {"Service": self.core.delete_namespaced_service}[kind]
+        delete = {"Service": self.core.delete_namespaced_service,
+                  "NetworkPolicy": self.networking.delete_namespaced_network_policy}[kind]  # fmt: skip
         try:
             await self._call(delete, name, namespace)
         except ApiException as exc:
@@ -301,6 +306,7 @@ class KubeApi:
             Informer("BatchingPolicy", self.custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL), "", on_list, on_event),
             Informer("ConfigMap", self.core.list_config_map_for_all_namespaces, (), children, on_list, on_event),
             Informer("Service", self.core.list_service_for_all_namespaces, (), children, on_list, on_event),
+            Informer("NetworkPolicy", self.networking.list_network_policy_for_all_namespaces, (), children, on_list, on_event),
         ]  # fmt: skip
 
 

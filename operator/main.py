@@ -18,10 +18,11 @@ environment the Helm chart sets:
   BINBATCH_ALLOWED_IMAGES          comma-separated images a policy's spec.sidecar.image may name (allowlist.py;
                                    unset: the sidecar image's repository)
   BINBATCH_ALLOW_REMOTE_URLS       "true": a policy's engine/metrics/predictor URLs may leave the pod's loopback
+  BINBATCH_NETWORK_POLICY          "true" (default): a NetworkPolicy per policy limits who reaches its sidecars
   BINBATCH_STATS_INTERVAL_SECONDS  how often each policy re-checks its pods and asks their sidecars (default 15)
 
 The operator watches what it reads, on every replica: the policies, every pod,
-and the ConfigMaps and Services it made (a server-side label selector), into
+and the ConfigMaps, Services and NetworkPolicies it made (a server-side label selector), into
 ``indexes.Watched``.  A policy's reconcile reads all of those from there, so an
 idle policy makes no API request; each policy's daemon re-checks it every
 interval, quietly, and writes only what differs.
@@ -89,7 +90,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     image = os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE
     memo.ctx = Context(kube=kube, sidecar_image=image, stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
                        webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""),
-                       allowlist=Allowlist.from_environment(image))  # fmt: skip
+                       allowlist=Allowlist.from_environment(image),
+                       network_policy=os.environ.get("BINBATCH_NETWORK_POLICY", "true").lower() == "true")  # fmt: skip
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
     # Pods, policies and our children, listed once and then watched on every replica (see indexes.py).
     memo.watched = watched = Watched(candidate)
@@ -229,7 +231,8 @@ def seen(watched: Watched, body: kopf.Body) -> Seen:
     """A policy's world from the watches: its pods, its children, its namespace's policies."""
     meta, spec = body["metadata"], body.get("spec") or {}
     namespace, name = meta["namespace"], meta["name"]
-    wanted = [("ConfigMap", child_name(name)), ("Service", child_name(name)), ("Service", headless_name(name))]
+    wanted = [("ConfigMap", child_name(name)), ("Service", child_name(name)), ("Service", headless_name(name)),
+              ("NetworkPolicy", child_name(name))]  # fmt: skip
     match_labels = (spec.get("selector") or {}).get("matchLabels") or {}
     return Seen(watched.pods(namespace, match_labels), watched.children(namespace, wanted), watched.policies(namespace))
 

@@ -35,6 +35,7 @@ from .builders import (
     SIDECAR_HASH_ANNOTATION,
     build_configmap,
     build_headless_service,
+    build_network_policy,
     build_pod_patch,
     build_service,
     child_name,
@@ -46,6 +47,7 @@ from .builders import (
     policy_label,
     sidecar_config,
     sidecar_hash,
+    sidecar_serving_ports,
     sidecar_settings,
     take_over_plan,
 )
@@ -66,6 +68,7 @@ class Context:
     stats_max_age: float = 7.5  # seconds an answer of a sidecar is reused (half the re-check interval)
     webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
     allowlist: Allowlist | None = None  # the install's bounds on images and URLs; None: its default (allowlist.py)
+    network_policy: bool = False  # a NetworkPolicy per policy (the chart's networkPolicy.enabled)
 
     def __post_init__(self) -> None:
         if self.allowlist is None:
@@ -138,6 +141,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
     failures: list[ApiFailure] = []
     conflicts: list[str] = []  # children whose names someone else's objects hold (never written)
     children_ready = True
+    network_policy = (body.get("status") or {}).get("networkPolicy")  # an invalid spec keeps what was in place
     if problems:
         # The old ConfigMap stays: running sidecars keep their last good config.
         old_valid = _condition(body, "Valid")
@@ -149,6 +153,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
         children = [build_configmap(name, namespace, spec), build_service(name, namespace, spec)]
         if headless_enabled(spec):
             children.append(build_headless_service(name, namespace, spec))
+        if ctx.network_policy:
+            children.append(build_network_policy(name, namespace, spec, sidecar_serving_ports(seen.pods, name)))
+        network_policy = None
         for obj in children:
             _owned(obj, body)
             what = f"{obj['kind']} {obj['metadata']['name']}"
@@ -166,9 +173,16 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
                 continue
             if done != "unchanged":
                 logger.info("%s %s", what, done)
+            if obj["kind"] == "NetworkPolicy":
+                network_policy = obj["metadata"]["name"]
         if not headless_enabled(spec):
-            await _drop_headless(ctx, body, name, namespace, seen, failures, logger)
+            await _drop_child(ctx, body, build_headless_service(name, namespace, spec), seen, failures, logger,
+                              "spec.service.headless is off")  # fmt: skip
+        if not ctx.network_policy:
+            await _drop_child(ctx, body, build_network_policy(name, namespace, spec), seen, failures, logger,
+                              "the install makes no NetworkPolicy")  # fmt: skip
     outcome = await observe(ctx, body, seen, problems, children_ready, failures, conflicts)
+    outcome.status["networkPolicy"] = network_policy
     _warn_once(body, outcome, logger)
     return outcome
 
@@ -192,19 +206,20 @@ def _owned(obj: dict[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
     return obj
 
 
-async def _drop_headless(
-    ctx: Context, body: Mapping[str, Any], name: str, namespace: str, seen: Seen, failures: list[ApiFailure], logger: Any
+async def _drop_child(
+    ctx: Context, body: Mapping[str, Any], obj: dict[str, Any], seen: Seen, failures: list[ApiFailure], logger: Any,
+    why: str,
 ) -> None:
-    """``spec.service.headless`` is off: delete the headless Service if we made it (and the watch shows it)."""
-    headless = headless_name(name)
-    current = seen.children.get(("Service", headless))
-    if current is None or not owned_by(current, _owned(build_headless_service(name, namespace, {}), body)):
+    """Delete a child the spec (or install) no longer asks for, if the watch shows it and it is the policy's own."""
+    kind, name = obj["kind"], obj["metadata"]["name"]
+    current = seen.children.get((kind, name))
+    if current is None or not owned_by(current, _owned(obj, body)):
         return  # not there, or not ours: never deleted
     try:
-        if await ctx.kube.delete("Service", headless, namespace):
-            logger.info("Service %s deleted (spec.service.headless is off)", headless)
+        if await ctx.kube.delete(kind, name, obj["metadata"]["namespace"]):
+            logger.info("%s %s deleted (%s)", kind, name, why)
     except API_ERRORS as exc:
-        failures.append(_failure(f"deleting Service {headless}", exc))
+        failures.append(_failure(f"deleting {kind} {name}", exc))
 
 
 def _condition(body: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:

@@ -605,3 +605,42 @@ async def test_a_policy_asking_for_an_image_or_url_the_install_does_not_allow_is
     assert obj(api, "configmaps", "evil-binbatch") is None and obj(api, "services", "evil-binbatch") is None
     response = await until_admitted_without_patch(operator, ca_pem)
     assert "policy evil is invalid (spec.sidecar.image" in response["warnings"][0], response
+
+
+async def test_each_policy_gets_its_own_network_policy_named_in_its_status(
+    cluster: Any, operator: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """networkPolicy.enabled (the default): only spec.sidecar.allowFrom reaches the injected pods' sidecars."""
+    api = cluster
+    allow = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]
+    await api.post(POLICIES, json=policy_doc("fast", sidecar={"grpcPort": 50051, "allowFrom": allow}))
+
+    def named() -> str | None:
+        return ((obj(api, PLURAL, "fast") or {}).get("status") or {}).get("networkPolicy")
+
+    assert await until(named, "status.networkPolicy") == "fast-binbatch"
+    policy = obj(api, "networkpolicies", "fast-binbatch")
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-fast"
+    assert policy["spec"]["podSelector"] == {"matchLabels": {POLICY_LABEL: "fast"}}
+    assert policy["spec"]["ingress"][0]["from"] == allow
+    # A change of allowFrom follows; written once, not again on every re-check.
+    await api.patch(f"{POLICIES}/fast", json={"spec": {"sidecar": {"allowFrom": [{"podSelector": {}}]}},
+                                              "metadata": {"generation": 2}})  # fmt: skip
+
+    def followed() -> bool:
+        current = obj(api, "networkpolicies", "fast-binbatch") or {}
+        return current.get("spec", {}).get("ingress", [{}])[0].get("from") == [{"podSelector": {}}]
+
+    await until(followed, "the NetworkPolicy to follow allowFrom")
+    patches = len(api["patch", kmock.resource("networking.k8s.io/v1/networkpolicies")])
+    checks = binbatch_operator.main.reconcile_once
+    seen_checks = 0
+
+    async def counted(*args: Any) -> Any:
+        nonlocal seen_checks
+        seen_checks += 1
+        return await checks(*args)
+
+    monkeypatch.setattr(binbatch_operator.main, "reconcile_once", counted)
+    await until(lambda: seen_checks >= 3, "three more re-checks")
+    assert len(api["patch", kmock.resource("networking.k8s.io/v1/networkpolicies")]) == patches

@@ -383,6 +383,7 @@ EXPECTED_RULES = {
     ("binbatch.io", "batchingpolicies/finalizers", ("update",), ()),
     ("", "configmaps", ("create", "get", "list", "patch", "watch"), ()),
     ("", "services", ("create", "delete", "get", "list", "patch", "watch"), ()),
+    ("networking.k8s.io", "networkpolicies", ("create", "delete", "get", "list", "patch", "watch"), ()),
     ("", "pods", ("get", "list", "watch"), ()),
     ("", "events", ("create",), ()),
     ("events.k8s.io", "events", ("create",), ()),
@@ -429,6 +430,16 @@ def test_rbac_grants_exactly_what_the_operator_needs():
     read_only = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get",), (RELEASE,))}
     assert _grants(one(cert_manager, "ClusterRole")) == EXPECTED_RULES - CA_PATCH_RULES | read_only
     assert [o["metadata"]["name"] for o in cert_manager if o["kind"] in ("Role", "RoleBinding")] == [f"{RELEASE}-leader"] * 2
+
+
+def test_network_policies_are_granted_only_as_far_as_the_install_makes_them():
+    """networkPolicy.enabled false: the operator only finds and deletes the ones it made earlier."""
+    no_policies = {"networkPolicy": {"enabled": False}}
+    written = {r for r in EXPECTED_RULES if r[1] == "networkpolicies"}
+    cleanup = {("networking.k8s.io", "networkpolicies", ("delete", "list", "watch"), ())}
+    assert _grants(one(objects(no_policies), "ClusterRole")) == EXPECTED_RULES - written | cleanup
+    assert env(operator_container())["BINBATCH_NETWORK_POLICY"] == "true"
+    assert env(operator_container(no_policies))["BINBATCH_NETWORK_POLICY"] == "false"
 
 
 def test_the_roles_for_the_certificate_secret_and_the_lease_are_bound_in_the_release_namespace():
@@ -547,6 +558,7 @@ def test_operator_command_and_environment():
         "BINBATCH_SIDECAR_NATIVE": "false",
         "BINBATCH_ALLOWED_IMAGES": "ghcr.io/binbatch/binbatch",
         "BINBATCH_ALLOW_REMOTE_URLS": "false",
+        "BINBATCH_NETWORK_POLICY": "true",
         "BINBATCH_WEBHOOK_SERVICE": service,
         "BINBATCH_WEBHOOK_ADDRESS": "0.0.0.0",
         "BINBATCH_WEBHOOK_PORT": "9443",

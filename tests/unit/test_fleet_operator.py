@@ -64,7 +64,7 @@ def test_the_store_finds_a_policys_pods_children_and_neighbours_and_follows_even
 async def test_the_store_is_synced_once_every_kind_was_listed():
     watched = Watched(candidate)
     waiting = asyncio.ensure_future(watched.synced())
-    for kind in ("Pod", "ConfigMap", "Service"):
+    for kind in ("Pod", "ConfigMap", "Service", "NetworkPolicy"):
         watched.replace(kind, [])
         await asyncio.sleep(0)  # ok-sleep: one turn of the loop, no wait
         assert not waiting.done()

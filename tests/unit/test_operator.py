@@ -843,3 +843,66 @@ def test_a_guaranteed_pods_sidecar_takes_a_given_request_as_its_limit():
     native = builders.build_pod_patch(_pod_with(GUARANTEED), "fast", 1, spec, IMAGE, native=True)
     (sidecar,) = native["spec"]["initContainers"]
     assert sidecar["resources"]["requests"] == sidecar["resources"]["limits"]
+
+
+# -- the NetworkPolicy per policy --------------------------------------------------------
+
+ALLOW = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}},
+         {"podSelector": {"matchExpressions": [{"key": "role", "operator": "In", "values": ["client"]}]}},
+         {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}}]  # fmt: skip
+
+
+def test_the_network_policy_admits_only_the_named_peers_to_the_sidecars_ports():
+    import kubernetes_validate
+
+    default = builders.build_network_policy("fast", "llm", SPEC)
+    kubernetes_validate.validate(default, "1.30", strict=True)
+    assert default["metadata"]["name"] == "fast-binbatch" and default["metadata"]["labels"][builders.POLICY_LABEL] == "fast"
+    assert default["spec"]["podSelector"] == {"matchLabels": {builders.POLICY_LABEL: "fast"}}  # the injected pods only
+    assert default["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = default["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {}}]  # unset allowFrom: the pods of the policy's own namespace
+    assert [p["port"] for p in rule["ports"]] == ["bb-grpc", "bb-http", "bb-metrics"]
+    spec = {**SPEC, "sidecar": {**SPEC["sidecar"], "allowFrom": ALLOW}}
+    named = builders.build_network_policy("fast", "llm", spec, [8000, 8000, 7000])
+    kubernetes_validate.validate(named, "1.30", strict=True)
+    (rule,) = named["spec"]["ingress"]
+    assert rule["from"] == ALLOW and [p["port"] for p in rule["ports"]] == ["bb-grpc", "bb-http", "bb-metrics", 7000, 8000]
+    # The ports it names are the ones the injected container declares.
+    declared = {p["name"] for p in builders.sidecar_container(SPEC, IMAGE)["ports"]}
+    assert {"bb-grpc", "bb-http", "bb-metrics"} <= declared
+
+
+def test_the_serving_ports_come_from_the_sidecars_the_policy_injected():
+    from binbatch_operator.indexes import pod_entry
+
+    take_over = {**SPEC, "sidecar": {**SPEC["sidecar"], "takeOverServingPort": {"enabled": True}}}
+    pod = vllm_pod()
+    pod["spec"]["containers"][0] |= {"ports": [{"name": "http", "containerPort": 8000}],
+                                     "args": ["--model", "m", "--port", "8000"]}  # fmt: skip
+    pod["metadata"]["name"] = "vllm-1"
+    patch = builders.build_pod_patch(pod, "fast", 1, take_over, IMAGE)
+    injected = pod_entry({"metadata": {**pod["metadata"], **patch["metadata"], "labels": {"app": "vllm", **patch["metadata"]["labels"]}},
+                          "spec": {**pod["spec"], **patch["spec"]}})  # fmt: skip
+    other = pod_entry({**injected, "metadata": {**injected["metadata"], "labels": {"app": "vllm", builders.POLICY_LABEL: "slow"}}})
+    assert builders.sidecar_serving_ports([injected, other], "fast") == [8000]
+    assert builders.sidecar_serving_ports([other], "fast") == []
+
+
+async def test_reconcile_keeps_the_network_policy_and_names_it_in_status():
+    kube = FakeKube()
+    ctx, log = Context(kube=kube, sidecar_image=IMAGE, network_policy=True), logging.getLogger("t")
+    outcome = await reconcile(ctx, policy_body(), Seen(), log)
+    made = kube.children[("NetworkPolicy", "fast-binbatch")]
+    assert made["metadata"]["ownerReferences"][0]["uid"] == "u1"  # garbage-collected with the policy
+    assert outcome.status["networkPolicy"] == "fast-binbatch"
+    # The install turns them off: the one the policy owns goes, and status no longer names one.
+    ctx.network_policy = False
+    outcome = await reconcile(ctx, policy_body(status=outcome.status), Seen(children=dict(kube.children)), log)
+    assert ("delete", "NetworkPolicy") in kube.calls and ("NetworkPolicy", "fast-binbatch") not in kube.children
+    assert outcome.status["networkPolicy"] is None
+    # One the policy does not own is never deleted.
+    theirs = {**made, "metadata": {**made["metadata"], "ownerReferences": [{"kind": "Team", "uid": "t"}]}}
+    kube.calls.clear()
+    await reconcile(ctx, policy_body(), Seen(children={("NetworkPolicy", "fast-binbatch"): theirs}), log)
+    assert ("delete", "NetworkPolicy") not in kube.calls
