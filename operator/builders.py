@@ -239,14 +239,18 @@ def sidecar_serving_ports(pods: Iterable[Mapping[str, Any]], policy: str) -> lis
     return sorted(found)
 
 
-def build_network_policy(name: str, namespace: str, spec: Mapping[str, Any], serving_ports: Iterable[int] = ()) -> dict[str, Any]:
+def build_network_policy(
+    name: str, namespace: str, spec: Mapping[str, Any], serving_ports: Iterable[int] = (),
+    metrics_from: Iterable[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
     """The NetworkPolicy over the policy's injected pods: only ``allow_from(spec)`` reaches the sidecar's ports.
 
     It selects the pods the webhook injected for this policy (the Service's selector) and makes them
     isolated for ingress: what it allows is the sidecar's gRPC, HTTP and metrics ports (by their
     container port names, which every injected pod has) and, with the port take-over, the pods'
     serving ports (``serving_ports``), from the peers ``allow_from`` gives.  vLLM itself listens on the
-    pod's loopback under the take-over, which no peer reaches.  Other NetworkPolicies that select
+    pod's loopback under the take-over, which no peer reaches.  ``metrics_from`` (the install's
+    ``networkPolicy.metricsFrom``: its Prometheus) reaches the metrics port only.  Other NetworkPolicies that select
     the same pods still add what they allow (NetworkPolicies are a union); traffic from the node
     (kubelet's probes) is always allowed.
     """
@@ -259,9 +263,12 @@ def build_network_policy(name: str, namespace: str, spec: Mapping[str, Any], ser
         "spec": {
             "podSelector": {"matchLabels": {POLICY_LABEL: policy_label(name)}},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": allow_from(spec), "ports": ports}],
+            "ingress": [{"from": allow_from(spec), "ports": ports}] + ([{
+                "from": [dict(peer) for peer in metrics_from],
+                "ports": [{"protocol": "TCP", "port": METRICS_PORT_NAME}],
+            }] if metrics_from else []),
         },
-    }
+    }  # fmt: skip
 
 
 def covers(current: Any, desired: Any) -> bool:

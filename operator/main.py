@@ -19,6 +19,7 @@ environment the Helm chart sets:
                                    unset: the sidecar image's repository)
   BINBATCH_ALLOW_REMOTE_URLS       "true": a policy's engine/metrics/predictor URLs may leave the pod's loopback
   BINBATCH_NETWORK_POLICY          "true" (default): a NetworkPolicy per policy limits who reaches its sidecars
+  BINBATCH_NETWORK_POLICY_METRICS_FROM  JSON list of NetworkPolicyPeers that may also reach the metrics port (Prometheus)
   BINBATCH_STATS_INTERVAL_SECONDS  how often each policy re-checks its pods and asks their sidecars (default 15)
 
 The operator watches what it reads, on every replica: the policies, every pod,
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import os
 import shutil
 import random
@@ -56,6 +58,7 @@ from .allowlist import Allowlist
 from .builders import POLICY_LABEL, as_native_sidecar, child_name, headless_name, policy_label
 from .crd import GROUP, PLURAL, VERSION
 from .indexes import Seen, Watched
+from .k8s_rules import allow_from_problems
 from .kube import KubeApi
 from .leadership import LeaseElector, gate_entry, holder_priority
 from .reconcile import Context, Outcome, admit, candidate, cleanup, deleting, reconcile
@@ -91,7 +94,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     memo.ctx = Context(kube=kube, sidecar_image=image, stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
                        webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""),
                        allowlist=Allowlist.from_environment(image),
-                       network_policy=os.environ.get("BINBATCH_NETWORK_POLICY", "true").lower() == "true")  # fmt: skip
+                       network_policy=os.environ.get("BINBATCH_NETWORK_POLICY", "true").lower() == "true",
+                       metrics_from=metrics_peers(os.environ.get("BINBATCH_NETWORK_POLICY_METRICS_FROM", "")))  # fmt: skip
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
     # Pods, policies and our children, listed once and then watched on every replica (see indexes.py).
     memo.watched = watched = Watched(candidate)
@@ -104,6 +108,23 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
         return
     settings.admission.server = await webhook_server(kube, service, logger)
     settings.admission.managed = None  # the install owns the configuration (service-based)
+
+
+def metrics_peers(text: str) -> list[dict[str, Any]]:
+    """``BINBATCH_NETWORK_POLICY_METRICS_FROM``: a JSON list of NetworkPolicyPeers (the chart's
+    networkPolicy.metricsFrom), checked as a policy's allowFrom is; a bad one stops the start, named."""
+    if not text.strip():
+        return []
+    try:
+        peers = json.loads(text)
+    except ValueError as exc:
+        raise kopf.PermanentError(f"networkPolicy.metricsFrom (BINBATCH_NETWORK_POLICY_METRICS_FROM) is not JSON: {exc}") from None
+    if peers == []:
+        return []
+    problems = allow_from_problems(peers, "networkPolicy.metricsFrom")
+    if problems:
+        raise kopf.PermanentError("; ".join(f"{path}: {message}" for path, message in problems))
+    return [dict(p) for p in peers]
 
 
 def follower_priority() -> int:

@@ -69,6 +69,7 @@ class Context:
     webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
     allowlist: Allowlist | None = None  # the install's bounds on images and URLs; None: its default (allowlist.py)
     network_policy: bool = False  # a NetworkPolicy per policy (the chart's networkPolicy.enabled)
+    metrics_from: list[dict[str, Any]] = field(default_factory=list)  # peers reaching the metrics port (its metricsFrom)
 
     def __post_init__(self) -> None:
         if self.allowlist is None:
@@ -154,7 +155,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
         if headless_enabled(spec):
             children.append(build_headless_service(name, namespace, spec))
         if ctx.network_policy:
-            children.append(build_network_policy(name, namespace, spec, sidecar_serving_ports(seen.pods, name)))
+            children.append(build_network_policy(name, namespace, spec, sidecar_serving_ports(seen.pods, name),
+                                                 ctx.metrics_from))  # fmt: skip
         network_policy = None
         for obj in children:
             _owned(obj, body)

@@ -442,6 +442,28 @@ def test_network_policies_are_granted_only_as_far_as_the_install_makes_them():
     assert env(operator_container(no_policies))["BINBATCH_NETWORK_POLICY"] == "false"
 
 
+def test_the_metrics_peers_reach_the_operator_as_json_it_checks():
+    """networkPolicy.metricsFrom -> BINBATCH_NETWORK_POLICY_METRICS_FROM -> the NetworkPolicy's metrics rule."""
+    import kopf
+
+    from binbatch_operator.builders import build_network_policy
+    from binbatch_operator.main import metrics_peers
+
+    prometheus = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    variables = env(operator_container({"networkPolicy": {"metricsFrom": prometheus}}))
+    peers = metrics_peers(variables["BINBATCH_NETWORK_POLICY_METRICS_FROM"])
+    assert peers == prometheus
+    rules = build_network_policy("fast", "llm", {}, metrics_from=peers)["spec"]["ingress"]
+    assert rules[1] == {"from": prometheus, "ports": [{"protocol": "TCP", "port": "bb-metrics"}]}
+    assert metrics_peers(env(operator_container())["BINBATCH_NETWORK_POLICY_METRICS_FROM"]) == []
+    with pytest.raises(kopf.PermanentError, match=r"networkPolicy\.metricsFrom\[0\]\.ipBlock\.cidr"):
+        metrics_peers('[{"ipBlock": {"cidr": "300.0.0.0/8"}}]')
+    with pytest.raises(kopf.PermanentError, match="is not JSON"):
+        metrics_peers("[{")
+    with pytest.raises(helm.HelmValuesError, match="metricsFrom"):
+        rendered({"networkPolicy": {"metricsFrom": [{"namespaceSelecter": {}}]}})
+
+
 def test_the_roles_for_the_certificate_secret_and_the_lease_are_bound_in_the_release_namespace():
     objs = objects()
     for name in (RELEASE, f"{RELEASE}-leader"):
@@ -559,6 +581,7 @@ def test_operator_command_and_environment():
         "BINBATCH_ALLOWED_IMAGES": "ghcr.io/binbatch/binbatch",
         "BINBATCH_ALLOW_REMOTE_URLS": "false",
         "BINBATCH_NETWORK_POLICY": "true",
+        "BINBATCH_NETWORK_POLICY_METRICS_FROM": "[]",
         "BINBATCH_WEBHOOK_SERVICE": service,
         "BINBATCH_WEBHOOK_ADDRESS": "0.0.0.0",
         "BINBATCH_WEBHOOK_PORT": "9443",

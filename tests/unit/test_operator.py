@@ -895,6 +895,12 @@ async def test_reconcile_keeps_the_network_policy_and_names_it_in_status():
     outcome = await reconcile(ctx, policy_body(), Seen(), log)
     made = kube.children[("NetworkPolicy", "fast-binbatch")]
     assert made["metadata"]["ownerReferences"][0]["uid"] == "u1"  # garbage-collected with the policy
+    assert len(made["spec"]["ingress"]) == 1  # no metricsFrom: allowFrom only
+    prometheus = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    scraped = Context(kube=FakeKube(), sidecar_image=IMAGE, network_policy=True, metrics_from=prometheus)
+    await reconcile(scraped, policy_body(), Seen(), log)
+    rules = scraped.kube.children[("NetworkPolicy", "fast-binbatch")]["spec"]["ingress"]
+    assert rules[1] == {"from": prometheus, "ports": [{"protocol": "TCP", "port": "bb-metrics"}]}
     assert outcome.status["networkPolicy"] == "fast-binbatch"
     # The install turns them off: the one the policy owns goes, and status no longer names one.
     ctx.network_policy = False
