@@ -58,7 +58,7 @@ def api_error_message(exc: ApiException) -> str:
 
 
 class ChildConflict(Exception):
-    """A ConfigMap or Service with a child's name exists and is not the policy's own: left untouched."""
+    """A ConfigMap, Service or NetworkPolicy with a child's name exists and is not the policy's own: left untouched."""
 
     def __init__(self, desired: Mapping[str, Any], found: Mapping[str, Any] | None = None) -> None:
         meta = desired["metadata"]
