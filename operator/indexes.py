@@ -75,8 +75,11 @@ class Watched:
     watch event.  Policies are stored as ``candidate()`` makes them (given).
     """
 
-    def __init__(self, candidate: Any) -> None:
+    def __init__(self, candidate: Any, namespaces: Iterable[str] = ()) -> None:
         self._candidate = candidate
+        # A namespaced operator lists each kind once per namespace; a kind is synced once all were listed.
+        self._scopes: tuple[str | None, ...] = tuple(namespaces) or (None,)
+        self._scopes_listed: dict[str, set[str | None]] = {kind: set() for kind in KINDS}
         self._entries: dict[str, dict[str, dict[str, Any]]] = {kind: {} for kind in KINDS}  # kind → uid → entry
         self._by: dict[str, dict[Any, dict[str, dict[str, Any]]]] = {kind: {} for kind in KINDS}  # kind → key → uid → entry
         self._listed = {kind: asyncio.Event() for kind in KINDS}
@@ -86,12 +89,16 @@ class Watched:
         for kind in kinds:
             await self._listed[kind].wait()
 
-    def replace(self, kind: str, bodies: Iterable[Mapping[str, Any]]) -> None:
-        for uid in list(self._entries[kind]):
-            self._drop(kind, uid)
+    def replace(self, kind: str, bodies: Iterable[Mapping[str, Any]], namespace: str | None = None) -> None:
+        """A kind's full list: across the cluster, or (``namespace``) the full list of one namespace."""
+        for uid, entry in list(self._entries[kind].items()):
+            if namespace is None or _namespace(kind, entry) == namespace:
+                self._drop(kind, uid)
         for body in bodies:
             self.apply(kind, "ADDED", body)
-        self._listed[kind].set()
+        self._scopes_listed[kind].add(namespace)
+        if self._scopes_listed[kind] >= set(self._scopes):
+            self._listed[kind].set()
 
     def apply(self, kind: str, event: str, body: Mapping[str, Any]) -> None:
         uid = body["metadata"]["uid"]
@@ -135,6 +142,10 @@ class Watched:
     def policies(self, namespace: str) -> list[dict[str, Any]]:
         """The namespace's policies (``candidate()``), those being deleted left out."""
         return [p for p in self._by["BatchingPolicy"].get(namespace, {}).values() if not p.get("deletionTimestamp")]
+
+
+def _namespace(kind: str, entry: Mapping[str, Any]) -> str | None:
+    return entry.get("namespace") if kind == "BatchingPolicy" else (entry.get("metadata") or {}).get("namespace")
 
 
 def _keys(kind: str, entry: Mapping[str, Any]) -> list[Any]:

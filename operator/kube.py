@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import kubernetes
@@ -269,7 +269,7 @@ class KubeApi:
 
     # -- leadership (several replicas) ---------------------------------------------
 
-    async def ensure_cluster_peering(self, name: str, gate: Mapping[str, Any]) -> bool:
+    async def ensure_cluster_peering(self, name: str, gate: Mapping[str, Any], namespaces: Sequence[str] = ()) -> bool:
         """Create the ClusterKopfPeering ``name`` unless it exists, and set its entry ``LEASE_GATE``
         to ``gate`` (see leadership.py); True if this call made the object.
 
@@ -278,7 +278,12 @@ class KubeApi:
         a fresh cluster (the CRD is not served yet), so the operator makes it.
         Writing the entry is also what makes every replica's kopf look at the
         peering again (a watch event), e.g. once a new holder's priority is up.
+        A namespaced operator (``namespaces``: kopf ``--namespace`` each) peers
+        through a KopfPeering of that name in each of them instead.
         """
+        if namespaces:
+            made = [await self._ensure_namespaced_peering(name, gate, ns) for ns in namespaces]
+            return any(made)
         body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
         created = True
         try:
@@ -292,15 +297,39 @@ class KubeApi:
                          {"status": {LEASE_GATE: dict(gate)}}, _content_type=MERGE_PATCH)  # fmt: skip
         return created
 
+    async def _ensure_namespaced_peering(self, name: str, gate: Mapping[str, Any], namespace: str) -> bool:
+        body = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name, "namespace": namespace}}
+        created = True
+        try:
+            await self._call(self.custom.create_namespaced_custom_object, "kopf.dev", "v1", namespace, "kopfpeerings", body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            created = False
+        await self._call(self.custom.patch_namespaced_custom_object, "kopf.dev", "v1", namespace, "kopfpeerings", name,
+                         {"status": {LEASE_GATE: dict(gate)}}, _content_type=MERGE_PATCH)  # fmt: skip
+        return created
+
     def leases(self) -> kubernetes.client.CoordinationV1Api:
         """The Lease API on a client of its own (its own connections), for the elector's thread."""
         return kubernetes.client.CoordinationV1Api(kubernetes.client.ApiClient(self.client.configuration))
 
     # -- watches -------------------------------------------------------------------
 
-    def informers(self, on_list: Callable[[str, list[Any]], None], on_event: Callable[[str, str, Any], None],
-                  children: str) -> list[Informer]:  # fmt: skip
-        """One informer per kind the operator reads: pods, policies, and its children (label selector ``children``)."""
+    def informers(self, on_list: Callable[[str, list[Any], str | None], None], on_event: Callable[[str, str, Any], None],
+                  children: str, namespaces: Sequence[str] = ()) -> list[Informer]:  # fmt: skip
+        """One informer per kind the operator reads: pods, policies, and its children (label selector ``children``);
+        with ``namespaces`` (a namespaced install, whose RBAC holds only there), one per kind and namespace."""
+        if namespaces:
+            return [informer for ns in namespaces for informer in (
+                Informer("Pod", self.core.list_namespaced_pod, (ns,), "", on_list, on_event, ns),
+                Informer("BatchingPolicy", self.custom.list_namespaced_custom_object, (GROUP, VERSION, ns, PLURAL), "",
+                         on_list, on_event, ns),
+                Informer("ConfigMap", self.core.list_namespaced_config_map, (ns,), children, on_list, on_event, ns),
+                Informer("Service", self.core.list_namespaced_service, (ns,), children, on_list, on_event, ns),
+                Informer("NetworkPolicy", self.networking.list_namespaced_network_policy, (ns,), children, on_list,
+                         on_event, ns),
+            )]  # fmt: skip
         return [
             Informer("Pod", self.core.list_pod_for_all_namespaces, (), "", on_list, on_event),
             Informer("BatchingPolicy", self.custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL), "", on_list, on_event),
@@ -312,9 +341,9 @@ class KubeApi:
 
 
 class Informer:
-    """List one kind across all namespaces, then watch it, in a thread of its own.
+    """List one kind across all namespaces (or in ``namespace``), then watch it, in a thread of its own.
 
-    The list goes to ``on_list(kind, items)`` and each change to
+    The list goes to ``on_list(kind, items, namespace)`` and each change to
     ``on_event(kind, type, object)``, both called in the event loop that
     ``start`` ran in.  A watch that times out resumes from the last
     resourceVersion it saw; one that breaks (410 Gone, an error) lists again,
@@ -327,9 +356,11 @@ class Informer:
 
     def __init__(
         self, kind: str, list_fn: Any, args: tuple[str, ...], label_selector: str,
-        on_list: Callable[[str, list[Any]], None], on_event: Callable[[str, str, Any], None],
+        on_list: Callable[[str, list[Any], str | None], None], on_event: Callable[[str, str, Any], None],
+        namespace: str | None = None,
     ) -> None:  # fmt: skip
         self.kind, self._list_fn, self._args, self._selector = kind, list_fn, args, label_selector
+        self.namespace = namespace  # None: every namespace
         self._on_list, self._on_event = on_list, on_event
         self._stopped = threading.Event()
         self._log = logging.getLogger(__name__)
@@ -356,7 +387,7 @@ class Informer:
         while not self._stopped.is_set():
             try:
                 items, version = self._list()
-                loop.call_soon_threadsafe(self._on_list, self.kind, items)
+                loop.call_soon_threadsafe(self._on_list, self.kind, items, self.namespace)
                 while not self._stopped.is_set():
                     stream = kubernetes.watch.Watch().stream(
                         self._list_fn, *self._args, label_selector=self._selector, resource_version=version,

@@ -20,6 +20,7 @@ environment the Helm chart sets:
   BINBATCH_ALLOW_REMOTE_URLS       "true": a policy's engine/metrics/predictor URLs may leave the pod's loopback
   BINBATCH_NETWORK_POLICY          "true" (default): a NetworkPolicy per policy limits who reaches its sidecars
   BINBATCH_NETWORK_POLICY_METRICS_FROM  JSON list of NetworkPolicyPeers that may also reach the metrics port (Prometheus)
+  BINBATCH_WATCH_NAMESPACES        comma-separated: a namespaced install (kopf --namespace each); unset: every namespace
   BINBATCH_STATS_INTERVAL_SECONDS  how often each policy re-checks its pods and asks their sidecars (default 15)
 
 The operator watches what it reads, on every replica: the policies, every pod,
@@ -84,11 +85,12 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     settings.posting.loggers = True  # handlers' log warnings/errors become Events (`kubectl describe bp`)
 
     kube = KubeApi.from_environment()
+    memo.namespaces = namespaces = watch_namespaces()
     if not settings.peering.standalone:
         settings.peering.priority = follower_priority()
-        if await kube.ensure_cluster_peering(settings.peering.name, gate_entry()):
-            logger.info("created ClusterKopfPeering %s", settings.peering.name)
-        memo.elector = elector(kube, settings, logger)
+        if await kube.ensure_cluster_peering(settings.peering.name, gate_entry(), *([namespaces] if namespaces else [])):
+            logger.info("created the kopf peering object %s", settings.peering.name)
+        memo.elector = elector(kube, settings, logger, namespaces)
         memo.elector.start()
     image = os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE
     memo.ctx = Context(kube=kube, sidecar_image=image, stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
@@ -98,8 +100,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
                        metrics_from=metrics_peers(os.environ.get("BINBATCH_NETWORK_POLICY_METRICS_FROM", "")))  # fmt: skip
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
     # Pods, policies and our children, listed once and then watched on every replica (see indexes.py).
-    memo.watched = watched = Watched(candidate)
-    memo.informers = kube.informers(watched.replace, watched.apply, children=POLICY_LABEL)
+    memo.watched = watched = Watched(candidate, namespaces)
+    memo.informers = kube.informers(watched.replace, watched.apply, children=POLICY_LABEL,
+                                    **({"namespaces": namespaces} if namespaces else {}))  # fmt: skip
     for informer in memo.informers:
         informer.start(asyncio.get_running_loop())
     service = os.environ.get("BINBATCH_WEBHOOK_SERVICE")
@@ -136,14 +139,21 @@ def follower_priority() -> int:
     return -(time.time_ns() // 1000)
 
 
-def elector(kube: KubeApi, settings: kopf.OperatorSettings, logger: Any) -> LeaseElector:
+def watch_namespaces() -> list[str]:
+    """BINBATCH_WATCH_NAMESPACES: the namespaces of a namespaced install (kopf runs with ``--namespace`` each;
+    the chart's watchNamespaces); empty: every namespace (``--all-namespaces``)."""
+    return [n.strip() for n in os.environ.get("BINBATCH_WATCH_NAMESPACES", "").split(",") if n.strip()]
+
+
+def elector(kube: KubeApi, settings: kopf.OperatorSettings, logger: Any, namespaces: list[str] | None = None) -> LeaseElector:
     """This replica's candidacy for the Lease named like the peering, in POD_NAMESPACE (see leadership.py)."""
     loop, name = asyncio.get_running_loop(), settings.peering.name
+    scoped = [namespaces] if namespaces else []
 
     def on_leading(transitions: int) -> None:
         # kopf reads its priority at each peering event; the gate's write makes one on every replica.
         settings.peering.priority = holder_priority(transitions)
-        asyncio.run_coroutine_threadsafe(kube.ensure_cluster_peering(name, gate_entry()), loop)
+        asyncio.run_coroutine_threadsafe(kube.ensure_cluster_peering(name, gate_entry(), *scoped), loop)
 
     def on_lost(reason: str) -> None:
         # Stop at once, whatever the event loop is doing: a follower may take the Lease soon.

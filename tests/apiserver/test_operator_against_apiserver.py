@@ -172,7 +172,8 @@ def operator_command(deployment: dict[str, Any], health_port: int) -> list[str]:
     """The Deployment's container command, run by this interpreter; liveness on loopback."""
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     kopf, *args = container["command"]
-    assert kopf == "kopf" and args[:4] == ["run", "-m", "binbatch_operator.main", "--all-namespaces"], args
+    assert kopf == "kopf" and args[:3] == ["run", "-m", "binbatch_operator.main"], args
+    assert args[3] == "--all-namespaces" or args[3].startswith("--namespace="), args  # watchNamespaces: namespaced
     liveness = [i for i, a in enumerate(args) if a.startswith("--liveness=")]
     assert len(liveness) == 1, args
     args[liveness[0]] = f"--liveness=http://127.0.0.1:{health_port}/healthz"

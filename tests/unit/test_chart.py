@@ -35,6 +35,7 @@ CHART = ROOT / "charts" / "binbatch"
 CRD_SOURCE = ROOT / "manifests" / "crd" / "batchingpolicies.binbatch.io.yaml"
 CRD_COPY = CHART / "crds" / "batchingpolicies.binbatch.io.yaml"
 PEERING_CRD = CHART / "crds" / "clusterkopfpeerings.kopf.dev.yaml"
+NAMESPACED_PEERING_CRD = CHART / "crds" / "kopfpeerings.kopf.dev.yaml"
 INSTALL = ROOT / "manifests" / "install" / "binbatch.yaml"
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
 RELEASE, NAMESPACE = "binbatch", "binbatch-system"
@@ -61,7 +62,7 @@ HPA = {"autoscaling": {"target": {"name": "vllm", "kind": "StatefulSet"}, "hpa":
 VALUE_SETS = {
     "defaults": None, "monitoring": MONITORING, "custom-tag": CUSTOM_TAG, "single": SINGLE,
     "cert-manager": CERT_MANAGER, "cert-manager-issuer": CERT_MANAGER_ISSUER, "scoped": SCOPED,
-    "keda": KEDA, "hpa": HPA,
+    "keda": KEDA, "hpa": HPA, "namespaced": {"watchNamespaces": ["llm", "team-b"]},
 }  # fmt: skip
 
 NAMESPACED = {"ServiceAccount", "Service", "Deployment", "ConfigMap", "ServiceMonitor", "Role", "RoleBinding",
@@ -259,14 +260,16 @@ def test_every_rendered_object_is_valid_against_the_kubernetes_schemas(values):
     for obj in objs:
         validate_kubernetes(obj)
         if obj["kind"] in NAMESPACED:
-            assert obj["metadata"]["namespace"] == NAMESPACE, f"{obj['kind']} must name its namespace for kubectl apply"
+            served = (NAMESPACE, *((values or {}).get("watchNamespaces") or ()))
+            assert obj["metadata"]["namespace"] in served, f"{obj['kind']} must name its namespace for kubectl apply"
 
 
 def test_crd_in_the_chart_is_a_byte_copy_of_the_manifests_source():
     assert CRD_COPY.read_bytes() == CRD_SOURCE.read_bytes(), "cp manifests/crd/*.yaml charts/binbatch/crds/"
     crds = {c["filename"]: c["data"] for c in _chart().crds}
     names = {Path(name).name: data for name, data in crds.items()}
-    assert sorted(names) == ["batchingpolicies.binbatch.io.yaml", "clusterkopfpeerings.kopf.dev.yaml"]
+    assert sorted(names) == ["batchingpolicies.binbatch.io.yaml", "clusterkopfpeerings.kopf.dev.yaml",
+                             "kopfpeerings.kopf.dev.yaml"]  # fmt: skip
     assert names["batchingpolicies.binbatch.io.yaml"].encode() == CRD_SOURCE.read_bytes()
 
 
@@ -278,6 +281,11 @@ def test_crds_are_valid_kubernetes_objects():
     assert (peering["spec"]["group"], peering["spec"]["names"]["plural"], peering["spec"]["scope"]) == (
         "kopf.dev", "clusterkopfpeerings", "Cluster")
     assert [v["name"] for v in peering["spec"]["versions"]] == ["v1"]
+    # ... and with --namespace (watchNamespaces): kopf.dev/v1 kopfpeerings, namespaced.
+    namespaced = yaml.safe_load(NAMESPACED_PEERING_CRD.read_text())
+    validate_kubernetes(namespaced)
+    assert (namespaced["spec"]["group"], namespaced["spec"]["names"]["plural"], namespaced["spec"]["scope"]) == (
+        "kopf.dev", "kopfpeerings", "Namespaced")
 
 
 def test_defaults_render_the_operator_with_peering_and_nothing_optional():
@@ -430,6 +438,41 @@ def test_rbac_grants_exactly_what_the_operator_needs():
     read_only = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get",), (RELEASE,))}
     assert _grants(one(cert_manager, "ClusterRole")) == EXPECTED_RULES - CA_PATCH_RULES | read_only
     assert [o["metadata"]["name"] for o in cert_manager if o["kind"] in ("Role", "RoleBinding")] == [f"{RELEASE}-leader"] * 2
+
+
+def test_a_namespaced_install_writes_only_through_roles_in_the_namespaces_it_watches():
+    """watchNamespaces: kopf --namespace for each, a Role + RoleBinding in each with what the ClusterRole held
+    for policies, and a ClusterRole with no write verb but the patch of its own webhook configuration's CA."""
+    watched = ["llm", "team-b"]
+    objs = objects({"watchNamespaces": watched})
+    container = operator_container({"watchNamespaces": watched})
+    assert "--all-namespaces" not in container["command"]
+    assert [a for a in container["command"] if a.startswith("--namespace=")] == ["--namespace=llm", "--namespace=team-b"]
+    assert env(container)["BINBATCH_WATCH_NAMESPACES"] == "llm,team-b"
+    assert "BINBATCH_WATCH_NAMESPACES" not in env(operator_container())
+    cluster_rules = _grants(one(objs, "ClusterRole"))
+    writes = {"create", "update", "patch", "delete", "deletecollection"}
+    assert {r for r in cluster_rules if writes & set(r[2])} == {
+        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get", "patch"), (RELEASE,))}
+    assert {r[1] for r in cluster_rules} == {"customresourcedefinitions", "namespaces", "mutatingwebhookconfigurations"}
+    per_namespace = EXPECTED_RULES - {r for r in EXPECTED_RULES if r[1] in (
+        "customresourcedefinitions", "namespaces", "mutatingwebhookconfigurations", "clusterkopfpeerings")}
+    peering = {("kopf.dev", "kopfpeerings", ("create", "list", "watch"), ()),
+               ("kopf.dev", "kopfpeerings", ("get", "patch"), (RELEASE,))}  # fmt: skip
+    for ns in watched:
+        role = next(o for o in objs if o["kind"] == "Role" and o["metadata"]["namespace"] == ns)
+        assert _grants(role) == per_namespace | peering, ns
+        binding = next(o for o in objs if o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == ns)
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
+    single = objects({"watchNamespaces": watched, **SINGLE})
+    assert all(r[1] != "kopfpeerings" for o in single if o["kind"] == "Role" for r in _grants(o))
+    (hook,) = one(objs, "MutatingWebhookConfiguration")["webhooks"]
+    selector = hook["namespaceSelector"]
+    assert _selects(selector, _namespace("llm", **{"binbatch.io/inject": "enabled"}))
+    assert not _selects(selector, _namespace("elsewhere", **{"binbatch.io/inject": "enabled"}))
+    with pytest.raises(helm.HelmValuesError, match="watchNamespaces"):
+        rendered({"watchNamespaces": ["Not_A_Namespace"]})
 
 
 def test_network_policies_are_granted_only_as_far_as_the_install_makes_them():
@@ -928,12 +971,13 @@ def test_install_manifest_is_the_rendered_chart():
 def test_install_manifest_creates_the_namespace_then_the_crd_then_the_operator():
     docs = [doc for doc in yaml.safe_load_all(INSTALL.read_text()) if doc]
     kinds = [d["kind"] for d in docs]
-    assert kinds[:3] == ["Namespace", "CustomResourceDefinition", "CustomResourceDefinition"]
+    assert kinds[:4] == ["Namespace", "CustomResourceDefinition", "CustomResourceDefinition", "CustomResourceDefinition"]
     assert docs[0]["metadata"]["name"] == NAMESPACE
     assert docs[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     assert docs[1] == yaml.safe_load(CRD_SOURCE.read_text())
     assert docs[2] == yaml.safe_load(PEERING_CRD.read_text())
-    assert sorted(kinds[3:]) == sorted(o["kind"] for o in objects())
+    assert docs[3] == yaml.safe_load(NAMESPACED_PEERING_CRD.read_text())
+    assert sorted(kinds[4:]) == sorted(o["kind"] for o in objects())
     assert kinds.index("MutatingWebhookConfiguration") > kinds.index("Deployment")
     for doc in docs:
         validate_kubernetes(doc)
