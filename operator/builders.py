@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
+from kubernetes.utils import parse_quantity
 
 from binbatch_sidecar.config import ConfigError, parse_config
 
@@ -66,6 +67,15 @@ HEADLESS_LABEL = f"{GROUP}/headless"  # on the headless Service: the chart's Ser
 SIDECAR_UID = 10001
 MANAGED_LABELS = {"app.kubernetes.io/name": "binbatch-sidecar", "app.kubernetes.io/managed-by": "binbatch-operator"}
 
+
+# The injected sidecar's resources unless spec.sidecar.resources says otherwise (docs/operator-security.md):
+# about 150 MiB is the process with its libraries loaded; the queue holds at most batch.maxQueuedBytes
+# (256 MiB by default) of request bodies, plus the bodies being read (server.maxRequestBytes each, 4 MiB)
+# and the predictor's training buffer (about 20 MiB): 768Mi bounds a full queue with room for the copies
+# parsing makes; 384Mi is what an ordinary queue uses.  One CPU serves the request path at the rates vLLM
+# on one pod reaches; 250m is its share when idle.
+DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "384Mi"}, "limits": {"cpu": "1", "memory": "768Mi"}}
+QOS_RESOURCES = ("cpu", "memory")  # what decides a pod's QoS class
 
 CHILD_SUFFIX = "-binbatch"
 HEADLESS_SUFFIX = "-binbatch-headless"
@@ -326,6 +336,60 @@ def build_headless_service(name: str, namespace: str, spec: Mapping[str, Any]) -
     }  # fmt: skip
 
 
+def allow_from(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``spec.sidecar.allowFrom``; unset: every pod of the policy's own namespace."""
+    given = (spec.get("sidecar") or {}).get("allowFrom")
+    return [dict(peer) for peer in given] if given else [{"podSelector": {}}]
+
+
+def sidecar_serving_ports(pods: Iterable[Mapping[str, Any]], policy: str) -> list[int]:
+    """The ports the policy's injected sidecars listen on besides their own three: with the port take-over,
+    the pods' serving ports (each pod's own, from its sidecar container), sorted."""
+    found: set[int] = set()
+    label = policy_label(policy)
+    for pod in pods:
+        if ((pod.get("metadata") or {}).get("labels") or {}).get(POLICY_LABEL) != label:
+            continue
+        spec = pod.get("spec") or {}
+        for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+            if container.get("name") == SIDECAR_CONTAINER:
+                found |= {int(p["containerPort"]) for p in container.get("ports") or []
+                          if p.get("name") not in SIDECAR_PORT_NAMES and p.get("containerPort")}  # fmt: skip
+    return sorted(found)
+
+
+def build_network_policy(
+    name: str, namespace: str, spec: Mapping[str, Any], serving_ports: Iterable[int] = (),
+    metrics_from: Iterable[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """The NetworkPolicy over the policy's injected pods: only ``allow_from(spec)`` reaches the sidecar's ports.
+
+    It selects the pods the webhook injected for this policy (the Service's selector) and makes them
+    isolated for ingress: what it allows is the sidecar's gRPC, HTTP and metrics ports (by their
+    container port names, which every injected pod has) and, with the port take-over, the pods'
+    serving ports (``serving_ports``), from the peers ``allow_from`` gives.  vLLM itself listens on the
+    pod's loopback under the take-over, which no peer reaches.  ``metrics_from`` (the install's
+    ``networkPolicy.metricsFrom``: its Prometheus) reaches the metrics port only.  Other NetworkPolicies that select
+    the same pods still add what they allow (NetworkPolicies are a union); traffic from the node
+    (kubelet's probes) is always allowed.
+    """
+    ports = [{"protocol": "TCP", "port": port_name} for port_name in SIDECAR_PORT_NAMES]
+    ports += [{"protocol": "TCP", "port": int(port)} for port in sorted(set(serving_ports))]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": child_name(name), "namespace": namespace, "labels": _labels(name)},
+        "spec": {
+            "podSelector": {"matchLabels": {POLICY_LABEL: policy_label(name)}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": allow_from(spec), "ports": ports}] + ([{
+                "from": [dict(peer) for peer in metrics_from],
+                "ports": [{"protocol": "TCP", "port": METRICS_PORT_NAME}],
+            }] if metrics_from else []),
+        },
+    }  # fmt: skip
+
+
 def covers(current: Any, desired: Any) -> bool:
     """Whether ``current`` already holds every field ``desired`` sets, with the same value.
 
@@ -341,6 +405,25 @@ def covers(current: Any, desired: Any) -> bool:
             and all(covers(c, d) for c, d in zip(current, desired, strict=True))
         )  # fmt: skip
     return bool(current == desired)
+
+
+def owned_by(current: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Whether the existing object ``current`` is the policy's own, so the operator may patch or delete it.
+
+    ``desired`` is what the builder made, owner reference included (``kopf.adopt``).  Its own: an
+    owner reference to the policy's uid; or, with no owner reference at all, both of our labels
+    (managed-by binbatch-operator and this policy's ``binbatch.io/policy``), as a child orphaned by
+    an earlier policy of the same name keeps them.  Anything else, a ConfigMap or Service someone
+    made under that name, is not ours: the operator never writes it (no confused deputy).
+    """
+    meta, want = current.get("metadata") or {}, desired.get("metadata") or {}
+    uids = {o.get("uid") for o in want.get("ownerReferences") or [] if o.get("uid")}
+    owners = meta.get("ownerReferences") or []
+    if owners:
+        return any(o.get("uid") in uids for o in owners)
+    labels, wanted = meta.get("labels") or {}, want.get("labels") or {}
+    keys = ("app.kubernetes.io/managed-by", POLICY_LABEL)
+    return all(k in wanted and labels.get(k) == wanted[k] for k in keys)
 
 
 def selector_matches(match_labels: Mapping[str, str], labels: Mapping[str, str] | None) -> bool:
@@ -399,9 +482,45 @@ def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: Ta
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
         },
     }  # fmt: skip
-    if side.get("resources"):
-        container["resources"] = dict(side["resources"])
+    given = side.get("resources")
+    source = given if given else DEFAULT_RESOURCES
+    container["resources"] = {key: dict(value) for key, value in source.items() if value is not None}
     return container
+
+
+def _quantity(value: Any) -> Any:
+    try:
+        return parse_quantity(value)
+    except (ValueError, TypeError):
+        return None
+
+
+def guaranteed(pod_spec: Mapping[str, Any]) -> bool:
+    """Whether the pod is in the Guaranteed QoS class: every container (init ones too) has cpu and memory
+    limits, and requests equal to them where it states requests (an unstated request defaults to the limit)."""
+    containers = [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]
+    if not containers:
+        return False
+    for container in containers:
+        resources = container.get("resources") or {}
+        limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+        for name in QOS_RESOURCES:
+            limit = _quantity(limits.get(name))
+            if limit is None or (name in requests and _quantity(requests[name]) != limit):
+                return False
+    return True
+
+
+def as_guaranteed(resources: Mapping[str, Any]) -> dict[str, Any]:
+    """``resources`` with cpu and memory requests equal to limits, so a Guaranteed pod stays Guaranteed.
+
+    The limit is what counts (the request rises to it); a resource with a request and no limit gets
+    the request as its limit; one with neither gets the default limit."""
+    requests, limits = dict(resources.get("requests") or {}), dict(resources.get("limits") or {})
+    for name in QOS_RESOURCES:
+        value = limits.get(name) or requests.get(name) or DEFAULT_RESOURCES["limits"][name]
+        requests[name] = limits[name] = value
+    return {**resources, "requests": requests, "limits": limits}
 
 
 def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
@@ -470,6 +589,9 @@ def build_pod_patch(
         volumes.append(model)
     drain = sidecar_settings(spec)["drainGraceSeconds"]
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
+    sidecar = sidecar_container(spec, default_image, plan)
+    if guaranteed(pod_spec):  # the sidecar must not demote a Guaranteed pod to Burstable
+        sidecar["resources"] = as_guaranteed(sidecar["resources"])
     patch: dict[str, Any] = {
         "metadata": {
             "labels": {POLICY_LABEL: policy_label(policy)},
@@ -479,7 +601,7 @@ def build_pod_patch(
             },
         },
         "spec": {
-            "containers": [*containers, sidecar_container(spec, default_image, plan)],
+            "containers": [*containers, sidecar],
             "volumes": volumes,
             "terminationGracePeriodSeconds": grace,
         },

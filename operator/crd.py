@@ -285,6 +285,52 @@ def model_schema() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def allow_from_schema() -> dict[str, Any]:
+    """``spec.sidecar.allowFrom``: who may reach the sidecars' ports, as NetworkPolicyPeers."""
+    label_selector = {
+        "type": "object",
+        "description": "A label selector: matchLabels and matchExpressions, as in a NetworkPolicy.",
+        "properties": {
+            "matchLabels": {"type": "object", "description": "Labels to match.", "maxProperties": 64,
+                            "additionalProperties": {"type": "string", "maxLength": 63}},
+            "matchExpressions": {"type": "array", "description": "Label requirements.", "maxItems": 64, "items": {
+                "type": "object", "description": "One requirement.", "required": ["key", "operator"],
+                "properties": {
+                    "key": _str("Label key.", maxLength=317),
+                    "operator": _str("In, NotIn, Exists or DoesNotExist.", enum=["In", "NotIn", "Exists", "DoesNotExist"]),
+                    "values": {"type": "array", "description": "Values (In, NotIn).", "maxItems": 64,
+                               "items": {"type": "string", "maxLength": 63}},
+                },
+            }},
+        },
+    }  # fmt: skip
+    peer = {
+        "type": "object",
+        "description": "One peer, as a NetworkPolicyPeer: pods by podSelector (in this namespace, or in the "
+                       "namespaces namespaceSelector matches), or an ipBlock.",
+        "properties": {
+            "namespaceSelector": {**label_selector, "description": "Namespaces whose pods may connect ({}: all)."},
+            "podSelector": {**label_selector, "description": "Pods that may connect ({}: all, of the namespaces meant)."},
+            "ipBlock": {"type": "object", "description": "Addresses that may connect.", "required": ["cidr"],
+                        "properties": {"cidr": _str("A CIDR, e.g. 10.0.0.0/8.", maxLength=64),
+                                       "except": {"type": "array", "description": "CIDRs left out.", "maxItems": 64,
+                                                  "items": {"type": "string", "maxLength": 64}}}},
+        },
+        "x-kubernetes-validations": [
+            {"rule": "has(self.ipBlock) ? !has(self.podSelector) && !has(self.namespaceSelector) "
+                     ": has(self.podSelector) || has(self.namespaceSelector)",
+             "message": "a peer is an ipBlock, or a podSelector and/or namespaceSelector"},
+        ],
+    }  # fmt: skip
+    return {
+        "type": "array", "minItems": 1, "maxItems": 32, "items": peer,
+        "description": "Who may reach the sidecars' ports (gRPC, HTTP, metrics and, with takeOverServingPort, the "
+                       "serving port) when the install makes a NetworkPolicy per policy (networkPolicy.enabled). "
+                       "Unset: the pods of the policy's own namespace. Add the namespace of your gateway or "
+                       "Prometheus here if it is elsewhere.",
+    }  # fmt: skip
+
+
 def resources_schema() -> dict[str, Any]:
     """``spec.sidecar.resources``: requests and limits as a Pod's container has them.
 
@@ -327,7 +373,10 @@ def resources_schema() -> dict[str, Any]:
     request, limit = "string(self.requests[k])", "string(self.limits[k])"
     return {
         "type": "object",
-        "description": "Container resources (requests and limits), as in a Pod spec.",
+        "description": "The sidecar container's resources (requests and limits), as in a Pod spec. Unset: requests "
+                       "cpu 250m and memory 384Mi, limits cpu 1 and memory 768Mi (the memory bounds a full queue). "
+                       "In a pod whose every container has requests equal to limits (Guaranteed QoS), the sidecar's "
+                       "cpu and memory requests are raised to its limits, so the pod stays Guaranteed.",
         "properties": {"requests": amounts("Requested amount"), "limits": amounts("Upper limit")},
         "x-kubernetes-validations": [
             _rule(("requests", "limits"),
@@ -406,6 +455,7 @@ def spec_schema() -> dict[str, Any]:
             **server_keys_schema(),
             "resources": resources_schema(),
             "takeOverServingPort": takeover_schema(port),
+            "allowFrom": allow_from_schema(),
         },
         "x-kubernetes-validations": [
             _rule(("grpcPort", "metricsPort"), "self.grpcPort != self.metricsPort", "grpcPort and metricsPort must differ",
@@ -479,6 +529,8 @@ def status_schema() -> dict[str, Any]:
             "batchSize": {**integer, "description": "Current target batch size (largest across pods)."},
             "bins": _str("Current bin boundaries, in output tokens.", maxLength=1024),
             "throughputRequestsPerSecond": _str("Aggregated recent throughput.", maxLength=32),
+            "networkPolicy": _str("The NetworkPolicy that limits who reaches the sidecars' ports (empty: the install "
+                                  "makes none).", maxLength=63),
             "adjustments": {"type": "array", "description": "The last adjustments (at most 20).",
                             "items": adjustment, "maxItems": 20},
         },

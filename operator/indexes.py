@@ -27,7 +27,8 @@ from typing import Any
 from .builders import POLICY_LABEL, selector_matches
 from .crd import GROUP
 
-KINDS = ("Pod", "ConfigMap", "Service", "BatchingPolicy")
+API_VERSIONS = {"NetworkPolicy": "networking.k8s.io/v1"}  # list items carry none; the builders' objects do
+KINDS = ("Pod", "ConfigMap", "Service", "NetworkPolicy", "BatchingPolicy")
 
 
 def pod_entry(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -38,7 +39,9 @@ def pod_entry(body: Mapping[str, Any]) -> dict[str, Any]:
     """
     meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
     annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k.startswith(f"{GROUP}/")}
-    groups = {group: list(spec.get(group) or []) for group in ("initContainers", "containers")}
+    groups: dict[str, Any] = {group: list(spec.get(group) or []) for group in ("initContainers", "containers")}
+    if spec.get("hostNetwork"):
+        groups["hostNetwork"] = True  # never injected (reconcile.admit); the status says so
     return {
         "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid"),
                      "labels": dict(meta.get("labels") or {}), "annotations": annotations,
@@ -52,7 +55,7 @@ def child_entry(body: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """A ConfigMap or Service as ``covers`` compares it with what the builders say (no managed fields)."""
     meta = body.get("metadata") or {}
     kept = {k: meta[k] for k in ("name", "namespace", "uid", "labels", "ownerReferences") if k in meta}
-    return {"apiVersion": "v1", "kind": kind, "metadata": kept, **{k: body[k] for k in ("data", "spec") if k in body}}
+    return {"apiVersion": API_VERSIONS.get(kind, "v1"), "kind": kind, "metadata": kept, **{k: body[k] for k in ("data", "spec") if k in body}}
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,11 @@ class Watched:
     watch event.  Policies are stored as ``candidate()`` makes them (given).
     """
 
-    def __init__(self, candidate: Any) -> None:
+    def __init__(self, candidate: Any, namespaces: Iterable[str] = ()) -> None:
         self._candidate = candidate
+        # A namespaced operator lists each kind once per namespace; a kind is synced once all were listed.
+        self._scopes: tuple[str | None, ...] = tuple(namespaces) or (None,)
+        self._scopes_listed: dict[str, set[str | None]] = {kind: set() for kind in KINDS}
         self._entries: dict[str, dict[str, dict[str, Any]]] = {kind: {} for kind in KINDS}  # kind → uid → entry
         self._by: dict[str, dict[Any, dict[str, dict[str, Any]]]] = {kind: {} for kind in KINDS}  # kind → key → uid → entry
         self._listed = {kind: asyncio.Event() for kind in KINDS}
@@ -83,19 +89,23 @@ class Watched:
         for kind in kinds:
             await self._listed[kind].wait()
 
-    def replace(self, kind: str, bodies: Iterable[Mapping[str, Any]]) -> None:
-        for uid in list(self._entries[kind]):
-            self._drop(kind, uid)
+    def replace(self, kind: str, bodies: Iterable[Mapping[str, Any]], namespace: str | None = None) -> None:
+        """A kind's full list: across the cluster, or (``namespace``) the full list of one namespace."""
+        for uid, entry in list(self._entries[kind].items()):
+            if namespace is None or _namespace(kind, entry) == namespace:
+                self._drop(kind, uid)
         for body in bodies:
             self.apply(kind, "ADDED", body)
-        self._listed[kind].set()
+        self._scopes_listed[kind].add(namespace)
+        if self._scopes_listed[kind] >= set(self._scopes):
+            self._listed[kind].set()
 
     def apply(self, kind: str, event: str, body: Mapping[str, Any]) -> None:
         uid = body["metadata"]["uid"]
         self._drop(kind, uid)
         if event == "DELETED":
             return
-        if kind in ("ConfigMap", "Service") and POLICY_LABEL not in (body["metadata"].get("labels") or {}):
+        if kind in ("ConfigMap", "Service", "NetworkPolicy") and POLICY_LABEL not in (body["metadata"].get("labels") or {}):
             return  # not ours (the server filters by this label; a fake one may not)
         if kind == "Pod":
             entry = pod_entry(body)
@@ -132,6 +142,10 @@ class Watched:
     def policies(self, namespace: str) -> list[dict[str, Any]]:
         """The namespace's policies (``candidate()``), those being deleted left out."""
         return [p for p in self._by["BatchingPolicy"].get(namespace, {}).values() if not p.get("deletionTimestamp")]
+
+
+def _namespace(kind: str, entry: Mapping[str, Any]) -> str | None:
+    return entry.get("namespace") if kind == "BatchingPolicy" else (entry.get("metadata") or {}).get("namespace")
 
 
 def _keys(kind: str, entry: Mapping[str, Any]) -> list[Any]:

@@ -19,6 +19,8 @@ list of problems, empty when the value is valid.
 
 from __future__ import annotations
 
+import ipaddress
+
 import re
 from collections.abc import Mapping
 from decimal import Decimal
@@ -227,6 +229,75 @@ def resources_problems(resources: Any, where: str = "spec.sidecar.resources") ->
     return problems
 
 
+PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
+SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+
+
+def label_selector_problems(selector: Any, where: str) -> list[tuple[str, str]]:
+    """A LabelSelector of a NetworkPolicyPeer (``ValidateLabelSelector``); ``{}`` selects everything."""
+    if not isinstance(selector, Mapping):
+        return [(where, "must be a label selector (matchLabels, matchExpressions)")]
+    problems = [(f"{where}.{key}", "unknown field") for key in selector if key not in ("matchLabels", "matchExpressions")]
+    for key, value in (selector.get("matchLabels") or {}).items():
+        at = f"{where}.matchLabels[{key}]"
+        problems += [(at, f"key {msg}") for msg in qualified_name_problems(str(key))]
+        problems += [(at, f"value {msg}") for msg in label_value_problems(value)]
+    for i, expression in enumerate(selector.get("matchExpressions") or []):
+        at = f"{where}.matchExpressions[{i}]"
+        if not isinstance(expression, Mapping):
+            problems.append((at, "must be a requirement (key, operator, values)"))
+            continue
+        problems += [(f"{at}.key", msg) for msg in qualified_name_problems(str(expression.get("key", "")))]
+        operator, values = expression.get("operator"), expression.get("values") or []
+        if operator not in SELECTOR_OPERATORS:
+            problems.append((f"{at}.operator", f"must be one of {', '.join(SELECTOR_OPERATORS)}, got {operator!r}"))
+        elif operator in ("In", "NotIn") and not values:
+            problems.append((f"{at}.values", f"must be given for {operator}"))
+        elif operator in ("Exists", "DoesNotExist") and values:
+            problems.append((f"{at}.values", f"must be empty for {operator}"))
+    return problems
+
+
+def allow_from_problems(peers: Any, where: str = "spec.sidecar.allowFrom") -> list[tuple[str, str]]:
+    """``spec.sidecar.allowFrom``: NetworkPolicyPeers, as the NetworkPolicy made from them must be."""
+    if peers is None:
+        return []
+    if not isinstance(peers, list) or not peers:
+        return [(where, "must list at least one peer (leave it out for the policy's own namespace)")]
+    problems: list[tuple[str, str]] = []
+    for i, peer in enumerate(peers):
+        at = f"{where}[{i}]"
+        if not isinstance(peer, Mapping):
+            problems.append((at, "must be a peer: podSelector, namespaceSelector or ipBlock"))
+            continue
+        problems += [(f"{at}.{key}", "unknown field") for key in peer if key not in PEER_KEYS]
+        if "ipBlock" in peer:
+            if "podSelector" in peer or "namespaceSelector" in peer:
+                problems.append((at, "a peer is an ipBlock, or a podSelector and/or namespaceSelector"))
+            block = peer["ipBlock"] if isinstance(peer["ipBlock"], Mapping) else {}
+            try:
+                network = ipaddress.ip_network(str(block.get("cidr", "")), strict=False)
+            except ValueError:
+                problems.append((f"{at}.ipBlock.cidr", f"must be a CIDR, e.g. 10.0.0.0/8, got {block.get('cidr')!r}"))
+                continue
+            for j, cut in enumerate(block.get("except") or []):
+                try:
+                    inside = ipaddress.ip_network(str(cut), strict=False)
+                except ValueError:
+                    problems.append((f"{at}.ipBlock.except[{j}]", f"must be a CIDR, got {cut!r}"))
+                    continue
+                if inside.version != network.version or not inside.subnet_of(network):  # type: ignore[arg-type]
+                    problems.append((f"{at}.ipBlock.except[{j}]", f"must be inside the cidr {network}"))
+        elif not any(key in peer for key in ("podSelector", "namespaceSelector")):
+            problems.append((at, "a peer is an ipBlock, or a podSelector and/or namespaceSelector"))
+        for key in ("podSelector", "namespaceSelector"):
+            if key in peer:
+                problems += label_selector_problems(peer[key], f"{at}.{key}")
+    return problems
+
+
 def policy_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """What in a policy spec the API server would refuse once it became a selector or a container."""
-    return selector_problems(spec.get("selector")) + resources_problems((spec.get("sidecar") or {}).get("resources"))
+    """What in a policy spec the API server would refuse once it became a selector, a container or a NetworkPolicy."""
+    sidecar = spec.get("sidecar") or {}
+    return (selector_problems(spec.get("selector")) + resources_problems(sidecar.get("resources"))
+            + allow_from_problems(sidecar.get("allowFrom")))  # fmt: skip

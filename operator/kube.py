@@ -17,13 +17,13 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from .builders import covers
+from .builders import covers, owned_by
 from .crd import GROUP, PLURAL, VERSION
 from .leadership import LEASE_GATE
 
@@ -57,6 +57,18 @@ def api_error_message(exc: ApiException) -> str:
     return f"{exc.status} {message or exc.reason or 'error'}"
 
 
+class ChildConflict(Exception):
+    """A ConfigMap, Service or NetworkPolicy with a child's name exists and is not the policy's own: left untouched."""
+
+    def __init__(self, desired: Mapping[str, Any], found: Mapping[str, Any] | None = None) -> None:
+        meta = desired["metadata"]
+        self.kind, self.name, self.namespace = desired["kind"], meta["name"], meta["namespace"]
+        owners = ((found or {}).get("metadata") or {}).get("ownerReferences") or []
+        whose = ", ".join(f"{o.get('kind')}/{o.get('name')}" for o in owners)
+        self.owner = f"owned by {whose}" if whose else "not made by this policy"
+        super().__init__(f"{self.kind} {self.namespace}/{self.name} already exists and is {self.owner}")
+
+
 class KubeApi:
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self.client = client
@@ -64,6 +76,7 @@ class KubeApi:
         self.apps = kubernetes.client.AppsV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.admission = kubernetes.client.AdmissionregistrationV1Api(client)
+        self.networking = kubernetes.client.NetworkingV1Api(client)
 
     @classmethod
     def from_environment(cls) -> KubeApi:
@@ -93,23 +106,32 @@ class KubeApi:
     # -- the policy's children -------------------------------------------------
 
     async def ensure(self, obj: Mapping[str, Any], current: Mapping[str, Any] | None) -> str:
-        """Make the ConfigMap or Service ``obj`` exist as built: ``"created"``, ``"updated"`` or ``"unchanged"``.
+        """Make the ConfigMap, Service or NetworkPolicy ``obj`` exist as built: ``"created"``, ``"updated"`` or ``"unchanged"``.
 
         ``current`` is the object as the operator's watch last saw it (None:
         not there), so nothing is read: a write is sent only when it is missing
         or differs from what the builder says (``covers``).  The watch may lag
-        a write by a moment: a create that meets the object (409) patches it,
-        a patch that misses it (404) creates it.  A merge patch replaces lists
+        a write by a moment: a create that meets the object (409) reads it and
+        patches it if it is the policy's own (``owned_by``), a patch that misses
+        it (404) creates it.  An object of that name that is not the policy's
+        is never written: ``ChildConflict``.  A merge patch replaces lists
         whole (a Service's ports), so after an update the object is exactly what
         the builder said.
         """
+        if current is not None and not owned_by(current, obj):
+            raise ChildConflict(obj, current)
         if current is not None and covers(current, obj):
             return "unchanged"
         kind, meta = obj["kind"], obj["metadata"]
-        create, patch = {
-            "ConfigMap": (self.core.create_namespaced_config_map, self.core.patch_namespaced_config_map),
-            "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service),
-        }[kind]
+        create, patch, read = {
+            "ConfigMap": (self.core.create_namespaced_config_map, self.core.patch_namespaced_config_map,
+                          self.core.read_namespaced_config_map),
+            "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service,
+                        self.core.read_namespaced_service),
+            "NetworkPolicy": (self.networking.create_namespaced_network_policy,
+                              self.networking.patch_namespaced_network_policy,
+                              self.networking.read_namespaced_network_policy),
+        }[kind]  # fmt: skip
         if current is not None:
             try:
                 await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
@@ -121,14 +143,20 @@ class KubeApi:
             await self._call(create, meta["namespace"], dict(obj))
             return "created"
         except ApiException as exc:
-            if exc.status != 409:  # 409: it exists after all; patch it
+            if exc.status != 409:  # 409: it exists after all; ours to patch only if it is the policy's
                 raise
+        found = await self._call(read, meta["name"], meta["namespace"])
+        if not owned_by(found, obj):
+            raise ChildConflict(obj, found)
+        if covers(found, obj):
+            return "unchanged"
         await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
         return "updated"
 
     async def delete(self, kind: str, name: str, namespace: str) -> bool:
         """Delete a child the spec no longer asks for: True if it was there (404 is success)."""
-        delete = {"Service": self.core.delete_namespaced_service}[kind]
+        delete = {"Service": self.core.delete_namespaced_service,
+                  "NetworkPolicy": self.networking.delete_namespaced_network_policy}[kind]  # fmt: skip
         try:
             await self._call(delete, name, namespace)
         except ApiException as exc:
@@ -250,7 +278,7 @@ class KubeApi:
 
     # -- leadership (several replicas) ---------------------------------------------
 
-    async def ensure_cluster_peering(self, name: str, gate: Mapping[str, Any]) -> bool:
+    async def ensure_cluster_peering(self, name: str, gate: Mapping[str, Any], namespaces: Sequence[str] = ()) -> bool:
         """Create the ClusterKopfPeering ``name`` unless it exists, and set its entry ``LEASE_GATE``
         to ``gate`` (see leadership.py); True if this call made the object.
 
@@ -259,7 +287,12 @@ class KubeApi:
         a fresh cluster (the CRD is not served yet), so the operator makes it.
         Writing the entry is also what makes every replica's kopf look at the
         peering again (a watch event), e.g. once a new holder's priority is up.
+        A namespaced operator (``namespaces``: kopf ``--namespace`` each) peers
+        through a KopfPeering of that name in each of them instead.
         """
+        if namespaces:
+            made = [await self._ensure_namespaced_peering(name, gate, ns) for ns in namespaces]
+            return any(made)
         body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
         created = True
         try:
@@ -273,28 +306,53 @@ class KubeApi:
                          {"status": {LEASE_GATE: dict(gate)}}, _content_type=MERGE_PATCH)  # fmt: skip
         return created
 
+    async def _ensure_namespaced_peering(self, name: str, gate: Mapping[str, Any], namespace: str) -> bool:
+        body = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name, "namespace": namespace}}
+        created = True
+        try:
+            await self._call(self.custom.create_namespaced_custom_object, "kopf.dev", "v1", namespace, "kopfpeerings", body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            created = False
+        await self._call(self.custom.patch_namespaced_custom_object, "kopf.dev", "v1", namespace, "kopfpeerings", name,
+                         {"status": {LEASE_GATE: dict(gate)}}, _content_type=MERGE_PATCH)  # fmt: skip
+        return created
+
     def leases(self) -> kubernetes.client.CoordinationV1Api:
         """The Lease API on a client of its own (its own connections), for the elector's thread."""
         return kubernetes.client.CoordinationV1Api(kubernetes.client.ApiClient(self.client.configuration))
 
     # -- watches -------------------------------------------------------------------
 
-    def informers(self, on_list: Callable[[str, list[Any]], None], on_event: Callable[[str, str, Any], None],
-                  children: str) -> list[Informer]:  # fmt: skip
-        """One informer per kind the operator reads: pods, policies, and its children (label selector ``children``)."""
+    def informers(self, on_list: Callable[[str, list[Any], str | None], None], on_event: Callable[[str, str, Any], None],
+                  children: str, namespaces: Sequence[str] = ()) -> list[Informer]:  # fmt: skip
+        """One informer per kind the operator reads: pods, policies, and its children (label selector ``children``);
+        with ``namespaces`` (a namespaced install, whose RBAC holds only there), one per kind and namespace."""
+        if namespaces:
+            return [informer for ns in namespaces for informer in (
+                Informer("Pod", self.core.list_namespaced_pod, (ns,), "", on_list, on_event, ns),
+                Informer("BatchingPolicy", self.custom.list_namespaced_custom_object, (GROUP, VERSION, ns, PLURAL), "",
+                         on_list, on_event, ns),
+                Informer("ConfigMap", self.core.list_namespaced_config_map, (ns,), children, on_list, on_event, ns),
+                Informer("Service", self.core.list_namespaced_service, (ns,), children, on_list, on_event, ns),
+                Informer("NetworkPolicy", self.networking.list_namespaced_network_policy, (ns,), children, on_list,
+                         on_event, ns),
+            )]  # fmt: skip
         return [
             Informer("Pod", self.core.list_pod_for_all_namespaces, (), "", on_list, on_event),
             Informer("BatchingPolicy", self.custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL), "", on_list, on_event),
             Informer("ConfigMap", self.core.list_config_map_for_all_namespaces, (), children, on_list, on_event),
             Informer("Service", self.core.list_service_for_all_namespaces, (), children, on_list, on_event),
+            Informer("NetworkPolicy", self.networking.list_network_policy_for_all_namespaces, (), children, on_list, on_event),
         ]  # fmt: skip
 
 
 
 class Informer:
-    """List one kind across all namespaces, then watch it, in a thread of its own.
+    """List one kind across all namespaces (or in ``namespace``), then watch it, in a thread of its own.
 
-    The list goes to ``on_list(kind, items)`` and each change to
+    The list goes to ``on_list(kind, items, namespace)`` and each change to
     ``on_event(kind, type, object)``, both called in the event loop that
     ``start`` ran in.  A watch that times out resumes from the last
     resourceVersion it saw; one that breaks (410 Gone, an error) lists again,
@@ -307,9 +365,11 @@ class Informer:
 
     def __init__(
         self, kind: str, list_fn: Any, args: tuple[str, ...], label_selector: str,
-        on_list: Callable[[str, list[Any]], None], on_event: Callable[[str, str, Any], None],
+        on_list: Callable[[str, list[Any], str | None], None], on_event: Callable[[str, str, Any], None],
+        namespace: str | None = None,
     ) -> None:  # fmt: skip
         self.kind, self._list_fn, self._args, self._selector = kind, list_fn, args, label_selector
+        self.namespace = namespace  # None: every namespace
         self._on_list, self._on_event = on_list, on_event
         self._stopped = threading.Event()
         self._log = logging.getLogger(__name__)
@@ -336,7 +396,7 @@ class Informer:
         while not self._stopped.is_set():
             try:
                 items, version = self._list()
-                loop.call_soon_threadsafe(self._on_list, self.kind, items)
+                loop.call_soon_threadsafe(self._on_list, self.kind, items, self.namespace)
                 while not self._stopped.is_set():
                     stream = kubernetes.watch.Watch().stream(
                         self._list_fn, *self._args, label_selector=self._selector, resource_version=version,

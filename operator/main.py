@@ -16,10 +16,16 @@ environment the Helm chart sets:
                                    whether its namespace is opted in; the built-in certificate's CA goes into it
   BINBATCH_WEBHOOK_CERT_DIR        cert-manager: the mounted Secret (tls.crt, tls.key, ca.crt); no CA patching
   POD_NAMESPACE                    the operator's namespace (the Service's)
+  BINBATCH_ALLOWED_IMAGES          comma-separated images a policy's spec.sidecar.image may name (allowlist.py;
+                                   unset: the sidecar image's repository)
+  BINBATCH_ALLOW_REMOTE_URLS       "true": a policy's engine/metrics/predictor URLs may leave the pod's loopback
+  BINBATCH_NETWORK_POLICY          "true" (default): a NetworkPolicy per policy limits who reaches its sidecars
+  BINBATCH_NETWORK_POLICY_METRICS_FROM  JSON list of NetworkPolicyPeers that may also reach the metrics port (Prometheus)
+  BINBATCH_WATCH_NAMESPACES        comma-separated: a namespaced install (kopf --namespace each); unset: every namespace
   BINBATCH_STATS_INTERVAL_SECONDS  how often each policy re-checks its pods and asks their sidecars (default 15)
 
 The operator watches what it reads, on every replica: the policies, every pod,
-and the ConfigMaps and Services it made (a server-side label selector), into
+and the ConfigMaps, Services and NetworkPolicies it made (a server-side label selector), into
 ``indexes.Watched``.  A policy's reconcile reads all of those from there, so an
 idle policy makes no API request; each policy's daemon re-checks it every
 interval, quietly, and writes only what differs.
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import os
 import shutil
 import random
@@ -50,9 +57,11 @@ from typing import Any
 
 import kopf
 
+from .allowlist import Allowlist
 from .builders import POLICY_LABEL, as_native_sidecar, child_name, headless_name, policy_label
 from .crd import GROUP, PLURAL, VERSION
 from .indexes import Seen, Watched
+from .k8s_rules import allow_from_problems
 from .kube import KubeApi
 from .leadership import LeaseElector, gate_entry, holder_priority
 from .reconcile import Context, Outcome, admit, candidate, cleanup, deleting, reconcile
@@ -81,19 +90,24 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     settings.posting.loggers = True  # handlers' log warnings/errors become Events (`kubectl describe bp`)
 
     kube = KubeApi.from_environment()
+    memo.namespaces = namespaces = watch_namespaces()
     if not settings.peering.standalone:
         settings.peering.priority = follower_priority()
-        if await kube.ensure_cluster_peering(settings.peering.name, gate_entry()):
-            logger.info("created ClusterKopfPeering %s", settings.peering.name)
-        memo.elector = elector(kube, settings, logger)
+        if await kube.ensure_cluster_peering(settings.peering.name, gate_entry(), *([namespaces] if namespaces else [])):
+            logger.info("created the kopf peering object %s", settings.peering.name)
+        memo.elector = elector(kube, settings, logger, namespaces)
         memo.elector.start()
-    memo.ctx = Context(kube=kube, sidecar_image=os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE,
-                       stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
-                       webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""))  # fmt: skip
+    image = os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE
+    memo.ctx = Context(kube=kube, sidecar_image=image, stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
+                       webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""),
+                       allowlist=Allowlist.from_environment(image),
+                       network_policy=os.environ.get("BINBATCH_NETWORK_POLICY", "true").lower() == "true",
+                       metrics_from=metrics_peers(os.environ.get("BINBATCH_NETWORK_POLICY_METRICS_FROM", "")))  # fmt: skip
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
     # Pods, policies and our children, listed once and then watched on every replica (see indexes.py).
-    memo.watched = watched = Watched(candidate)
-    memo.informers = kube.informers(watched.replace, watched.apply, children=POLICY_LABEL)
+    memo.watched = watched = Watched(candidate, namespaces)
+    memo.informers = kube.informers(watched.replace, watched.apply, children=POLICY_LABEL,
+                                    **({"namespaces": namespaces} if namespaces else {}))  # fmt: skip
     for informer in memo.informers:
         informer.start(asyncio.get_running_loop())
     service = os.environ.get("BINBATCH_WEBHOOK_SERVICE")
@@ -102,6 +116,23 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
         return
     settings.admission.server = await webhook_server(kube, service, logger)
     settings.admission.managed = None  # the install owns the configuration (service-based)
+
+
+def metrics_peers(text: str) -> list[dict[str, Any]]:
+    """``BINBATCH_NETWORK_POLICY_METRICS_FROM``: a JSON list of NetworkPolicyPeers (the chart's
+    networkPolicy.metricsFrom), checked as a policy's allowFrom is; a bad one stops the start, named."""
+    if not text.strip():
+        return []
+    try:
+        peers = json.loads(text)
+    except ValueError as exc:
+        raise kopf.PermanentError(f"networkPolicy.metricsFrom (BINBATCH_NETWORK_POLICY_METRICS_FROM) is not JSON: {exc}") from None
+    if peers == []:
+        return []
+    problems = allow_from_problems(peers, "networkPolicy.metricsFrom")
+    if problems:
+        raise kopf.PermanentError("; ".join(f"{path}: {message}" for path, message in problems))
+    return [dict(p) for p in peers]
 
 
 def follower_priority() -> int:
@@ -113,14 +144,21 @@ def follower_priority() -> int:
     return -(time.time_ns() // 1000)
 
 
-def elector(kube: KubeApi, settings: kopf.OperatorSettings, logger: Any) -> LeaseElector:
+def watch_namespaces() -> list[str]:
+    """BINBATCH_WATCH_NAMESPACES: the namespaces of a namespaced install (kopf runs with ``--namespace`` each;
+    the chart's watchNamespaces); empty: every namespace (``--all-namespaces``)."""
+    return [n.strip() for n in os.environ.get("BINBATCH_WATCH_NAMESPACES", "").split(",") if n.strip()]
+
+
+def elector(kube: KubeApi, settings: kopf.OperatorSettings, logger: Any, namespaces: list[str] | None = None) -> LeaseElector:
     """This replica's candidacy for the Lease named like the peering, in POD_NAMESPACE (see leadership.py)."""
     loop, name = asyncio.get_running_loop(), settings.peering.name
+    scoped = [namespaces] if namespaces else []
 
     def on_leading(transitions: int) -> None:
         # kopf reads its priority at each peering event; the gate's write makes one on every replica.
         settings.peering.priority = holder_priority(transitions)
-        asyncio.run_coroutine_threadsafe(kube.ensure_cluster_peering(name, gate_entry()), loop)
+        asyncio.run_coroutine_threadsafe(kube.ensure_cluster_peering(name, gate_entry(), *scoped), loop)
 
     def on_lost(reason: str) -> None:
         # Stop at once, whatever the event loop is doing: a follower may take the Lease soon.
@@ -229,7 +267,8 @@ def seen(watched: Watched, body: kopf.Body) -> Seen:
     """A policy's world from the watches: its pods, its children, its namespace's policies."""
     meta, spec = body["metadata"], body.get("spec") or {}
     namespace, name = meta["namespace"], meta["name"]
-    wanted = [("ConfigMap", child_name(name)), ("Service", child_name(name)), ("Service", headless_name(name))]
+    wanted = [("ConfigMap", child_name(name)), ("Service", child_name(name)), ("Service", headless_name(name)),
+              ("NetworkPolicy", child_name(name))]  # fmt: skip
     match_labels = (spec.get("selector") or {}).get("matchLabels") or {}
     return Seen(watched.pods(namespace, match_labels), watched.children(namespace, wanted), watched.policies(namespace))
 
@@ -326,7 +365,7 @@ async def inject_sidecar(
         namespace = body.get("metadata", {}).get("namespace")
         await asyncio.wait_for(memo.watched.synced(["BatchingPolicy"]), WEBHOOK_WAIT_SECONDS)
         candidates = memo.watched.policies(namespace)
-        merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image)
+        merge, notes = admit(dict(body), candidates, memo.ctx.sidecar_image, memo.ctx.allowlist)
         if memo.get("native_sidecar"):
             merge = as_native_sidecar(merge, body)
     except Exception as exc:  # noqa: BLE001

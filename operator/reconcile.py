@@ -27,6 +27,7 @@ from kubernetes.client.exceptions import ApiException
 from binbatch_sidecar.config import ConfigError
 
 from . import opt_in, takeover, vllm_args
+from .allowlist import Allowlist
 from .builders import (
     CONFLICT_ANNOTATION,
     INJECTED_ANNOTATION,
@@ -36,6 +37,7 @@ from .builders import (
     SIDECAR_HASH_ANNOTATION,
     build_configmap,
     build_headless_service,
+    build_network_policy,
     build_pod_patch,
     build_service,
     child_name,
@@ -43,16 +45,18 @@ from .builders import (
     headless_name,
     matching_policies,
     model_ref,
+    owned_by,
     opted_out,
     policy_label,
     sidecar_config,
     sidecar_hash,
+    sidecar_serving_ports,
     sidecar_settings,
     take_over_plan,
 )
 from .indexes import Seen
 from .k8s_rules import policy_problems
-from .kube import KubeApi, api_error_message, namespace_is_terminating
+from .kube import ChildConflict, KubeApi, api_error_message, namespace_is_terminating
 from .sidecar_stats import SidecarStats
 from .status import ApiFailure, Condition, PodReport, adjustments, aggregate, merge_conditions, model_condition, now_iso
 
@@ -68,6 +72,13 @@ class Context:
     webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
     model_check_seconds: float = 60.0  # spec.predictor.model's ConfigMap (up to 1 MiB) is read at most this often
     model_checks: dict[tuple[str, str, str], tuple[float, Condition]] = field(default_factory=dict)
+    allowlist: Allowlist | None = None  # the install's bounds on images and URLs; None: its default (allowlist.py)
+    network_policy: bool = False  # a NetworkPolicy per policy (the chart's networkPolicy.enabled)
+    metrics_from: list[dict[str, Any]] = field(default_factory=list)  # peers reaching the metrics port (its metricsFrom)
+
+    def __post_init__(self) -> None:
+        if self.allowlist is None:
+            self.allowlist = Allowlist(self.sidecar_image)
 
 
 @dataclass
@@ -83,9 +94,12 @@ class Outcome:
     terminating: bool = False
 
 
-def _spec_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Everything wrong with a spec: the sidecar config, and what the API server would refuse later."""
+def _spec_problems(spec: Mapping[str, Any], allowlist: Allowlist | None = None) -> list[tuple[str, str]]:
+    """Everything wrong with a spec: the sidecar config, what the API server would refuse later, and
+    (given the install's ``allowlist``) an image or URL beyond what the install allows."""
     problems = policy_problems(spec) + takeover.spec_problems(spec)
+    if allowlist is not None:
+        problems += allowlist.problems(spec)
     try:
         sidecar_config(spec)
     except ConfigError as exc:
@@ -96,9 +110,12 @@ def _spec_problems(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
 def candidate(policy: Mapping[str, Any]) -> dict[str, Any]:
     """A policy as ``admit()`` and the conflict check see it (the index's entries and the webhook's)."""
     meta = policy.get("metadata") or {}
+    ready = next((c for c in (policy.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
     return {
         "name": meta.get("name"), "spec": dict(policy.get("spec") or {}), "generation": meta.get("generation", 0),
         "deletionTimestamp": meta.get("deletionTimestamp"),
+        # Its ConfigMap's name is held by an object not its own: a pod must not mount that.
+        "childConflict": ready.get("reason") == "ChildConflict" and ready.get("message", ""),
     }  # fmt: skip
 
 
@@ -126,9 +143,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
     """
     meta, spec = body["metadata"], body.get("spec") or {}
     name, namespace = meta["name"], meta["namespace"]
-    problems = _spec_problems(spec)
+    problems = _spec_problems(spec, ctx.allowlist)
     failures: list[ApiFailure] = []
+    conflicts: list[str] = []  # children whose names someone else's objects hold (never written)
     children_ready = True
+    network_policy = (body.get("status") or {}).get("networkPolicy")  # an invalid spec keeps what was in place
     if problems:
         # The old ConfigMap stays: running sidecars keep their last good config.
         old_valid = _condition(body, "Valid")
@@ -140,11 +159,19 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
         children = [build_configmap(name, namespace, spec), build_service(name, namespace, spec)]
         if headless_enabled(spec):
             children.append(build_headless_service(name, namespace, spec))
+        if ctx.network_policy:
+            children.append(build_network_policy(name, namespace, spec, sidecar_serving_ports(seen.pods, name),
+                                                 ctx.metrics_from))  # fmt: skip
+        network_policy = None
         for obj in children:
-            kopf.adopt(obj, owner=dict(body))  # owner reference: deleted with the policy
+            _owned(obj, body)
             what = f"{obj['kind']} {obj['metadata']['name']}"
             try:
                 done = await ctx.kube.ensure(obj, seen.children.get((obj["kind"], obj["metadata"]["name"])))
+            except ChildConflict as exc:
+                conflicts.append(str(exc))
+                children_ready = False
+                continue
             except API_ERRORS as exc:
                 if namespace_is_terminating(exc):
                     return Outcome({}, terminating=True)
@@ -153,17 +180,24 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
                 continue
             if done != "unchanged":
                 logger.info("%s %s", what, done)
+            if obj["kind"] == "NetworkPolicy":
+                network_policy = obj["metadata"]["name"]
         if not headless_enabled(spec):
-            await _drop_headless(ctx, name, namespace, seen, failures, logger)
-    outcome = await observe(ctx, body, seen, problems, children_ready, failures)
+            await _drop_child(ctx, body, build_headless_service(name, namespace, spec), seen, failures, logger,
+                              "spec.service.headless is off")  # fmt: skip
+        if not ctx.network_policy:
+            await _drop_child(ctx, body, build_network_policy(name, namespace, spec), seen, failures, logger,
+                              "the install makes no NetworkPolicy")  # fmt: skip
+    outcome = await observe(ctx, body, seen, problems, children_ready, failures, conflicts)
+    outcome.status["networkPolicy"] = network_policy
     _warn_once(body, outcome, logger)
     return outcome
 
 
 # Conditions that are also a warning Event: pods the take-over refused, vLLM ignoring the policy's order,
-# a model the sidecars cannot load.
+# a model the sidecars cannot load, a child's name taken by an object the policy does not own.
 WARNED = (("SidecarsInjected", "TakeOverRefused"), ("EnginePriorityEnabled", "SchedulingPolicyNotPriority"),
-          ("ModelReady", "ModelNotFound"), ("ModelReady", "ModelNotBinary"))
+          ("ModelReady", "ModelNotFound"), ("ModelReady", "ModelNotBinary"), ("Ready", "ChildConflict"))
 
 
 def _warn_once(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
@@ -175,19 +209,25 @@ def _warn_once(body: Mapping[str, Any], outcome: Outcome, logger: Any) -> None:
             logger.warning("%s", now["message"])
 
 
-async def _drop_headless(
-    ctx: Context, name: str, namespace: str, seen: Seen, failures: list[ApiFailure], logger: Any
+def _owned(obj: dict[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
+    kopf.adopt(obj, owner=dict(body))  # owner reference: deleted with the policy
+    return obj
+
+
+async def _drop_child(
+    ctx: Context, body: Mapping[str, Any], obj: dict[str, Any], seen: Seen, failures: list[ApiFailure], logger: Any,
+    why: str,
 ) -> None:
-    """``spec.service.headless`` is off: delete the headless Service if we made it (and the watch shows it)."""
-    headless = headless_name(name)
-    labels = (seen.children.get(("Service", headless), {}).get("metadata") or {}).get("labels") or {}
-    if labels.get(POLICY_LABEL) != policy_label(name):
-        return
+    """Delete a child the spec (or install) no longer asks for, if the watch shows it and it is the policy's own."""
+    kind, name = obj["kind"], obj["metadata"]["name"]
+    current = seen.children.get((kind, name))
+    if current is None or not owned_by(current, _owned(obj, body)):
+        return  # not there, or not ours: never deleted
     try:
-        if await ctx.kube.delete("Service", headless, namespace):
-            logger.info("Service %s deleted (spec.service.headless is off)", headless)
+        if await ctx.kube.delete(kind, name, obj["metadata"]["namespace"]):
+            logger.info("%s %s deleted (%s)", kind, name, why)
     except API_ERRORS as exc:
-        failures.append(_failure(f"deleting Service {headless}", exc))
+        failures.append(_failure(f"deleting {kind} {name}", exc))
 
 
 def _condition(body: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
@@ -211,6 +251,7 @@ async def observe(
     problems: Sequence[tuple[str, str]],
     children_ready: bool,
     failures: list[ApiFailure],
+    conflicts: Sequence[str] = (),
 ) -> Outcome:
     meta, spec = body["metadata"], body.get("spec") or {}
     name, namespace = meta["name"], meta["namespace"]
@@ -234,10 +275,11 @@ async def observe(
             conflict=matching_policies(others, pod_meta.get("labels")),
             outdated=injected and digest is not None and digest != current,
             opted_out=opted_out(pod_meta), sidecar_of=_sidecar_of(pod),
+            host_network=bool((pod.get("spec") or {}).get("hostNetwork")),
         )  # fmt: skip
         reports.append(report)
         if not injected:
-            if report.sidecar_of is None and not report.conflict and not report.opted_out:
+            if report.sidecar_of is None and not report.conflict and not report.opted_out and not report.host_network:
                 report.refused = _take_over_refusal(pod, spec)
             continue
         if engine_priority:
@@ -251,7 +293,7 @@ async def observe(
         report.stats, report.error = answers[key].stats, answers[key].error
     unreached = await _not_reached(ctx, namespace) if any(r.missing for r in reports) else ""
 
-    conditions, fields = aggregate(reports, problems, children_ready, failures, unreached, engine_priority)
+    conditions, fields = aggregate(reports, problems, children_ready, failures, unreached, engine_priority, conflicts)
     model = await _model_ready(ctx, spec, namespace) if not problems else None
     if model is not None:  # not one of Ready's checks: without its model a sidecar still serves (cold)
         conditions.append(model)
@@ -343,7 +385,8 @@ async def cleanup(ctx: Context, body: Mapping[str, Any], carriers: Sequence[Mapp
 
 
 def admit(
-    pod: Mapping[str, Any], candidates: Sequence[Mapping[str, Any]], default_image: str
+    pod: Mapping[str, Any], candidates: Sequence[Mapping[str, Any]], default_image: str,
+    allowlist: Allowlist | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The merge patch for a new pod and the warnings for whoever created it.
 
@@ -353,7 +396,8 @@ def admit(
     invalid policy: nothing, with a warning (its status says why).  A policy
     being deleted counts as gone (its rollout restart must bring pods back
     without it), and a pod annotated ``binbatch.io/inject: "false"`` is never
-    touched.
+    touched, nor is a ``hostNetwork`` pod.  A policy asking for an image or URL beyond the install's ``allowlist`` (default:
+    the default image's repository, loopback URLs) is invalid: nothing.
     """
     pod_meta = pod.get("metadata") or {}
     if opted_out(pod_meta):
@@ -366,7 +410,12 @@ def admit(
         message = f"binbatch: policies {', '.join(names)} all select this pod; no sidecar injected"
         return {"metadata": {"annotations": {CONFLICT_ANNOTATION: ",".join(names)}}}, [message]
     (policy,) = [c for c in candidates if c["name"] == names[0]]
-    problems = _spec_problems(policy.get("spec") or {})
+    if (pod.get("spec") or {}).get("hostNetwork"):
+        return {}, [f"binbatch: policy {policy['name']} selects this pod, but a hostNetwork pod is never injected "
+                    "(the sidecar would listen on the node's network); no sidecar"]  # fmt: skip
+    if policy.get("childConflict"):
+        return {}, [f"binbatch: policy {policy['name']} does not own its children ({policy['childConflict']}); no sidecar"]
+    problems = _spec_problems(policy.get("spec") or {}, allowlist or Allowlist(default_image))
     if problems:
         return {}, [f"binbatch: policy {policy['name']} is invalid ({problems[0][0]}: {problems[0][1]}); no sidecar"]
     try:

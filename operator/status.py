@@ -67,11 +67,13 @@ class PodReport:
     sidecar_of: str | None = None  # a sidecar container it runs: the injecting policy ("" unknown); None: none
     refused: str = ""  # why the port take-over cannot rewrite it (field: message); "" when it can or is not asked
     engine_order: Finding | None = None  # batch.order EnginePriority: why its vLLM may not order by priority
+    host_network: bool = False  # spec.hostNetwork: the webhook never injects it
 
     @property
     def missing(self) -> bool:
         """It has no sidecar and nothing but the moment it was created explains why."""
-        return not self.injected and self.sidecar_of is None and not self.conflict and not self.refused and not self.opted_out
+        return (not self.injected and self.sidecar_of is None and not self.conflict and not self.refused
+                and not self.opted_out and not self.host_network)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ def aggregate(
     failures: Sequence[ApiFailure] = (),
     not_reached: str = "",
     engine_priority: bool = False,
+    child_conflicts: Sequence[str] = (),
 ) -> tuple[list[Condition], dict[str, Any]]:
     """Conditions and the status fields for a policy from what its pods report.
 
@@ -124,6 +127,8 @@ def aggregate(
     left as they were.  ``not_reached`` is why the webhook never sees the
     namespace's pods (``opt_in.not_reached``), "" when it does or cannot be told.
     ``engine_priority`` (``batch.order: EnginePriority``) adds ``EnginePriorityEnabled``.
+    ``child_conflicts``: children whose names objects not the policy's hold (left untouched):
+    Ready is False with reason ``ChildConflict`` naming them, before any other reason.
     """
     valid = valid_condition(problems, [f for f in failures if f.rejected])
     if pods is None:
@@ -131,11 +136,12 @@ def aggregate(
         sidecars = Condition("SidecarsInjected", "Unknown", "PodsUnknown", unknown)
         metrics = Condition("MetricsAvailable", "Unknown", "PodsUnknown", unknown)
         checks = [valid, sidecars, metrics] + ([Condition("EnginePriorityEnabled", "Unknown", "PodsUnknown", unknown)] if engine_priority else [])
-        return [_ready(checks, children_ready, failures, 0), *checks], {}
+        return [_ready(checks, children_ready, failures, 0, child_conflicts), *checks], {}
     pods = [p for p in pods if not p.opted_out]
     injected = [p for p in pods if p.injected]
     refused = sorted(f"{p.name}: {p.refused}" for p in pods if not p.injected and p.refused)
     missing = sorted(p.name for p in pods if p.missing)
+    host_network = sorted(p.name for p in pods if not p.injected and p.host_network)
     conflicts = sorted(_conflict_entry(p) for p in pods if p.conflict)
     outdated = sorted(p.name for p in injected if p.outdated)
 
@@ -148,6 +154,12 @@ def aggregate(
                              f"{len(refused)} selected pod(s) cannot have their serving port taken over "
                              "(spec.sidecar.takeOverServingPort) and run without a sidecar; change the named field "
                              "and recreate them: " + "; ".join(refused[:10]))  # fmt: skip
+    elif host_network:
+        sidecars = Condition("SidecarsInjected", "False", "HostNetwork",
+                             f"{len(host_network)} selected pod(s) use hostNetwork and are never injected (the "
+                             "sidecar's ports and its loopback would be the node's, shared with every "
+                             "hostNetwork pod there); run them without hostNetwork or narrow spec.selector: "
+                             + ", ".join(host_network[:10]))  # fmt: skip
     elif missing and not_reached:
         sidecars = Condition("SidecarsInjected", "False", "NamespaceNotOptedIn",
                              f"{len(missing)} selected pod(s) have no sidecar: {not_reached}: {', '.join(missing[:10])}")
@@ -180,7 +192,7 @@ def aggregate(
         metrics = Condition("MetricsAvailable", "True", "MetricsFresh", f"{len(reporting)} sidecar(s) report.")
 
     checks = [valid, sidecars, metrics] + ([_engine_priority(injected)] if engine_priority else [])
-    ready = _ready(checks, children_ready, failures, len(injected))
+    ready = _ready(checks, children_ready, failures, len(injected), child_conflicts)
 
     # None deletes a field in the merge patch: no reporting sidecar, no stale aggregate.
     fields: dict[str, Any] = {"pods": len(injected), "batchSize": None, "bins": None, "throughputRequestsPerSecond": None}
@@ -250,9 +262,16 @@ def _engine_priority(injected: Sequence[PodReport]) -> Condition:
                      f"{len(injected)} pod(s) run vLLM with --scheduling-policy priority.")
 
 
-def _ready(checks: Sequence[Condition], children_ready: bool, failures: Sequence[ApiFailure], injected: int) -> Condition:
+def _ready(
+    checks: Sequence[Condition], children_ready: bool, failures: Sequence[ApiFailure], injected: int,
+    child_conflicts: Sequence[str] = (),
+) -> Condition:
     """Ready=True only when nothing blocks; otherwise the first blocker's reason and message."""
     blockers = [c for c in checks if c.status == "False"]
+    if child_conflicts:
+        blockers.insert(0, Condition("Ready", "False", "ChildConflict",
+                                     "; ".join(child_conflicts) + ": the operator leaves it untouched and injects no "
+                                     "pod; delete or rename it, or rename the policy"))  # fmt: skip
     errors = [f for f in failures if not f.rejected]
     if errors:
         blockers.append(Condition("Ready", "False", "ApiError", "; ".join(str(f) for f in errors)))

@@ -147,6 +147,7 @@ def kmock_emulator(history: int | None = None) -> Any:
         ("v1/secrets", "Secret", True, set()),
         ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False, set()),
         ("coordination.k8s.io/v1/leases", "Lease", True, set()),
+        ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, set()),
     ]:  # fmt: skip
         api.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, subresources=sub, verbs=verbs)
     return api

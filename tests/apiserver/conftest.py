@@ -55,10 +55,11 @@ def cluster() -> Cluster:
 
 @pytest.fixture(scope="session")
 def crds(cluster: Cluster) -> None:
-    """The chart's CRDs (BatchingPolicy, and kopf's ClusterKopfPeering), applied server-side and Established."""
+    """The chart's CRDs (BatchingPolicy, and kopf's ClusterKopfPeering and KopfPeering), applied server-side and Established."""
     cluster.apply(CHART / "crds", "--force-conflicts")
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/batchingpolicies.binbatch.io", "crd/clusterkopfpeerings.kopf.dev")  # fmt: skip
+                    "crd/batchingpolicies.binbatch.io", "crd/clusterkopfpeerings.kopf.dev",
+                    "crd/kopfpeerings.kopf.dev")  # fmt: skip
 
 
 @pytest.fixture

@@ -172,7 +172,8 @@ def operator_command(deployment: dict[str, Any], health_port: int) -> list[str]:
     """The Deployment's container command, run by this interpreter; liveness on loopback."""
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     kopf, *args = container["command"]
-    assert kopf == "kopf" and args[:4] == ["run", "-m", "binbatch_operator.main", "--all-namespaces"], args
+    assert kopf == "kopf" and args[:3] == ["run", "-m", "binbatch_operator.main"], args
+    assert args[3] == "--all-namespaces" or args[3].startswith("--namespace="), args  # watchNamespaces: namespaced
     liveness = [i for i, a in enumerate(args) if a.startswith("--liveness=")]
     assert len(liveness) == 1, args
     args[liveness[0]] = f"--liveness=http://127.0.0.1:{health_port}/healthz"
@@ -337,3 +338,122 @@ def test_the_operator_converges_after_a_restart(cluster: Cluster, operator: Oper
     operator.start()
     assert reconciled(cluster, ns, operator)["batch"]["staticSize"] == 16
     assert containers(create_pod(cluster, ns, "after-restart", {"app": "vllm"})) == ["vllm", SIDECAR_CONTAINER]
+
+
+# -- least privilege: what the operator may do, and on what --------------------------------
+
+
+def policy_condition(cluster: Cluster, namespace: str, kind: str) -> dict[str, Any]:
+    policy = cluster.custom.get_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, POLICY)
+    return next((c for c in (policy.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+def wait_condition(cluster: Cluster, namespace: str, operator: Operator, kind: str, reason: str) -> dict[str, Any]:
+    return wait_for(f"{kind} {reason} on policy {namespace}/{POLICY}",
+                    lambda: (lambda c: c if c.get("reason") == reason else None)(policy_condition(cluster, namespace, kind)),
+                    timeout=60, every=0.2, diagnose=lambda: f"{cluster.diagnostics()}\n{operator.tail()}")  # fmt: skip
+
+
+def test_a_foreign_configmap_under_the_childs_name_survives_the_policy(
+    cluster: Cluster, operator: Operator, policy_namespace: Any
+) -> None:
+    """No confused deputy: someone's unlabelled `<policy>-binbatch` ConfigMap is never patched or adopted,
+    so the garbage collector leaves it when the policy (and its own Service) goes."""
+    from kubernetes import client
+
+    ns = policy_namespace(INJECT)
+    theirs = client.V1ConfigMap(metadata=client.V1ObjectMeta(name=child_name(POLICY)), data={"owner": "someone"})
+    cluster.core.create_namespaced_config_map(ns, theirs)
+    create_policy(cluster, ns, {"selector": SELECTOR})
+    ready = wait_condition(cluster, ns, operator, "Ready", "ChildConflict")
+    assert ready["status"] == "False" and f"ConfigMap {ns}/{child_name(POLICY)}" in ready["message"]
+    wait_for("the policy's own Service", lambda: cluster.core.read_namespaced_service(child_name(POLICY), ns),
+             timeout=60, every=0.2, diagnose=operator.tail)  # fmt: skip
+    assert containers(create_pod(cluster, ns, "not-mounting-theirs", {"app": "vllm"})) == ["vllm"]
+    cluster.custom.delete_namespaced_custom_object(crd.GROUP, crd.VERSION, ns, crd.PLURAL, POLICY)
+    wait_for("the policy and its own Service to be deleted",
+             lambda: cluster.gone(cluster.custom.get_namespaced_custom_object, crd.GROUP, crd.VERSION, ns, crd.PLURAL, POLICY)
+             and cluster.gone(cluster.core.read_namespaced_service, child_name(POLICY), ns),
+             timeout=60, every=0.2, diagnose=lambda: f"{cluster.diagnostics()}\n{operator.tail()}")  # fmt: skip
+    left = cluster.core.read_namespaced_config_map(child_name(POLICY), ns)
+    assert left.data == {"owner": "someone"} and not left.metadata.owner_references and not left.metadata.labels
+
+
+def test_an_image_or_url_the_install_does_not_allow_is_refused_by_field(
+    cluster: Cluster, operator: Operator, policy_namespace: Any
+) -> None:
+    ns = policy_namespace(INJECT)
+    create_policy(cluster, ns, {"selector": SELECTOR, "sidecar": {"image": "docker.io/someone/miner:1"},
+                                "metrics": {"source": "PromQL", "url": "http://prometheus.monitoring:9090"}})  # fmt: skip
+    valid = wait_condition(cluster, ns, operator, "Valid", "InvalidSpec")
+    assert "spec.sidecar.image: 'docker.io/someone/miner:1' is not allowed" in valid["message"], valid
+    assert "spec.metrics.url: must name the pod's loopback" in valid["message"], valid
+    assert cluster.gone(cluster.core.read_namespaced_config_map, child_name(POLICY), ns)
+    assert containers(create_pod(cluster, ns, "refused-policy", {"app": "vllm"})) == ["vllm"]
+
+
+def create_pod_spec(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> Any:
+    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "vllm"}}, "spec": spec}
+    return cluster.core.create_namespaced_pod(namespace, body)
+
+
+def test_host_network_pods_are_not_injected_and_the_status_says_so(
+    cluster: Cluster, operator: Operator, policy_namespace: Any
+) -> None:
+    ns = policy_namespace(INJECT)
+    create_policy(cluster, ns, {"selector": SELECTOR})
+    reconciled(cluster, ns, operator)
+    pod = create_pod_spec(cluster, ns, "on-the-node", {"hostNetwork": True,
+                                                       "containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]})  # fmt: skip
+    assert containers(pod) == ["vllm"]
+    injected = wait_condition(cluster, ns, operator, "SidecarsInjected", "HostNetwork")
+    assert injected["status"] == "False" and "on-the-node" in injected["message"]
+
+
+def test_the_sidecar_gets_default_resources_and_keeps_a_guaranteed_pod_guaranteed(
+    cluster: Cluster, operator: Operator, policy_namespace: Any
+) -> None:
+    """The API server computes each pod's QoS class at admission: it is the judge here."""
+    ns = policy_namespace(INJECT)
+    create_policy(cluster, ns, {"selector": SELECTOR})
+    reconciled(cluster, ns, operator)
+    vllm = {"name": "vllm", "image": "vllm/vllm-openai"}
+    burstable = create_pod_spec(cluster, ns, "burstable", {"containers": [vllm]})
+    sidecar = burstable.spec.containers[1]
+    assert (sidecar.resources.requests, sidecar.resources.limits) == (
+        {"cpu": "250m", "memory": "384Mi"}, {"cpu": "1", "memory": "768Mi"})  # fmt: skip
+    exact = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}
+    guaranteed = create_pod_spec(cluster, ns, "guaranteed", {"containers": [{**vllm, "resources": exact}]})
+    assert containers(guaranteed) == ["vllm", SIDECAR_CONTAINER]
+    assert guaranteed.status.qos_class == "Guaranteed", guaranteed.spec.containers[1].resources
+
+
+def test_each_policy_owns_a_network_policy_that_goes_with_it(
+    cluster: Cluster, operator: Operator, policy_namespace: Any
+) -> None:
+    """With the chart's default networkPolicy.enabled, under the install's own RBAC."""
+    ns = policy_namespace(INJECT)
+    allow = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]
+    create_policy(cluster, ns, {"selector": SELECTOR, "sidecar": {"allowFrom": allow}})
+    reconciled(cluster, ns, operator)
+    networking = client_networking(cluster)
+
+    def named() -> str | None:
+        policy = cluster.custom.get_namespaced_custom_object(crd.GROUP, crd.VERSION, ns, crd.PLURAL, POLICY)
+        return (policy.get("status") or {}).get("networkPolicy")
+
+    assert wait_for("status.networkPolicy", named, timeout=60, every=0.2, diagnose=operator.tail) == child_name(POLICY)
+    made = cluster.api.sanitize_for_serialization(networking.read_namespaced_network_policy(child_name(POLICY), ns))
+    assert made["spec"]["podSelector"] == {"matchLabels": {"binbatch.io/policy": POLICY}}
+    assert made["spec"]["ingress"][0]["from"] == allow
+    assert [p["port"] for p in made["spec"]["ingress"][0]["ports"]] == ["bb-grpc", "bb-http", "bb-metrics"]
+    cluster.custom.delete_namespaced_custom_object(crd.GROUP, crd.VERSION, ns, crd.PLURAL, POLICY)
+    wait_for("the NetworkPolicy to be garbage-collected with the policy",
+             lambda: cluster.gone(networking.read_namespaced_network_policy, child_name(POLICY), ns),
+             timeout=60, every=0.2, diagnose=lambda: f"{cluster.diagnostics()}\n{operator.tail()}")  # fmt: skip
+
+
+def client_networking(cluster: Cluster) -> Any:
+    from kubernetes import client
+
+    return client.NetworkingV1Api(cluster.api)

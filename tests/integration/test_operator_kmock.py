@@ -557,3 +557,112 @@ async def test_a_policys_missing_model_configmap_is_reported_and_its_pods_mount_
     assert volume["configMap"] == {"name": "lengths", "items": [{"key": "model", "path": "model.npz"}], "optional": True}
     mount = next(m for m in patched["spec"]["containers"][1]["volumeMounts"] if m["name"] == "binbatch-model")
     assert mount == {"name": "binbatch-model", "mountPath": "/etc/binbatch-model", "readOnly": True}
+
+
+async def test_a_foreign_object_under_a_childs_name_is_never_patched_adopted_or_deleted(
+    cluster: Any, operator: int
+) -> None:
+    """No confused deputy: a create that meets someone else's `x-binbatch` ConfigMap (409) used to
+    patch it and add the policy's owner reference, so deleting the policy garbage-collected it.
+    Now it is left as it was, the policy says ChildConflict naming it, and no pod mounts it."""
+    api = cluster
+    foreign = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x-binbatch", "namespace": NS},
+               "data": {"sidecar.yaml": "someone else's"}}  # fmt: skip
+    await api.post(f"/api/v1/namespaces/{NS}/configmaps", json=foreign)
+    await api.post(POLICIES, json=policy_doc("x"))
+    ca_pem = await until(lambda: ca_bundle(api), "the CA bundle")
+
+    def conflict() -> dict | None:
+        ready = condition(api, "x", "Ready")
+        return ready if ready and ready["reason"] == "ChildConflict" else None
+
+    ready = await until(conflict, "Ready=False ChildConflict")
+    assert ready["status"] == "False" and f"ConfigMap {NS}/x-binbatch already exists" in ready["message"], ready
+    await until(lambda: obj(api, "services", "x-binbatch"), "the policy's own Service")  # made all the same
+    left = obj(api, "configmaps", "x-binbatch")
+    assert left["data"] == foreign["data"] and not left["metadata"].get("ownerReferences"), left
+    assert left["metadata"].get("labels") in (None, {}), left
+    assert len(api["patch", kmock.resource("v1/configmaps")]) == 0
+    # The webhook does not mount a ConfigMap the policy does not own.
+    response = await until_admitted_without_patch(operator, ca_pem)
+    assert "does not own its children" in response["warnings"][0], response
+
+    await api.delete(f"{POLICIES}/x")
+    await until(lambda: obj(api, PLURAL, "x") is None, "the policy to go (finalizer released)")
+    after = obj(api, "configmaps", "x-binbatch")
+    assert after is not None and after["data"] == foreign["data"] and not after["metadata"].get("ownerReferences")
+    assert len(api["delete", kmock.resource("v1/configmaps")]) == 0
+    assert len(api["patch", kmock.resource("v1/configmaps")]) == 0
+
+
+async def until_admitted_without_patch(port: int, ca_pem: bytes) -> dict[str, Any]:
+    """The webhook's answer once its watch has the policy's status (it may lag the status write)."""
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        response = await admission(port, ca_pem, controller_pod())
+        if "patch" not in response and response.get("warnings"):
+            return response
+        assert time.monotonic() < deadline, f"the webhook kept injecting: {response}"
+        await asyncio.sleep(0.05)  # ok-sleep: polling the webhook's eventually-consistent view, bounded
+
+
+async def test_a_policy_asking_for_an_image_or_url_the_install_does_not_allow_is_refused(
+    cluster: Any, operator: int
+) -> None:
+    """The operator as started (BINBATCH_ALLOWED_IMAGES unset: its sidecar image's repository only,
+    URLs on the pod's loopback): a policy naming another image or a remote engine is Valid=False
+    naming the field, gets no children, and the webhook injects nothing with it."""
+    api = cluster
+    await api.post(POLICIES, json=policy_doc("evil", sidecar={"grpcPort": 50051, "image": "docker.io/x/miner:1"},
+                                             engine={"url": "http://collector.example:8000"}))  # fmt: skip
+    ca_pem = await until(lambda: ca_bundle(api), "the CA bundle")
+
+    def invalid() -> dict | None:
+        valid = condition(api, "evil", "Valid")
+        return valid if valid and valid["status"] == "False" else None
+
+    message = (await until(invalid, "Valid=False"))["message"]
+    assert "spec.sidecar.image: 'docker.io/x/miner:1' is not allowed" in message, message
+    assert "spec.engine.url: must name the pod's loopback" in message, message
+    assert obj(api, "configmaps", "evil-binbatch") is None and obj(api, "services", "evil-binbatch") is None
+    response = await until_admitted_without_patch(operator, ca_pem)
+    assert "policy evil is invalid (spec.sidecar.image" in response["warnings"][0], response
+
+
+async def test_each_policy_gets_its_own_network_policy_named_in_its_status(
+    cluster: Any, operator: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """networkPolicy.enabled (the default): only spec.sidecar.allowFrom reaches the injected pods' sidecars."""
+    api = cluster
+    allow = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]
+    await api.post(POLICIES, json=policy_doc("fast", sidecar={"grpcPort": 50051, "allowFrom": allow}))
+
+    def named() -> str | None:
+        return ((obj(api, PLURAL, "fast") or {}).get("status") or {}).get("networkPolicy")
+
+    assert await until(named, "status.networkPolicy") == "fast-binbatch"
+    policy = obj(api, "networkpolicies", "fast-binbatch")
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-fast"
+    assert policy["spec"]["podSelector"] == {"matchLabels": {POLICY_LABEL: "fast"}}
+    assert policy["spec"]["ingress"][0]["from"] == allow
+    # A change of allowFrom follows; written once, not again on every re-check.
+    await api.patch(f"{POLICIES}/fast", json={"spec": {"sidecar": {"allowFrom": [{"podSelector": {}}]}},
+                                              "metadata": {"generation": 2}})  # fmt: skip
+
+    def followed() -> bool:
+        current = obj(api, "networkpolicies", "fast-binbatch") or {}
+        return current.get("spec", {}).get("ingress", [{}])[0].get("from") == [{"podSelector": {}}]
+
+    await until(followed, "the NetworkPolicy to follow allowFrom")
+    patches = len(api["patch", kmock.resource("networking.k8s.io/v1/networkpolicies")])
+    checks = binbatch_operator.main.reconcile_once
+    seen_checks = 0
+
+    async def counted(*args: Any) -> Any:
+        nonlocal seen_checks
+        seen_checks += 1
+        return await checks(*args)
+
+    monkeypatch.setattr(binbatch_operator.main, "reconcile_once", counted)
+    await until(lambda: seen_checks >= 3, "three more re-checks")
+    assert len(api["patch", kmock.resource("networking.k8s.io/v1/networkpolicies")]) == patches

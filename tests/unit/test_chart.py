@@ -35,6 +35,7 @@ CHART = ROOT / "charts" / "binbatch"
 CRD_SOURCE = ROOT / "manifests" / "crd" / "batchingpolicies.binbatch.io.yaml"
 CRD_COPY = CHART / "crds" / "batchingpolicies.binbatch.io.yaml"
 PEERING_CRD = CHART / "crds" / "clusterkopfpeerings.kopf.dev.yaml"
+NAMESPACED_PEERING_CRD = CHART / "crds" / "kopfpeerings.kopf.dev.yaml"
 INSTALL = ROOT / "manifests" / "install" / "binbatch.yaml"
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
 RELEASE, NAMESPACE = "binbatch", "binbatch-system"
@@ -61,7 +62,7 @@ HPA = {"autoscaling": {"target": {"name": "vllm", "kind": "StatefulSet"}, "hpa":
 VALUE_SETS = {
     "defaults": None, "monitoring": MONITORING, "custom-tag": CUSTOM_TAG, "single": SINGLE,
     "cert-manager": CERT_MANAGER, "cert-manager-issuer": CERT_MANAGER_ISSUER, "scoped": SCOPED,
-    "keda": KEDA, "hpa": HPA,
+    "keda": KEDA, "hpa": HPA, "namespaced": {"watchNamespaces": ["llm", "team-b"]},
 }  # fmt: skip
 
 NAMESPACED = {"ServiceAccount", "Service", "Deployment", "ConfigMap", "ServiceMonitor", "Role", "RoleBinding",
@@ -259,14 +260,16 @@ def test_every_rendered_object_is_valid_against_the_kubernetes_schemas(values):
     for obj in objs:
         validate_kubernetes(obj)
         if obj["kind"] in NAMESPACED:
-            assert obj["metadata"]["namespace"] == NAMESPACE, f"{obj['kind']} must name its namespace for kubectl apply"
+            served = (NAMESPACE, *((values or {}).get("watchNamespaces") or ()))
+            assert obj["metadata"]["namespace"] in served, f"{obj['kind']} must name its namespace for kubectl apply"
 
 
 def test_crd_in_the_chart_is_a_byte_copy_of_the_manifests_source():
     assert CRD_COPY.read_bytes() == CRD_SOURCE.read_bytes(), "cp manifests/crd/*.yaml charts/binbatch/crds/"
     crds = {c["filename"]: c["data"] for c in _chart().crds}
     names = {Path(name).name: data for name, data in crds.items()}
-    assert sorted(names) == ["batchingpolicies.binbatch.io.yaml", "clusterkopfpeerings.kopf.dev.yaml"]
+    assert sorted(names) == ["batchingpolicies.binbatch.io.yaml", "clusterkopfpeerings.kopf.dev.yaml",
+                             "kopfpeerings.kopf.dev.yaml"]  # fmt: skip
     assert names["batchingpolicies.binbatch.io.yaml"].encode() == CRD_SOURCE.read_bytes()
 
 
@@ -278,6 +281,11 @@ def test_crds_are_valid_kubernetes_objects():
     assert (peering["spec"]["group"], peering["spec"]["names"]["plural"], peering["spec"]["scope"]) == (
         "kopf.dev", "clusterkopfpeerings", "Cluster")
     assert [v["name"] for v in peering["spec"]["versions"]] == ["v1"]
+    # ... and with --namespace (watchNamespaces): kopf.dev/v1 kopfpeerings, namespaced.
+    namespaced = yaml.safe_load(NAMESPACED_PEERING_CRD.read_text())
+    validate_kubernetes(namespaced)
+    assert (namespaced["spec"]["group"], namespaced["spec"]["names"]["plural"], namespaced["spec"]["scope"]) == (
+        "kopf.dev", "kopfpeerings", "Namespaced")
 
 
 def test_defaults_render_the_operator_with_peering_and_nothing_optional():
@@ -383,6 +391,7 @@ EXPECTED_RULES = {
     ("binbatch.io", "batchingpolicies/finalizers", ("update",), ()),
     ("", "configmaps", ("create", "get", "list", "patch", "watch"), ()),
     ("", "services", ("create", "delete", "get", "list", "patch", "watch"), ()),
+    ("networking.k8s.io", "networkpolicies", ("create", "delete", "get", "list", "patch", "watch"), ()),
     ("", "pods", ("get", "list", "watch"), ()),
     ("", "events", ("create",), ()),
     ("events.k8s.io", "events", ("create",), ()),
@@ -429,6 +438,73 @@ def test_rbac_grants_exactly_what_the_operator_needs():
     read_only = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get",), (RELEASE,))}
     assert _grants(one(cert_manager, "ClusterRole")) == EXPECTED_RULES - CA_PATCH_RULES | read_only
     assert [o["metadata"]["name"] for o in cert_manager if o["kind"] in ("Role", "RoleBinding")] == [f"{RELEASE}-leader"] * 2
+
+
+def test_a_namespaced_install_writes_only_through_roles_in_the_namespaces_it_watches():
+    """watchNamespaces: kopf --namespace for each, a Role + RoleBinding in each with what the ClusterRole held
+    for policies, and a ClusterRole with no write verb but the patch of its own webhook configuration's CA."""
+    watched = ["llm", "team-b"]
+    objs = objects({"watchNamespaces": watched})
+    container = operator_container({"watchNamespaces": watched})
+    assert "--all-namespaces" not in container["command"]
+    assert [a for a in container["command"] if a.startswith("--namespace=")] == ["--namespace=llm", "--namespace=team-b"]
+    assert env(container)["BINBATCH_WATCH_NAMESPACES"] == "llm,team-b"
+    assert "BINBATCH_WATCH_NAMESPACES" not in env(operator_container())
+    cluster_rules = _grants(one(objs, "ClusterRole"))
+    writes = {"create", "update", "patch", "delete", "deletecollection"}
+    assert {r for r in cluster_rules if writes & set(r[2])} == {
+        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get", "patch"), (RELEASE,))}
+    assert {r[1] for r in cluster_rules} == {"customresourcedefinitions", "namespaces", "mutatingwebhookconfigurations"}
+    per_namespace = EXPECTED_RULES - {r for r in EXPECTED_RULES if r[1] in (
+        "customresourcedefinitions", "namespaces", "mutatingwebhookconfigurations", "clusterkopfpeerings")}
+    peering = {("kopf.dev", "kopfpeerings", ("create", "list", "watch"), ()),
+               ("kopf.dev", "kopfpeerings", ("get", "patch"), (RELEASE,))}  # fmt: skip
+    for ns in watched:
+        role = next(o for o in objs if o["kind"] == "Role" and o["metadata"]["namespace"] == ns)
+        assert _grants(role) == per_namespace | peering, ns
+        binding = next(o for o in objs if o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == ns)
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
+    single = objects({"watchNamespaces": watched, **SINGLE})
+    assert all(r[1] != "kopfpeerings" for o in single if o["kind"] == "Role" for r in _grants(o))
+    (hook,) = one(objs, "MutatingWebhookConfiguration")["webhooks"]
+    selector = hook["namespaceSelector"]
+    assert _selects(selector, _namespace("llm", **{"binbatch.io/inject": "enabled"}))
+    assert not _selects(selector, _namespace("elsewhere", **{"binbatch.io/inject": "enabled"}))
+    with pytest.raises(helm.HelmValuesError, match="watchNamespaces"):
+        rendered({"watchNamespaces": ["Not_A_Namespace"]})
+
+
+def test_network_policies_are_granted_only_as_far_as_the_install_makes_them():
+    """networkPolicy.enabled false: the operator only finds and deletes the ones it made earlier."""
+    no_policies = {"networkPolicy": {"enabled": False}}
+    written = {r for r in EXPECTED_RULES if r[1] == "networkpolicies"}
+    cleanup = {("networking.k8s.io", "networkpolicies", ("delete", "list", "watch"), ())}
+    assert _grants(one(objects(no_policies), "ClusterRole")) == EXPECTED_RULES - written | cleanup
+    assert env(operator_container())["BINBATCH_NETWORK_POLICY"] == "true"
+    assert env(operator_container(no_policies))["BINBATCH_NETWORK_POLICY"] == "false"
+
+
+def test_the_metrics_peers_reach_the_operator_as_json_it_checks():
+    """networkPolicy.metricsFrom -> BINBATCH_NETWORK_POLICY_METRICS_FROM -> the NetworkPolicy's metrics rule."""
+    import kopf
+
+    from binbatch_operator.builders import build_network_policy
+    from binbatch_operator.main import metrics_peers
+
+    prometheus = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    variables = env(operator_container({"networkPolicy": {"metricsFrom": prometheus}}))
+    peers = metrics_peers(variables["BINBATCH_NETWORK_POLICY_METRICS_FROM"])
+    assert peers == prometheus
+    rules = build_network_policy("fast", "llm", {}, metrics_from=peers)["spec"]["ingress"]
+    assert rules[1] == {"from": prometheus, "ports": [{"protocol": "TCP", "port": "bb-metrics"}]}
+    assert metrics_peers(env(operator_container())["BINBATCH_NETWORK_POLICY_METRICS_FROM"]) == []
+    with pytest.raises(kopf.PermanentError, match=r"networkPolicy\.metricsFrom\[0\]\.ipBlock\.cidr"):
+        metrics_peers('[{"ipBlock": {"cidr": "300.0.0.0/8"}}]')
+    with pytest.raises(kopf.PermanentError, match="is not JSON"):
+        metrics_peers("[{")
+    with pytest.raises(helm.HelmValuesError, match="metricsFrom"):
+        rendered({"networkPolicy": {"metricsFrom": [{"namespaceSelecter": {}}]}})
 
 
 def test_the_roles_for_the_certificate_secret_and_the_lease_are_bound_in_the_release_namespace():
@@ -545,6 +621,10 @@ def test_operator_command_and_environment():
         "POD_ID": {"fieldRef": {"fieldPath": "metadata.name"}},
         "BINBATCH_SIDECAR_IMAGE": f"ghcr.io/binbatch/binbatch:{_chart().metadata['appVersion']}",
         "BINBATCH_SIDECAR_NATIVE": "false",
+        "BINBATCH_ALLOWED_IMAGES": "ghcr.io/binbatch/binbatch",
+        "BINBATCH_ALLOW_REMOTE_URLS": "false",
+        "BINBATCH_NETWORK_POLICY": "true",
+        "BINBATCH_NETWORK_POLICY_METRICS_FROM": "[]",
         "BINBATCH_WEBHOOK_SERVICE": service,
         "BINBATCH_WEBHOOK_ADDRESS": "0.0.0.0",
         "BINBATCH_WEBHOOK_PORT": "9443",
@@ -891,12 +971,13 @@ def test_install_manifest_is_the_rendered_chart():
 def test_install_manifest_creates_the_namespace_then_the_crd_then_the_operator():
     docs = [doc for doc in yaml.safe_load_all(INSTALL.read_text()) if doc]
     kinds = [d["kind"] for d in docs]
-    assert kinds[:3] == ["Namespace", "CustomResourceDefinition", "CustomResourceDefinition"]
+    assert kinds[:4] == ["Namespace", "CustomResourceDefinition", "CustomResourceDefinition", "CustomResourceDefinition"]
     assert docs[0]["metadata"]["name"] == NAMESPACE
     assert docs[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     assert docs[1] == yaml.safe_load(CRD_SOURCE.read_text())
     assert docs[2] == yaml.safe_load(PEERING_CRD.read_text())
-    assert sorted(kinds[3:]) == sorted(o["kind"] for o in objects())
+    assert docs[3] == yaml.safe_load(NAMESPACED_PEERING_CRD.read_text())
+    assert sorted(kinds[4:]) == sorted(o["kind"] for o in objects())
     assert kinds.index("MutatingWebhookConfiguration") > kinds.index("Deployment")
     for doc in docs:
         validate_kubernetes(doc)
@@ -997,6 +1078,9 @@ def test_every_env_var_the_chart_sets_is_read_by_the_operator():
 
     source = (ROOT / "operator" / "main.py").read_text()
     read = set(re.findall(r'os\.environ\.get\("([A-Z_]+)"', source))
+    # allowlist.py reads its two variables by the names its *_ENV constants hold.
+    bounds = (ROOT / "operator" / "allowlist.py").read_text()
+    read |= set(re.findall(r'^[A-Z_]+_ENV = "([A-Z_]+)"', bounds, re.M))
     read_by_kopf = {"POD_ID"}  # the replica's name in the peering object (kopf's peering.detect_own_id)
     chart = set().union(*(env(operator_container(values)) for values in VALUE_SETS.values()))
     assert chart == read | read_by_kopf
@@ -1010,3 +1094,26 @@ def test_sample_tells_to_opt_its_namespace_in_before_applying(path):
     text = path.read_text()
     assert re.search(rf"kubectl label namespace \S+ {re.escape(key)}={value}", text), path.name
     assert text.index(f"{key}={value}") < text.index(" apply -f manifests/samples/")
+
+
+def test_allowed_images_and_remote_urls_reach_the_operators_check():
+    """sidecar.allowedImages / allowRemoteUrls -> the operator's environment -> what a policy may ask for."""
+    from binbatch_operator.allowlist import Allowlist
+
+    def bounds(values: dict[str, Any] | None = None) -> Allowlist:
+        variables = env(operator_container(values))
+        return Allowlist.from_environment(variables["BINBATCH_SIDECAR_IMAGE"], variables)
+
+    default = bounds()
+    assert default.problems({"sidecar": {"image": "ghcr.io/binbatch/binbatch:0.2.0"}}) == []
+    assert [p for p, _ in default.problems({"sidecar": {"image": "docker.io/evil/binbatch:1"}})] == ["spec.sidecar.image"]
+    assert [p for p, _ in default.problems({"engine": {"url": "http://vllm.other:8000"}})] == ["spec.engine.url"]
+    opened = bounds({"sidecar": {"allowedImages": ["registry.corp/ml/", "docker.io/evil/*"], "allowRemoteUrls": True}})
+    assert opened.problems({"sidecar": {"image": "docker.io/evil/binbatch:1"}, "engine": {"url": "http://vllm.other:8000"}}) == []
+    assert opened.problems({"sidecar": {"image": "registry.corp/ml/binbatch@sha256:" + "0" * 64}}) == []
+    # The listed entries replace the default: the operator's own repository is no longer listed,
+    # but its own sidecar image (the default a policy gets) stays allowed.
+    assert [p for p, _ in opened.problems({"sidecar": {"image": "ghcr.io/binbatch/binbatch:9"}})] == ["spec.sidecar.image"]
+    assert opened.problems({"sidecar": {"image": "ghcr.io/binbatch/binbatch:0.1.0"}}) == []
+    with pytest.raises(helm.HelmValuesError, match="allowedImages"):
+        rendered({"sidecar": {"allowedImages": ["a,b"]}})

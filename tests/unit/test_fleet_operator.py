@@ -64,7 +64,7 @@ def test_the_store_finds_a_policys_pods_children_and_neighbours_and_follows_even
 async def test_the_store_is_synced_once_every_kind_was_listed():
     watched = Watched(candidate)
     waiting = asyncio.ensure_future(watched.synced())
-    for kind in ("Pod", "ConfigMap", "Service"):
+    for kind in ("Pod", "ConfigMap", "Service", "NetworkPolicy"):
         watched.replace(kind, [])
         await asyncio.sleep(0)  # ok-sleep: one turn of the loop, no wait
         assert not waiting.done()
@@ -166,3 +166,25 @@ def test_a_follower_priority_is_unique_and_below_the_leases_gate(monkeypatch: py
     older = main.follower_priority()
     monkeypatch.setattr(main.time, "time_ns", lambda: 1_700_000_000_000_001_000)
     assert main.follower_priority() < older < gate_entry()["priority"]
+
+
+async def test_a_namespaced_store_relists_one_namespace_and_syncs_once_each_was_listed():
+    """watchNamespaces: one informer per kind and namespace; a relist of one namespace keeps the others."""
+    from binbatch_operator.indexes import KINDS
+
+    watched = Watched(candidate, ["a", "b"])
+    waiting = asyncio.ensure_future(watched.synced())
+
+    def cm(name: str, namespace: str) -> dict:
+        return {"metadata": {"name": name, "namespace": namespace, "uid": f"{namespace}/{name}",
+                             "labels": {POLICY_LABEL: "p"}}, "data": {}}  # fmt: skip
+
+    for kind in KINDS:
+        watched.replace(kind, [cm("x-binbatch", "a")] if kind == "ConfigMap" else [], "a")
+    await asyncio.sleep(0)  # ok-sleep: one turn of the loop, no wait
+    assert not waiting.done()  # namespace b not listed yet
+    for kind in KINDS:
+        watched.replace(kind, [cm("x-binbatch", "b")] if kind == "ConfigMap" else [], "b")
+    await asyncio.wait_for(waiting, 1)
+    watched.replace("ConfigMap", [], "b")  # b's relist: its ConfigMap is gone, a's stays
+    assert watched.children("a", [("ConfigMap", "x-binbatch")]) and not watched.children("b", [("ConfigMap", "x-binbatch")])

@@ -156,3 +156,31 @@ async def test_reconcile_reports_valid_false_naming_the_field_and_creates_nothin
     valid = next(c for c in outcome.status["conditions"] if c["type"] == "Valid")
     assert valid["status"] == "False" and field in valid["message"]
     assert kube.applied == []
+
+
+@pytest.mark.parametrize("peers, field", [
+    ([{"podSelector": {}}], None),
+    ([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}}, "podSelector": {"matchLabels": {"app": "gw"}}}], None),
+    ([{"ipBlock": {"cidr": "fd00::/8", "except": ["fd00:1::/32"]}}], None),
+    ([], "spec.sidecar.allowFrom"),
+    ("everyone", "spec.sidecar.allowFrom"),
+    ([{}], "spec.sidecar.allowFrom[0]"),
+    ([{"podSelector": {}, "ipBlock": {"cidr": "10.0.0.0/8"}}], "spec.sidecar.allowFrom[0]"),
+    ([{"podSelecter": {}}], ("spec.sidecar.allowFrom[0].podSelecter", "spec.sidecar.allowFrom[0]")),
+    ([{"ipBlock": {"cidr": "10.0.0.0/33"}}], "spec.sidecar.allowFrom[0].ipBlock.cidr"),
+    ([{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["192.168.0.0/16"]}}], "spec.sidecar.allowFrom[0].ipBlock.except[0]"),
+    ([{"podSelector": {"matchLabels": {"app": "v llm"}}}], "spec.sidecar.allowFrom[0].podSelector.matchLabels[app]"),
+    ([{"podSelector": {}}, {"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In"}]}}],
+     "spec.sidecar.allowFrom[1].namespaceSelector.matchExpressions[0].values"),
+    ([{"podSelector": {"matchExpressions": [{"key": "team", "operator": "Exists", "values": ["x"]}]}}],
+     "spec.sidecar.allowFrom[0].podSelector.matchExpressions[0].values"),
+    ([{"podSelector": {"matchExpressions": [{"key": "team", "operator": "Like"}]}}],
+     "spec.sidecar.allowFrom[0].podSelector.matchExpressions[0].operator"),
+])  # fmt: skip
+def test_allow_from_peers_are_checked_as_a_network_policy_would_be(peers, field):
+    from binbatch_operator.k8s_rules import allow_from_problems, policy_problems
+
+    found = allow_from_problems(peers)
+    expected = list(field) if isinstance(field, tuple) else [field] if field else []
+    assert [path for path, _ in found] == expected, found
+    assert policy_problems({"selector": {"matchLabels": {"app": "vllm"}}, "sidecar": {"allowFrom": peers}}) == found

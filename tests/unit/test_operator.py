@@ -757,3 +757,298 @@ async def test_the_model_configmap_is_read_at_most_once_a_minute_and_a_failed_re
     assert kube.calls.count(("read", "ConfigMap")) == 2  # the answer is reused within model_check_seconds
     plain = await model_ready(FakeKube(), spec=SPEC)
     assert "ModelReady" not in plain
+
+
+# -- no confused deputy ------------------------------------------------------------
+
+
+def _desired(uid="u1"):
+    cm = builders.build_configmap("fast", "llm", SPEC)
+    kopf.adopt(cm, owner=policy_body() | {"metadata": {**policy_body()["metadata"], "uid": uid}})
+    return cm
+
+
+@pytest.mark.parametrize("meta, owned", [
+    ({"ownerReferences": [{"kind": "BatchingPolicy", "name": "fast", "uid": "u1"}]}, True),
+    ({"ownerReferences": [{"kind": "BatchingPolicy", "name": "fast", "uid": "an-older-fast"}]}, False),
+    ({"ownerReferences": [{"kind": "Deployment", "name": "web", "uid": "d1"}],
+      "labels": {**builders.MANAGED_LABELS, builders.POLICY_LABEL: "fast"}}, False),
+    ({}, False),  # someone's own ConfigMap of that name
+    ({"labels": {builders.POLICY_LABEL: "fast"}}, False),  # one of our labels is not enough
+    ({"labels": {**builders.MANAGED_LABELS, builders.POLICY_LABEL: "slow"}}, False),
+    ({"labels": {**builders.MANAGED_LABELS, builders.POLICY_LABEL: "fast"}}, True),  # orphaned from an earlier 'fast'
+])  # fmt: skip
+def test_only_the_policys_own_children_count_as_its_own(meta, owned):
+    assert builders.owned_by({"metadata": {"name": "fast-binbatch", **meta}}, _desired()) is owned
+
+
+def test_admit_injects_nothing_for_a_policy_whose_children_are_not_its_own():
+    held = policy("fast") | {"childConflict": "ConfigMap llm/fast-binbatch already exists and is not made by this policy"}
+    patch, warnings = admit(vllm_pod(), [held], IMAGE)
+    assert patch == {} and "does not own its children" in warnings[0] and "llm/fast-binbatch" in warnings[0]
+    status = {"conditions": [{"type": "Ready", "status": "False", "reason": "ChildConflict", "message": "m"}]}
+    assert candidate({"metadata": {"name": "fast"}, "spec": SPEC, "status": status})["childConflict"] == "m"
+    assert not candidate({"metadata": {"name": "fast"}, "spec": SPEC})["childConflict"]
+
+
+async def test_a_conflicting_child_sets_ready_child_conflict_and_is_not_written():
+    from binbatch_operator.kube import ChildConflict
+
+    class Conflicting(FakeKube):
+        async def ensure(self, obj, current):
+            if obj["kind"] == "ConfigMap":
+                raise ChildConflict(obj, {"metadata": {"ownerReferences": [{"kind": "Deployment", "name": "web"}]}})
+            return await super().ensure(obj, current)
+
+    kube = Conflicting()
+    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(), Seen(), logging.getLogger("t"))
+    ready = next(c for c in outcome.status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ChildConflict")
+    assert "ConfigMap llm/fast-binbatch already exists and is owned by Deployment/web" in ready["message"]
+    assert ("Service", "fast-binbatch") in kube.children and ("ConfigMap", "fast-binbatch") not in kube.children
+    assert outcome.failures == []  # not an API error to retry with backoff: the re-check looks again
+
+
+async def test_a_headless_service_not_the_policys_own_is_never_deleted():
+    spec = {**SPEC, "service": {"headless": False}}
+    theirs = {"apiVersion": "v1", "kind": "Service",
+              "metadata": {"name": "fast-binbatch-headless", "namespace": "llm",
+                           "labels": {builders.POLICY_LABEL: "fast"}}}  # fmt: skip
+    kube = FakeKube()
+    seen = Seen(children={("Service", "fast-binbatch-headless"): theirs})
+    await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(spec=spec), seen, logging.getLogger("t"))
+    assert ("delete", "Service") not in kube.calls
+    ours = {**theirs, "metadata": {**theirs["metadata"], "ownerReferences": [{"kind": "BatchingPolicy", "uid": "u1"}]}}
+    kube.children[("Service", "fast-binbatch-headless")] = ours
+    seen = Seen(children={("Service", "fast-binbatch-headless"): ours})
+    await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(spec=spec), seen, logging.getLogger("t"))
+    assert ("delete", "Service") in kube.calls
+
+
+# -- what the install allows a policy ------------------------------------------------
+
+
+@pytest.mark.parametrize("image, patterns, allowed", [
+    ("ghcr.io/binbatch/binbatch:0.2.0", ("ghcr.io/binbatch/binbatch",), True),
+    ("ghcr.io/binbatch/binbatch@sha256:" + "a" * 64, ("ghcr.io/binbatch/binbatch",), True),
+    ("ghcr.io/binbatch/binbatch", ("ghcr.io/binbatch/binbatch",), True),
+    ("ghcr.io/binbatch/binbatch-evil:1", ("ghcr.io/binbatch/binbatch",), False),  # a repository is no prefix
+    ("ghcr.io/binbatch/binbatch.evil.io/x:1", ("ghcr.io/binbatch/binbatch",), False),
+    ("localhost:5000/binbatch:1", ("localhost:5000/binbatch",), True),  # a registry port is not a tag
+    ("registry.corp/ml/team/binbatch:3", ("registry.corp/ml/",), True),
+    ("registry.corp/mlx/binbatch:3", ("registry.corp/ml/",), False),
+    ("ghcr.io/binbatch/binbatch:1.4", ("ghcr.io/binbatch/binbatch:1.*",), True),
+    ("ghcr.io/binbatch/binbatch:2.0", ("ghcr.io/binbatch/binbatch:1.*",), False),
+    ("anything/at:all", ("*",), True),
+])  # fmt: skip
+def test_an_image_is_allowed_by_repository_path_or_glob(image, patterns, allowed):
+    from binbatch_operator.allowlist import image_allowed
+
+    assert image_allowed(image, patterns) is allowed
+
+
+@pytest.mark.parametrize("section, field", [
+    ({"engine": {"url": "http://10.0.0.5:8000"}}, "spec.engine.url"),
+    ({"engine": {"url": "http://127.0.0.1@evil.example:8000"}}, "spec.engine.url"),
+    ({"metrics": {"source": "PromQL", "url": "http://prometheus.monitoring:9090"}}, "spec.metrics.url"),
+    ({"predictor": {"external": {"url": "https://predict.example"}}}, "spec.predictor.external.url"),
+    ({"predictor": {"external": {"url": "http://localhost:7000", "feedbackUrl": "http://collect.example/x"}}},
+     "spec.predictor.external.feedbackUrl"),
+])  # fmt: skip
+def test_urls_off_the_pods_loopback_are_refused_naming_the_field_unless_allowed(section, field):
+    from binbatch_operator.allowlist import Allowlist
+
+    spec = {**SPEC, **section}
+    found = Allowlist(IMAGE).problems(spec)
+    assert [p for p, _ in found] == [field] and "allowRemoteUrls" in found[0][1]
+    assert Allowlist(IMAGE, remote_urls=True).problems(spec) == []
+    loopback = {**SPEC, "engine": {"url": "http://[::1]:8000"}, "metrics": {"url": "https://localhost:8000/metrics"}}
+    assert Allowlist(IMAGE).problems(loopback) == []
+
+
+def test_the_allowlist_environment_is_read_and_a_bad_switch_named():
+    from binbatch_operator.allowlist import Allowlist
+
+    bounds = Allowlist.from_environment(IMAGE, {"BINBATCH_ALLOWED_IMAGES": " a/b , c/ ", "BINBATCH_ALLOW_REMOTE_URLS": "TRUE"})
+    assert (bounds.patterns, bounds.remote_urls) == (("a/b", "c/"), True)
+    assert Allowlist.from_environment(IMAGE, {}).patterns == ("registry.example/binbatch",)
+    with pytest.raises(ValueError, match="BINBATCH_ALLOW_REMOTE_URLS"):
+        Allowlist.from_environment(IMAGE, {"BINBATCH_ALLOW_REMOTE_URLS": "yes"})
+
+
+async def test_a_policy_naming_an_image_the_install_does_not_allow_is_invalid_and_injects_nothing():
+    spec = {**SPEC, "sidecar": {**SPEC["sidecar"], "image": "docker.io/someone/miner:latest"}}
+    kube = FakeKube()
+    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(spec=spec), Seen(), logging.getLogger("t"))
+    valid = next(c for c in outcome.status["conditions"] if c["type"] == "Valid")
+    assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec")
+    assert "spec.sidecar.image: 'docker.io/someone/miner:latest' is not allowed" in valid["message"]
+    assert kube.children == {}  # no ConfigMap, no Service for it
+    patch, warnings = admit(vllm_pod(), [policy("fast", spec)], IMAGE)
+    assert patch == {} and "spec.sidecar.image" in warnings[0]
+    from binbatch_operator.allowlist import Allowlist
+
+    allowed = Allowlist(IMAGE, images=("docker.io/someone/",))
+    patch, _ = admit(vllm_pod(), [policy("fast", spec)], IMAGE, allowed)
+    assert patch["spec"]["containers"][-1]["image"] == "docker.io/someone/miner:latest"
+
+
+# -- hostNetwork pods ------------------------------------------------------------------
+
+
+def test_a_host_network_pod_is_never_injected_and_says_why():
+    patch, warnings = admit(vllm_pod(hostNetwork=True), [policy("fast")], IMAGE)
+    assert patch == {} and "hostNetwork" in warnings[0] and "policy fast" in warnings[0]
+    assert admit(vllm_pod(hostNetwork=False), [policy("fast")], IMAGE)[0]["spec"]["containers"][-1]["name"] == builders.SIDECAR_CONTAINER
+
+
+async def test_selected_host_network_pods_are_reported_not_asked_to_restart():
+    from binbatch_operator.indexes import pod_entry
+
+    host = pod_entry({"metadata": {"name": "vllm-host", "namespace": "llm", "labels": {"app": "vllm"}},
+                      "spec": {"hostNetwork": True, "containers": [{"name": "vllm"}]}})  # fmt: skip
+    plain = pod_entry({"metadata": {"name": "vllm-plain", "namespace": "llm", "labels": {"app": "vllm"}},
+                       "spec": {"containers": [{"name": "vllm"}]}})  # fmt: skip
+    assert host["spec"]["hostNetwork"] is True and "hostNetwork" not in plain["spec"]
+    kube = FakeKube()
+    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(), Seen(pods=[host]), logging.getLogger("t"))
+    injected = next(c for c in outcome.status["conditions"] if c["type"] == "SidecarsInjected")
+    assert (injected["status"], injected["reason"]) == ("False", "HostNetwork")
+    assert injected["message"].startswith("1 selected pod(s) use hostNetwork") and "vllm-host" in injected["message"]
+    # With a pod that only needs a restart beside it, the pod that never will is what is reported.
+    outcome = await reconcile(Context(kube=kube, sidecar_image=IMAGE), policy_body(), Seen(pods=[plain, host]),
+                              logging.getLogger("t"))  # fmt: skip
+    injected = next(c for c in outcome.status["conditions"] if c["type"] == "SidecarsInjected")
+    assert injected["reason"] == "HostNetwork" and "vllm-plain" not in injected["message"]
+
+
+# -- the sidecar's resources -------------------------------------------------------------
+
+NO_RESOURCES = {**SPEC, "sidecar": {k: v for k, v in SPEC["sidecar"].items() if k != "resources"}}
+
+
+def _sidecar_of_patch(patch):
+    return next(c for c in patch["spec"]["containers"] if c["name"] == builders.SIDECAR_CONTAINER)
+
+
+def _pod_with(*resources, init=None):
+    pod = vllm_pod()
+    pod["spec"]["containers"] = [{"name": f"c{i}", "image": "x", "resources": r} for i, r in enumerate(resources)]
+    if init is not None:
+        pod["spec"]["initContainers"] = [{"name": "init", "image": "x", "resources": init}]
+    return pod
+
+
+GUARANTEED = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2000m", "memory": "8Gi"}}
+
+
+def test_an_unset_spec_sidecar_resources_gets_bounded_defaults_and_a_given_one_wins():
+    sidecar = _sidecar_of_patch(builders.build_pod_patch(vllm_pod(), "fast", 1, NO_RESOURCES, IMAGE))
+    assert sidecar["resources"] == builders.DEFAULT_RESOURCES
+    assert sidecar["resources"]["limits"]["memory"] == "768Mi"  # a full 256 MiB queue and its copies fit
+    given = _sidecar_of_patch(builders.build_pod_patch(vllm_pod(), "fast", 1, SPEC, IMAGE))
+    assert given["resources"] == {"requests": {"cpu": "100m"}, "limits": {"cpu": 1}}
+    builders.build_pod_patch(vllm_pod(), "fast", 1, NO_RESOURCES, IMAGE)["spec"]["containers"][-1]["resources"]["requests"]["cpu"] = "9"
+    assert builders.DEFAULT_RESOURCES["requests"]["cpu"] == "250m"  # the defaults are copied, never shared
+
+
+@pytest.mark.parametrize("pod_resources, init, qos", [
+    ((GUARANTEED,), None, True),
+    ((GUARANTEED, {"limits": {"cpu": "500m", "memory": "1Gi"}}), None, True),  # unstated requests = limits
+    ((GUARANTEED, {"requests": {"cpu": "500m", "memory": "1Gi"}}), None, False),  # no limits: Burstable
+    ((GUARANTEED, {"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"cpu": "500m", "memory": "1Gi"}}), None, False),
+    ((GUARANTEED,), {"requests": {"cpu": "1"}}, False),  # an init container counts too
+    (({},), None, False),  # BestEffort
+])  # fmt: skip
+def test_a_guaranteed_pod_keeps_its_qos_class_with_the_sidecar(pod_resources, init, qos):
+    pod = _pod_with(*pod_resources, init=init)
+    assert builders.guaranteed(pod["spec"]) is qos
+    for spec in (NO_RESOURCES, SPEC):
+        patch = builders.build_pod_patch(pod, "fast", 1, spec, IMAGE)
+        resources = _sidecar_of_patch(patch)["resources"]
+        if qos:
+            assert resources["requests"] == resources["limits"], resources
+            assert builders.guaranteed({"containers": patch["spec"]["containers"]})  # the whole pod still is
+        else:
+            assert resources == (builders.DEFAULT_RESOURCES if spec is NO_RESOURCES else SPEC["sidecar"]["resources"])
+    limits = _sidecar_of_patch(builders.build_pod_patch(pod, "fast", 1, NO_RESOURCES, IMAGE))["resources"]["limits"]
+    assert limits == builders.DEFAULT_RESOURCES["limits"]  # the request rises to the limit, never the reverse
+
+
+def test_a_guaranteed_pods_sidecar_takes_a_given_request_as_its_limit():
+    spec = {**SPEC, "sidecar": {**SPEC["sidecar"], "resources": {"requests": {"cpu": "300m", "memory": "2Gi"}}}}
+    patch = builders.build_pod_patch(_pod_with(GUARANTEED), "fast", 1, spec, IMAGE)
+    assert _sidecar_of_patch(patch)["resources"] == {"requests": {"cpu": "300m", "memory": "2Gi"},
+                                                     "limits": {"cpu": "300m", "memory": "2Gi"}}  # fmt: skip
+    native = builders.build_pod_patch(_pod_with(GUARANTEED), "fast", 1, spec, IMAGE, native=True)
+    (sidecar,) = native["spec"]["initContainers"]
+    assert sidecar["resources"]["requests"] == sidecar["resources"]["limits"]
+
+
+# -- the NetworkPolicy per policy --------------------------------------------------------
+
+ALLOW = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}},
+         {"podSelector": {"matchExpressions": [{"key": "role", "operator": "In", "values": ["client"]}]}},
+         {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}}]  # fmt: skip
+
+
+def test_the_network_policy_admits_only_the_named_peers_to_the_sidecars_ports():
+    import kubernetes_validate
+
+    default = builders.build_network_policy("fast", "llm", SPEC)
+    kubernetes_validate.validate(default, "1.30", strict=True)
+    assert default["metadata"]["name"] == "fast-binbatch" and default["metadata"]["labels"][builders.POLICY_LABEL] == "fast"
+    assert default["spec"]["podSelector"] == {"matchLabels": {builders.POLICY_LABEL: "fast"}}  # the injected pods only
+    assert default["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = default["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {}}]  # unset allowFrom: the pods of the policy's own namespace
+    assert [p["port"] for p in rule["ports"]] == ["bb-grpc", "bb-http", "bb-metrics"]
+    spec = {**SPEC, "sidecar": {**SPEC["sidecar"], "allowFrom": ALLOW}}
+    named = builders.build_network_policy("fast", "llm", spec, [8000, 8000, 7000])
+    kubernetes_validate.validate(named, "1.30", strict=True)
+    (rule,) = named["spec"]["ingress"]
+    assert rule["from"] == ALLOW and [p["port"] for p in rule["ports"]] == ["bb-grpc", "bb-http", "bb-metrics", 7000, 8000]
+    # The ports it names are the ones the injected container declares.
+    declared = {p["name"] for p in builders.sidecar_container(SPEC, IMAGE)["ports"]}
+    assert {"bb-grpc", "bb-http", "bb-metrics"} <= declared
+
+
+def test_the_serving_ports_come_from_the_sidecars_the_policy_injected():
+    from binbatch_operator.indexes import pod_entry
+
+    take_over = {**SPEC, "sidecar": {**SPEC["sidecar"], "takeOverServingPort": {"enabled": True}}}
+    pod = vllm_pod()
+    pod["spec"]["containers"][0] |= {"ports": [{"name": "http", "containerPort": 8000}],
+                                     "args": ["--model", "m", "--port", "8000"]}  # fmt: skip
+    pod["metadata"]["name"] = "vllm-1"
+    patch = builders.build_pod_patch(pod, "fast", 1, take_over, IMAGE)
+    injected = pod_entry({"metadata": {**pod["metadata"], **patch["metadata"], "labels": {"app": "vllm", **patch["metadata"]["labels"]}},
+                          "spec": {**pod["spec"], **patch["spec"]}})  # fmt: skip
+    other = pod_entry({**injected, "metadata": {**injected["metadata"], "labels": {"app": "vllm", builders.POLICY_LABEL: "slow"}}})
+    assert builders.sidecar_serving_ports([injected, other], "fast") == [8000]
+    assert builders.sidecar_serving_ports([other], "fast") == []
+
+
+async def test_reconcile_keeps_the_network_policy_and_names_it_in_status():
+    kube = FakeKube()
+    ctx, log = Context(kube=kube, sidecar_image=IMAGE, network_policy=True), logging.getLogger("t")
+    outcome = await reconcile(ctx, policy_body(), Seen(), log)
+    made = kube.children[("NetworkPolicy", "fast-binbatch")]
+    assert made["metadata"]["ownerReferences"][0]["uid"] == "u1"  # garbage-collected with the policy
+    assert len(made["spec"]["ingress"]) == 1  # no metricsFrom: allowFrom only
+    prometheus = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    scraped = Context(kube=FakeKube(), sidecar_image=IMAGE, network_policy=True, metrics_from=prometheus)
+    await reconcile(scraped, policy_body(), Seen(), log)
+    rules = scraped.kube.children[("NetworkPolicy", "fast-binbatch")]["spec"]["ingress"]
+    assert rules[1] == {"from": prometheus, "ports": [{"protocol": "TCP", "port": "bb-metrics"}]}
+    assert outcome.status["networkPolicy"] == "fast-binbatch"
+    # The install turns them off: the one the policy owns goes, and status no longer names one.
+    ctx.network_policy = False
+    outcome = await reconcile(ctx, policy_body(status=outcome.status), Seen(children=dict(kube.children)), log)
+    assert ("delete", "NetworkPolicy") in kube.calls and ("NetworkPolicy", "fast-binbatch") not in kube.children
+    assert outcome.status["networkPolicy"] is None
+    # One the policy does not own is never deleted.
+    theirs = {**made, "metadata": {**made["metadata"], "ownerReferences": [{"kind": "Team", "uid": "t"}]}}
+    kube.calls.clear()
+    await reconcile(ctx, policy_body(), Seen(children={("NetworkPolicy", "fast-binbatch"): theirs}), log)
+    assert ("delete", "NetworkPolicy") not in kube.calls

@@ -105,3 +105,66 @@ the extra ones from values.
 {{- $names := list (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) (printf "%s.%s" $svc $ns) $svc -}}
 {{- concat $names .Values.webhook.extraHostnames | uniq | toJson }}
 {{- end }}
+
+{{/*
+What the operator does in a namespace it serves: its policies, their children, the pods they
+select, their Events, and the owners of injected pods. In the ClusterRole (every namespace) or
+in a Role per watchNamespaces entry.
+*/}}
+{{- define "binbatch.policyRules" -}}
+# The policies: watch them; patch for kopf's finalizer and progress annotations.
+- apiGroups: ["binbatch.io"]
+  resources: ["batchingpolicies"]
+  verbs: ["get", "list", "watch", "patch"]
+# Their status: conditions, observedGeneration, pods, batchSize, bins.
+- apiGroups: ["binbatch.io"]
+  resources: ["batchingpolicies/status"]
+  verbs: ["get", "patch"]
+# The children's ownerReferences set blockOwnerDeletion, which clusters running the
+# OwnerReferencesPermissionEnforcement admission plugin allow only with this.
+- apiGroups: ["binbatch.io"]
+  resources: ["batchingpolicies/finalizers"]
+  verbs: ["update"]
+# Each policy's sidecar config ConfigMap (<policy>-binbatch): create it, patch it on a spec change.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# Each policy's Service (<policy>-binbatch, ports grpc, http and metrics) in front of its sidecars,
+# and with spec.service.headless its headless twin (<policy>-binbatch-headless). Children are owned
+# by the policy and garbage-collected with it; delete only removes the headless Service when
+# spec.service.headless is turned off.
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Each policy's NetworkPolicy (<policy>-binbatch, networkPolicy.enabled): who reaches its sidecars.
+# RBAC cannot limit verbs to labelled objects; the operator patches and deletes only the ones
+# owned by a policy (owner reference), and with networkPolicy.enabled false only lists, watches
+# and deletes the ones it made earlier.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  {{- if .Values.networkPolicy.enabled }}
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  {{- else }}
+  verbs: ["list", "watch", "delete"]
+  {{- end }}
+# The pods a policy selects: count them and read their sidecars' stats into the status.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# kopf posts Kubernetes events on the policies (core and events.k8s.io APIs).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create"]
+# The owners of injected pods: patch = a rollout restart when a policy is deleted, so
+# its pods come back without the sidecar (a running pod's containers cannot be removed).
+- apiGroups: ["apps"]
+  resources: ["deployments", "statefulsets"]
+  verbs: ["get", "patch"]
+# A pod's owner is a ReplicaSet; reading it leads to the Deployment to restart.
+- apiGroups: ["apps"]
+  resources: ["replicasets"]
+  verbs: ["get"]
+{{- end }}
