@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..config import CLASS_PRIORITY_LIMIT, CallerInput, SidecarConfig
+from ..config import CALLER_INPUTS, CLASS_PRIORITY_LIMIT, CallerInput, DefaultClass, RequestClass, SidecarConfig
 from ..core.clock import Clock
 from ..core.hint_trust import HintTrust, TrustChange
 from ..core.request import Request, chat_text
@@ -86,6 +86,18 @@ class Fields:
     timeout: float | None = None  # seconds the caller waits at most, from acceptance
     trace: TraceContext | None = None
     body_bytes: int = 0  # the request's size as it came (batch.maxQueuedBytes counts it while it is queued)
+
+
+@dataclass(slots=True)
+class Steering:
+    """What of a request's hint, priority and SLO headers steers it (``Front.admit_inputs``)."""
+
+    priority: int = 0
+    slo: dict[str, int] = field(default_factory=dict)
+    hint: int | None = None  # None: the predictor places it
+    judged_hint: int | None = None  # the hint its class's trust is judged on (Ticket.judged_hint)
+    ignored: tuple[CallerInput, ...] = ()
+    contradiction: str = ""  # why the request says its hint is too short: refused
 
 
 @dataclass(slots=True)
@@ -254,21 +266,10 @@ class Front:
         text = f.prompt if f.prompt is not None else chat_text(f.messages or ())
         # never unset: bins.maxOutputTokens is the cap the docs promise, within the engine's context
         engine_max_tokens = max_tokens or unset_max_tokens(cap, self.context_length(model), text)
-        ignored: list[CallerInput] = [what for what, sent in (("hint", hint is not None), ("priority", f.priority != 0),
-                                                              ("slo", bool(f.slo))) if sent and not inputs.allows(what)]  # fmt: skip
-        priority = 0 if "priority" in ignored else f.priority
-        slo = {} if "slo" in ignored else f.slo
-        judged_hint = None
-        if hint is not None and "hint" not in ignored:
-            contradiction = contradicted_hint(hint, f.min_tokens, f.ignore_eos, f.stop, engine_max_tokens)
-            if contradiction:
-                raise bad("expected_output_tokens", contradiction)
-            judged_hint = min(hint, engine_max_tokens)
-            if not self.hint_trust.trusted(f.request_class):
-                ignored.append("hint")
-            self._trust_changed()
-        if "hint" in ignored:
-            hint = None
+        steer = self.admit_inputs(f, inputs, engine_max_tokens)
+        if steer.contradiction:
+            raise bad("expected_output_tokens", steer.contradiction)
+        hint, slo = steer.hint, steer.slo
         params = SamplingParams(
             model=model,
             max_tokens=engine_max_tokens,
@@ -289,7 +290,7 @@ class Front:
             prompt_tokens=estimate_prompt_tokens(text),
             max_tokens=max_tokens,
             hint_tokens=float(hint) if hint is not None else None,
-            priority=class_priority * PRIORITY_SPAN + priority,
+            priority=class_priority * PRIORITY_SPAN + steer.priority,
             deadline=None if f.timeout is None else now + f.timeout,
             send_by=None if budget is None else now + budget,
             tpot_slo=slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in slo else None,  # TpotGate
@@ -298,10 +299,31 @@ class Front:
             body_bytes=f.body_bytes,
         )
         call = Call(engine_request, asyncio.get_running_loop().create_future(), asyncio.Queue() if stream else None)
-        ticket = Ticket(req, call, f.trace.trace_id if f.trace else "", judged_hint=judged_hint, ignored=tuple(ignored))
+        ticket = Ticket(req, call, f.trace.trace_id if f.trace else "", judged_hint=steer.judged_hint,
+                        ignored=steer.ignored)  # fmt: skip
         if cfg.logging.log_prompts:
             prompt_log.info("request %s prompt: %s", req.id, text, extra=ticket.log_extra)
         return ticket
+
+    def admit_inputs(self, f: Fields, inputs: RequestClass | DefaultClass, engine_max_tokens: int) -> Steering:
+        """What of ``f``'s hint, priority and SLO headers steers the request: each its class may send
+        (``inputs``), and the hint only if the request does not contradict it (``Steering.contradiction``)
+        and its class has not lost its hints (``HintTrust``)."""
+        sent: dict[CallerInput, bool] = {"hint": f.expected_output_tokens is not None, "priority": f.priority != 0,
+                                         "slo": bool(f.slo)}  # fmt: skip
+        ignored = [what for what in CALLER_INPUTS if sent[what] and not inputs.allows(what)]
+        steer = Steering(priority=0 if "priority" in ignored else f.priority, slo={} if "slo" in ignored else f.slo)
+        hint = f.expected_output_tokens
+        if hint is not None and "hint" not in ignored:
+            steer.contradiction = contradicted_hint(hint, f.min_tokens, f.ignore_eos, f.stop, engine_max_tokens)
+            steer.judged_hint = min(hint, engine_max_tokens)
+            if self.hint_trust.trusted(f.request_class):
+                steer.hint = hint
+            else:
+                ignored.append("hint")
+            self._trust_changed()
+        steer.ignored = tuple(ignored)
+        return steer
 
     async def submit(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
         """Build the request, ask the external predictor about it (no hint given), and
