@@ -366,12 +366,21 @@ def test_a_policy_with_classes_renders_a_config_the_sidecar_enforces():
     from binbatch_operator import crd
     from binbatch_operator.builders import sidecar_config
 
-    spec = {"selector": {"matchLabels": {"app": "vllm"}}, "classes": {"classes": [{"name": "interactive", "priority": 100}]}}
-    assert parse_config(sidecar_config(spec)).classes.priority_of("interactive") == 100
+    spec = {"selector": {"matchLabels": {"app": "vllm"}}, "classes": {
+        "classes": [{"name": "interactive", "priority": 100, "allowPriority": True}],
+        "default": {"allowSloHeaders": False}}}  # fmt: skip
+    classes = parse_config(sidecar_config(spec)).classes
+    assert classes.priority_of("interactive") == 100
+    assert [classes.inputs_of("interactive").allows(w) for w in CALLER_INPUTS] == [True, True, False]
+    assert [classes.inputs_of("").allows(w) for w in CALLER_INPUTS] == [True, True, False]
     schema = crd.spec_schema()["properties"]["classes"]["properties"]["classes"]
     assert schema["x-kubernetes-list-type"] == "map" and schema["x-kubernetes-list-map-keys"] == ["name"]
     priority = schema["items"]["properties"]["priority"]
     assert (priority["minimum"], priority["maximum"]) == (-1000, 1000)
+    allowed = {k: v["default"] for k, v in schema["items"]["properties"].items() if k.startswith("allow")}
+    assert allowed == {"allowHints": True, "allowPriority": False, "allowSloHeaders": False}
+    default = crd.spec_schema()["properties"]["classes"]["properties"]["default"]["properties"]
+    assert {k: v["default"] for k, v in default.items()} == {"allowHints": True, "allowPriority": True, "allowSloHeaders": True}
 
 
 def test_count_mode_auto_needs_a_latency_target_and_free_bins():
