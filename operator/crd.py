@@ -188,7 +188,7 @@ SECTION_DESCRIPTIONS = {
     "predictor": "How output lengths are predicted.",
     "metrics": "Where the sidecar reads the engine's metrics.",
     "logging": "The sidecar's logs.",
-    "classes": "Request classes clients name in request_class, each with a priority.",
+    "classes": "Request classes clients name in request_class, each with a priority and what its callers may send to steer their place in the queue.",
 }
 
 _DROP = {"title", "additionalProperties"}

@@ -32,7 +32,8 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
     server:    {grpcPort, httpPort, metricsPort, drainGraceSeconds, configPollMilliseconds, passthroughPaths,
                 maxRequestBytes}
     logging:   {level: Debug|Info|Warning|Error, format: Json|Text, logPrompts}
-    classes:   {classes: [{name, priority}]}
+    classes:   {classes: [{name, priority, allowHints, allowPriority, allowSloHeaders}],
+                default: {allowHints, allowPriority, allowSloHeaders}}
 
 An absent file means the defaults (``binbatch sidecar`` without ``--config``), but
 a file that exists and holds no document (empty, whitespace or comments only) is
@@ -82,6 +83,10 @@ PredictorKind = Literal["Hint", "Online", "Learned"]
 MetricsSource = Literal["Scrape", "PromQL", "None"]
 LogLevel = Literal["Debug", "Info", "Warning", "Error"]
 LogFormat = Literal["Json", "Text"]
+# what a caller may send to steer its place in the queue (classes.*.allowHints|allowPriority|allowSloHeaders)
+CallerInput = Literal["hint", "priority", "slo"]
+CALLER_INPUTS: tuple[CallerInput, ...] = ("hint", "priority", "slo")
+_ALLOW_KEY = {"hint": "allow_hints", "priority": "allow_priority", "slo": "allow_slo_headers"}
 # Keys bound once at start-up (listening sockets). A reload that changes one is
 # refused and names the key; everything else is applied live.
 RESTART_KEYS = (("server", "grpc_port"), ("server", "http_port"), ("server", "metrics_port"),
@@ -272,7 +277,7 @@ class ExternalPredictorConfig(_Section):
 
 
 class PredictorConfig(_Section):
-    kind: PredictorKind = Field("Learned", description="Hint: the client's hint only. Online: the spread of the last 64 output lengths per request class and prompt-length bucket seen in completions. Learned: a model that reads the prompt (what is asked, its class, max_tokens) predicts a distribution of the length; refitted off the request path from the completions the sidecar sees (their prompts kept only as hashed features), warm-started from warmStart; Online answers until it has a model. The client's hint always wins.")  # fmt: skip
+    kind: PredictorKind = Field("Learned", description="Hint: the client's hint only. Online: the spread of the last 64 output lengths per request class and prompt-length bucket seen in completions. Learned: a model that reads the prompt (what is asked, its class, max_tokens) predicts a distribution of the length; refitted off the request path from the completions the sidecar sees (their prompts kept only as hashed features), warm-started from warmStart; Online answers until it has a model. The client's hint wins, when honoured (classes.*.allowHints).")  # fmt: skip
     default_output_tokens: int = Field(256, ge=1, le=1_000_000, description="Expected output length with no hint, no max_tokens and no history.")  # fmt: skip
     external: ExternalPredictorConfig = Field(default_factory=ExternalPredictorConfig, description="An external length-predictor service, asked after the client's hint and before the built-in predictor.")  # fmt: skip
     warm_start: str = Field("", max_length=4096, description="Learned: path, in the sidecar's filesystem, of a model written by the command binbatch predictor train to start from (a file that cannot be read as one refuses the config, unless warmStartOptional); empty: start with none and learn from completions. When the file changes (a ConfigMap volume updated in place) the new model is swapped in.")  # fmt: skip
@@ -363,9 +368,36 @@ class LoggingConfig(_Section):
     log_prompts: bool = Field(False, description="Log each request's prompt and completion text at Info (logger binbatch.prompts). Off: never logged at any level (they may hold personal data).")  # fmt: skip
 
 
-class RequestClass(_Section):
+# What a caller of a class may send to steer its own place in the queue. An input not allowed is ignored,
+# not refused: the request is served as if it had not sent it (binbatch_ignored_inputs_total).
+# Each subclass declares allow_hints, allow_priority and allow_slo_headers with its own defaults.
+class _CallerInputs(_Section):
+    def allows(self, what: CallerInput) -> bool:
+        """Whether a caller of this class may send ``what`` (one of ``CALLER_INPUTS``)."""
+        return bool(getattr(self, _ALLOW_KEY[what]))
+
+
+# The defaults of both kinds of class, in this one place (docs/security.md, "Scheduling inputs a caller may send").
+# Hints: allowed, since the measured wins need them and a class whose hints keep running short loses them
+# (core/hint_trust.py). Priority and SLO headers: only for a named class that says so. Requests naming no class
+# keep all three: a policy without classes serves as it did before these keys existed.
+_HINTS = "Honour the length hint a request of this class sends (expected_output_tokens, header x-expected-output-tokens); false: ignore it and let the predictor place the request. A class whose hints keep running short (answers over twice the hint, on the median of its latest hinted completions) loses its hints until honest ones bring the median back."  # fmt: skip
+_PRIORITY = "Honour the priority a request of this class sends (priority, header x-request-priority); false: ignore it (priority 0). The class's own priority applies either way."  # fmt: skip
+_SLO = "Honour the SLO headers a request of this class sends (x-slo-ttft-ms, x-slo-tpot-ms); false: ignore them (the policy's latency targets apply)."  # fmt: skip
+
+
+class RequestClass(_CallerInputs):
     name: str = Field(min_length=1, max_length=63, pattern=CLASS_NAME_PATTERN, description="Name a request gives in request_class (lower-case DNS label).")  # fmt: skip
     priority: int = Field(0, ge=-CLASS_PRIORITY_LIMIT, le=CLASS_PRIORITY_LIMIT, description="Rank of the class; larger is more urgent. It orders bins and batches before the request's own priority.")  # fmt: skip
+    allow_hints: bool = Field(True, description=_HINTS)
+    allow_priority: bool = Field(False, description=_PRIORITY)
+    allow_slo_headers: bool = Field(False, description=_SLO)
+
+
+class DefaultClass(_CallerInputs):  # requests naming no class
+    allow_hints: bool = Field(True, description=_HINTS)
+    allow_priority: bool = Field(True, description=_PRIORITY + " True by default, so a policy without classes serves as before; set false when classes mark the callers you trust.")  # fmt: skip
+    allow_slo_headers: bool = Field(True, description=_SLO + " True by default, so a policy without classes serves as before; set false when classes mark the callers you trust.")  # fmt: skip
 
 
 def _class_list_schema() -> dict[str, Any]:
@@ -378,12 +410,13 @@ def _class_list_schema() -> dict[str, Any]:
     return {
         "type": "array", "maxItems": 64, "items": item,
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
-        "description": "The request classes clients may name; a request naming another class is refused (INVALID_ARGUMENT). Empty request_class: no class, priority 0.",
+        "description": "The request classes clients may name; a request naming another class is refused (INVALID_ARGUMENT). Empty request_class: no class, priority 0, and classes.default says what it may send.",
     }  # fmt: skip
 
 
 class ClassesConfig(_Section):
     classes: Annotated[list[RequestClass], WithJsonSchema(_class_list_schema())] = Field(default_factory=list, max_length=64)  # fmt: skip
+    default: DefaultClass = Field(default_factory=DefaultClass, description="What requests naming no class may send to steer their place in the queue (length hint, priority, SLO headers).")  # fmt: skip
 
     @model_validator(mode="after")
     def _unique(self) -> ClassesConfig:
@@ -393,6 +426,15 @@ class ClassesConfig(_Section):
                 _broken([(f"classes[{i}].name", f"duplicate class {c.name!r}")])
             seen.add(c.name)
         return self
+
+    def inputs_of(self, name: str) -> RequestClass | DefaultClass | None:
+        """What a request of class ``name`` ("" : none) may send; None if the policy defines no class ``name``."""
+        if not name:
+            return self.default
+        for c in self.classes:
+            if c.name == name:
+                return c
+        return None
 
     def priority_of(self, name: str) -> int | None:
         """The class's priority, or None if the policy defines no class ``name``."""
@@ -414,7 +456,7 @@ class SidecarConfig(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Where engine metrics come from.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="The sidecar's own ports and lifecycle.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
-    classes: ClassesConfig = Field(default_factory=ClassesConfig, description="Request classes and their priorities.")
+    classes: ClassesConfig = Field(default_factory=ClassesConfig, description="Request classes, their priorities and what their callers may send.")
 
     @model_validator(mode="after")
     def _sla_needs_target(self) -> SidecarConfig:

@@ -12,7 +12,8 @@
 
 Each sets ``req.length``, the predicted length as a distribution (``LengthDist``:
 its median orders and bins, its upper quantile plans the KV cache), and returns
-the median.  The client's hint always wins (the API promises it): every predictor
+the median.  The client's hint wins (the API promises it, for the hints the server
+lets through: server/front.py): every predictor
 returns the hint, capped at ``max_tokens``, as an exact length whenever one is
 given; the others only predict requests without a hint.
 

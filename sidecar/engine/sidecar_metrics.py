@@ -20,6 +20,8 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from ..config import CALLER_INPUTS
+
 # Seconds: from sub-millisecond queueing to long generations.
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -268,6 +270,20 @@ class SidecarMetrics:
             "Completions reported to the external length predictor (predictor.external.feedbackUrl), by outcome "
             "(sent|failed|dropped: the service fell behind)", ["outcome"], registry=r,
         )  # fmt: skip
+        self.ignored_inputs = Counter(
+            "binbatch_ignored_inputs",
+            "Caller inputs ignored, by input (hint|priority|slo): sent by a request whose class may not steer "
+            "with it (classes.*.allowHints|allowPriority|allowSloHeaders), or a hint of a class whose hints ran "
+            "long; the request was served as if it had not sent it", ["input"], registry=r,
+        )  # fmt: skip
+        self.hints_distrusted = Gauge(
+            "binbatch_hints_distrusted",
+            "1 while a request class's length hints are ignored because its answers ran over twice its hints "
+            "(median of its latest hinted completions), else 0; request_class _default: requests naming no class",
+            ["request_class"], registry=r,
+        )  # fmt: skip
+        for what in CALLER_INPUTS:
+            self.ignored_inputs.labels(what)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros so rate() works from the start
         for outcome in EXTERNAL_OUTCOMES:

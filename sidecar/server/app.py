@@ -165,7 +165,7 @@ class Sidecar:
         inference = InferenceServicer(
             self.dispatcher, self.clock, config=lambda: self.config, default_model=self.default_model,
             context_length=lambda model: self.client.context_lengths.get(model), on_completion=self.on_completion,
-            external=self.external,
+            external=self.external, metrics=self.metrics,
         )  # fmt: skip
         self.health = health.aio.HealthServicer()
         # server.maxRequestBytes: a larger message is RESOURCE_EXHAUSTED before it is held (the HTTP door's 413)

@@ -22,13 +22,15 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..config import CLASS_PRIORITY_LIMIT, SidecarConfig
+from ..config import CALLER_INPUTS, CLASS_PRIORITY_LIMIT, CallerInput, DefaultClass, RequestClass, SidecarConfig
 from ..core.clock import Clock
+from ..core.hint_trust import HintTrust, TrustChange
 from ..core.request import Request, chat_text
 from ..core.stages import RequestDispatcher
 from ..engine.dispatcher import Call, Completion
 from ..engine.engine_client import EngineRequest, SamplingParams
 from ..engine.external_predictor import ExternalPredictor
+from ..engine.sidecar_metrics import SidecarMetrics
 from .trace_context import TraceContext
 
 log = logging.getLogger("binbatch.api")
@@ -87,6 +89,18 @@ class Fields:
 
 
 @dataclass(slots=True)
+class Steering:
+    """What of a request's hint, priority and SLO headers steers it (``Front.admit_inputs``)."""
+
+    priority: int = 0
+    slo: dict[str, int] = field(default_factory=dict)
+    hint: int | None = None  # None: the predictor places it
+    judged_hint: int | None = None  # the hint its class's trust is judged on (Ticket.judged_hint)
+    ignored: tuple[CallerInput, ...] = ()
+    contradiction: str = ""  # why the request says its hint is too short: refused
+
+
+@dataclass(slots=True)
 class Ticket:
     """An accepted request: the core's view, the caller's handle, and what its log lines carry."""
 
@@ -94,6 +108,10 @@ class Ticket:
     call: Call
     trace_id: str = ""
     asked_external: bool = False  # the external predictor was asked about it (it is told the outcome)
+    # the hint a caller allowed to send one sent, as it would place the request (capped at max_tokens), whether
+    # it did or its class had lost its hints: what the class's hint trust is judged on
+    judged_hint: int | None = None
+    ignored: tuple[CallerInput, ...] = ()  # what the caller sent and its class may not steer with
 
     @property
     def log_extra(self) -> dict[str, str]:
@@ -168,14 +186,21 @@ class Front:
     """Given the few things both doors call: the dispatcher, the clock, a getter
     for the running config (a reload replaces it), one for the default model
     (learned from the engine after start-up), the engine's context length per
-    model, what to tell of each completion (Stats.throughput, the Smdp fit), and
-    the external length predictor (``predictor.external``), if any."""
+    model, what to tell of each completion (Stats.throughput, the Smdp fit), the
+    external length predictor (``predictor.external``), if any, the metrics the
+    ignored caller inputs are counted in, and the per-class hint trust.
+
+    What a caller sends to steer its place in the queue is earned (``admit_inputs``):
+    a hint the request contradicts is refused; a hint, priority or SLO header its
+    class may not send (``classes.*.allow*``) is ignored and counted; a hint of a
+    class whose hints keep running short (``HintTrust``) is ignored too."""
 
     def __init__(
         self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig],
         default_model: Callable[[], str], context_length: Callable[[str], int | None] = lambda model: None,
         on_completion: Callable[[float, int, int], None] = lambda engine_seconds, batch_size, output_tokens: None,
-        external: ExternalPredictor | None = None,
+        external: ExternalPredictor | None = None, metrics: SidecarMetrics | None = None,
+        hint_trust: HintTrust | None = None,
     ) -> None:  # fmt: skip
         self.dispatcher = dispatcher
         self.clock = clock
@@ -184,6 +209,8 @@ class Front:
         self.context_length = context_length
         self.on_completion = on_completion
         self.external = external
+        self.metrics = metrics  # binbatch_ignored_inputs_total, binbatch_hints_distrusted
+        self.hint_trust = hint_trust if hint_trust is not None else HintTrust(clock)
 
     def build(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
         """Check ``f`` against the bounds both doors share and make the core request
@@ -230,19 +257,22 @@ class Front:
                 raise InvalidRequest(f"{name('stop')}[{i}]: must be 1 to {STOP_LENGTH_LIMIT} characters, got {len(seq)}")  # fmt: skip
         if len(f.request_id) > REQUEST_ID_LIMIT:
             raise bad("request_id", f"at most {REQUEST_ID_LIMIT} characters")
-        class_priority = 0
-        if f.request_class:
-            found = cfg.classes.priority_of(f.request_class)
-            if found is None:
-                names_ = ", ".join(c.name for c in cfg.classes.classes) or "none"
-                shown = f.request_class if len(f.request_class) <= 64 else f.request_class[:64] + "..."
-                raise bad("request_class", f"unknown class {shown!r} (the policy's classes.classes defines: {names_})")
-            class_priority = found
+        inputs = cfg.classes.inputs_of(f.request_class)
+        if inputs is None:
+            names_ = ", ".join(c.name for c in cfg.classes.classes) or "none"
+            shown = f.request_class if len(f.request_class) <= 64 else f.request_class[:64] + "..."
+            raise bad("request_class", f"unknown class {shown!r} (the policy's classes.classes defines: {names_})")
+        class_priority = cfg.classes.priority_of(f.request_class) or 0
         text = f.prompt if f.prompt is not None else chat_text(f.messages or ())
+        # never unset: bins.maxOutputTokens is the cap the docs promise, within the engine's context
+        engine_max_tokens = max_tokens or unset_max_tokens(cap, self.context_length(model), text)
+        steer = self.admit_inputs(f, inputs, engine_max_tokens)
+        if steer.contradiction:
+            raise bad("expected_output_tokens", steer.contradiction)
+        hint, slo = steer.hint, steer.slo
         params = SamplingParams(
             model=model,
-            # never unset: bins.maxOutputTokens is the cap the docs promise, within the engine's context
-            max_tokens=max_tokens or unset_max_tokens(cap, self.context_length(model), text),
+            max_tokens=engine_max_tokens,
             temperature=f.temperature,
             top_p=f.top_p,
             stop=f.stop,
@@ -253,26 +283,47 @@ class Front:
         trace_headers = f.trace.headers() if f.trace else ()
         engine_request = EngineRequest(params=params, prompt=f.prompt, messages=f.messages, trace_headers=trace_headers)
         now = self.clock.now()
-        budget = cfg.queue_budget_seconds(f.slo.get("x-slo-ttft-ms"))  # TTFT SLO: bounds the wait in a bin
+        budget = cfg.queue_budget_seconds(slo.get("x-slo-ttft-ms"))  # TTFT SLO: bounds the wait in a bin
         req = Request(
             id=f.request_id or uuid.uuid4().hex,
             arrival=now,
             prompt_tokens=estimate_prompt_tokens(text),
             max_tokens=max_tokens,
             hint_tokens=float(hint) if hint is not None else None,
-            priority=class_priority * PRIORITY_SPAN + f.priority,
+            priority=class_priority * PRIORITY_SPAN + steer.priority,
             deadline=None if f.timeout is None else now + f.timeout,
             send_by=None if budget is None else now + budget,
-            tpot_slo=f.slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in f.slo else None,  # TpotGate
+            tpot_slo=slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in slo else None,  # TpotGate
             request_class=f.request_class,
             prompt_text=text,  # for predictor.kind Learned; min_tokens, stop and ignore_eos are never handed on
             body_bytes=f.body_bytes,
         )
         call = Call(engine_request, asyncio.get_running_loop().create_future(), asyncio.Queue() if stream else None)
-        ticket = Ticket(req, call, f.trace.trace_id if f.trace else "")
+        ticket = Ticket(req, call, f.trace.trace_id if f.trace else "", judged_hint=steer.judged_hint,
+                        ignored=steer.ignored)  # fmt: skip
         if cfg.logging.log_prompts:
             prompt_log.info("request %s prompt: %s", req.id, text, extra=ticket.log_extra)
         return ticket
+
+    def admit_inputs(self, f: Fields, inputs: RequestClass | DefaultClass, engine_max_tokens: int) -> Steering:
+        """What of ``f``'s hint, priority and SLO headers steers the request: each its class may send
+        (``inputs``), and the hint only if the request does not contradict it (``Steering.contradiction``)
+        and its class has not lost its hints (``HintTrust``)."""
+        sent: dict[CallerInput, bool] = {"hint": f.expected_output_tokens is not None, "priority": f.priority != 0,
+                                         "slo": bool(f.slo)}  # fmt: skip
+        ignored = [what for what in CALLER_INPUTS if sent[what] and not inputs.allows(what)]
+        steer = Steering(priority=0 if "priority" in ignored else f.priority, slo={} if "slo" in ignored else f.slo)
+        hint = f.expected_output_tokens
+        if hint is not None and "hint" not in ignored:
+            steer.contradiction = contradicted_hint(hint, f.min_tokens, f.ignore_eos, f.stop, engine_max_tokens)
+            steer.judged_hint = min(hint, engine_max_tokens)
+            if self.hint_trust.trusted(f.request_class):
+                steer.hint = hint
+            else:
+                ignored.append("hint")
+            self._trust_changed()
+        steer.ignored = tuple(ignored)
+        return steer
 
     async def submit(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
         """Build the request, ask the external predictor about it (no hint given), and
@@ -285,6 +336,11 @@ class Front:
         except Exception as exc:
             log.debug("refused: %s", exc, extra=log_extra(f))
             raise
+        if ticket.ignored:
+            log.debug("ignored what its class may not steer with: %s", ", ".join(ticket.ignored), extra=ticket.log_extra)
+            if self.metrics is not None:
+                for what in ticket.ignored:
+                    self.metrics.ignored_inputs.labels(what).inc()
         log.debug("accepted into bin %s", ticket.req.bin, extra=ticket.log_extra)
         return ticket
 
@@ -307,7 +363,47 @@ class Front:
         """A completion reached its caller: feed the throughput window and the
         batch-time fit; log the text only with ``logging.logPrompts``."""
         self.on_completion(completion.engine_seconds, completion.batch_size, completion.result.completion_tokens)
+        if ticket.judged_hint is not None:
+            self.hint_trust.record(ticket.req.request_class, ticket.judged_hint, completion.result.completion_tokens)
+            self._trust_changed()
         if ticket.asked_external and self.external is not None:
             self.external.completed(ticket.req.id, completion.result.completion_tokens)
         if self.config().logging.log_prompts:
             prompt_log.info("request %s completion: %s", ticket.req.id, completion.result.text, extra=ticket.log_extra)
+
+    def _trust_changed(self) -> None:
+        """Log and count each class that lost or regained its hints: one line per flip."""
+        for change in self.hint_trust.take_changes():
+            _log_trust(change)
+            if self.metrics is not None:
+                self.metrics.hints_distrusted.labels(class_label(change.request_class)).set(0 if change.trusted else 1)
+
+
+NO_CLASS_LABEL = "_default"  # requests naming no class (no class name can hold "_")
+
+
+def class_label(request_class: str) -> str:
+    return request_class or NO_CLASS_LABEL
+
+
+def _log_trust(change: TrustChange) -> None:
+    who = f"request class {change.request_class!r}" if change.request_class else "requests naming no class"
+    if not change.trusted:
+        log.warning("%s: length hints ignored, the predictor places these requests: their answers ran %.1fx the "
+                    "hint (median of the latest %d hinted completions)", who, change.median_ratio, change.samples)  # fmt: skip
+    elif change.median_ratio is not None:
+        log.warning("%s: length hints honoured again: answers back to %.2fx the hint (median of the latest %d)",
+                    who, change.median_ratio, change.samples)  # fmt: skip
+    else:
+        log.warning("%s: length hints honoured again: the evidence against them aged out", who)
+
+
+def contradicted_hint(hint: int, min_tokens: int | None, ignore_eos: bool, stop: tuple[str, ...], max_tokens: int) -> str:
+    """Why the request itself says ``hint`` is too short ("" if it does not): the answer runs to at least
+    ``min_tokens``, and with ``ignore_eos`` and no stop sequence to ``max_tokens`` (as sent to the engine)."""
+    if min_tokens is not None and hint < min_tokens:
+        return f"{hint} is below min_tokens {min_tokens}: the answer is at least min_tokens long"
+    if ignore_eos and not stop and hint < max_tokens:
+        return (f"{hint} is below max_tokens {max_tokens}: with ignore_eos and no stop sequence the answer runs "
+                "to max_tokens")  # fmt: skip
+    return ""

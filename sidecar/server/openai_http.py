@@ -30,7 +30,10 @@ as gRPC's: a request still queued then leaves its bin, one running is aborted;
 504), ``traceparent`` / ``tracestate`` (passed to the engine).  Headers out:
 ``x-request-id``, ``x-binbatch-predicted-tokens``, ``x-binbatch-bin``,
 ``x-binbatch-queue-ms`` -- on a stream they go with its first chunk, when the
-request has left its bin, so all three are known then.
+request has left its bin, so all three are known then.  The hint, priority and SLO
+headers steer a request only as ``front.Front.admit_inputs`` lets them (a hint the
+body contradicts is a 400 naming ``x-expected-output-tokens``; what the request's
+class may not send is ignored).
 
 Errors are OpenAI's error JSON with the status gRPC's code maps to: 400 naming the
 field (``param``), 429 with ``Retry-After`` on a full queue (RESOURCE_EXHAUSTED),

@@ -44,6 +44,7 @@ from ..core.stages import RequestDispatcher
 from ..engine.dispatcher import Call, Completion, Rejected
 from ..engine.engine_client import EngineError
 from ..engine.external_predictor import ExternalPredictor
+from ..engine.sidecar_metrics import SidecarMetrics
 from .front import (  # noqa: F401 - the bounds and helpers are re-exported: binbatch.proto documents them here
     MODEL_LIMIT,
     PRIORITY_LIMIT,
@@ -168,10 +169,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, dispatcher: RequestDispatcher, clock: Clock, *, config: Callable[[], SidecarConfig],
         default_model: Callable[[], str], context_length: Callable[[str], int | None] = lambda model: None,
         on_completion: Callable[[float, int, int], None] = lambda engine_seconds, batch_size, output_tokens: None,
-        external: ExternalPredictor | None = None,
+        external: ExternalPredictor | None = None, metrics: SidecarMetrics | None = None,
     ) -> None:  # fmt: skip
         self.front = Front(dispatcher, clock, config=config, default_model=default_model,
-                           context_length=context_length, on_completion=on_completion, external=external)  # fmt: skip
+                           context_length=context_length, on_completion=on_completion, external=external,
+                           metrics=metrics)  # fmt: skip
         self.dispatcher = dispatcher
 
     def _fields(self, msg: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext) -> Fields:

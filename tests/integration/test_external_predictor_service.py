@@ -162,7 +162,7 @@ async def test_the_services_median_places_a_request_and_it_learns_from_completio
 
 async def test_the_clients_hint_wins_and_the_service_is_not_asked(tmp_path):
     async with service(load_example().make_app()) as svc, sidecar(tmp_path, external(f"{svc.base}/predict")) as sc:
-        resp = await http_completion(sc, 64, **{"x-expected-output-tokens": "7"})
+        resp = await http_completion(sc, 7, **{"x-expected-output-tokens": "7"})  # below: refused (ignore_eos)
         assert resp.headers["x-binbatch-predicted-tokens"] == "7"
         assert svc.bodies("/predict") == []
         assert sum(calls(await sc.scrape()).values()) == 0

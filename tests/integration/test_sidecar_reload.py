@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2 as pb
-from binbatch_sidecar.config import SidecarConfig
+from binbatch_sidecar.config import CALLER_INPUTS, SidecarConfig
 from binbatch_sidecar.core import length_model
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.request import Request
@@ -201,8 +201,15 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ("logging", "format"): ({"logging": {"format": "Text"}}, lambda s: logs.current_format(), "Text"),  # and see test_sidecar_process  # fmt: skip
     ("logging", "log_prompts"): ({"logging": {"logPrompts": True}}, lambda s: s.config.logging.log_prompts, True),  # read per request; see test_sidecar_input  # fmt: skip
     ("classes", "classes"): (
-        {"classes": {"classes": [{"name": "x", "priority": 5}]}}, lambda s: s.config.classes.priority_of("x"), 5,
-    ),  # read per request  # fmt: skip
+        {"classes": {"classes": [{"name": "x", "priority": 5, "allowHints": False, "allowPriority": True,
+                                  "allowSloHeaders": True}]}},
+        lambda s: (s.config.classes.priority_of("x"), [s.config.classes.inputs_of("x").allows(w) for w in CALLER_INPUTS]),
+        (5, [False, True, True]),
+    ),  # read per request; see test_caller_inputs  # fmt: skip
+    ("classes", "default"): (
+        {"classes": {"default": {"allowHints": False, "allowPriority": False, "allowSloHeaders": False}}},
+        lambda s: [s.config.classes.inputs_of("").allows(w) for w in CALLER_INPUTS], [False, False, False],
+    ),  # read per request; see test_caller_inputs  # fmt: skip
 }
 REFUSED: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("server", "grpc_port"): {"server": {"grpcPort": 12345}},

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from binbatch_sidecar.config import (
+    CALLER_INPUTS,
     ConfigError,
     SidecarConfig,
     config_json,
@@ -101,8 +102,18 @@ classes:
   classes:
   - name: interactive
     priority: 100
+    allowHints: true
+    allowPriority: true
+    allowSloHeaders: true
   - name: batch
     priority: -100
+    allowHints: false
+    allowPriority: false
+    allowSloHeaders: false
+  default:
+    allowHints: true
+    allowPriority: false
+    allowSloHeaders: false
 """
 
 
@@ -286,6 +297,35 @@ def test_classes_map_names_to_priorities():
     assert SidecarConfig().classes.classes == []
 
 
+def test_classes_say_what_their_callers_may_steer_with():
+    cfg = parse_config(yaml.safe_load(FULL))
+    interactive, batch, default = (cfg.classes.inputs_of(n) for n in ("interactive", "batch", ""))
+    assert [interactive.allows(w) for w in CALLER_INPUTS] == [True, True, True]
+    assert [batch.allows(w) for w in CALLER_INPUTS] == [False, False, False]
+    assert [default.allows(w) for w in CALLER_INPUTS] == [True, False, False]
+    assert cfg.classes.inputs_of("other") is None
+
+
+def test_a_named_class_may_send_hints_only_and_no_class_keeps_everything_by_default():
+    named = parse_config({"classes": {"classes": [{"name": "a"}]}}).classes.inputs_of("a")
+    assert [named.allows(w) for w in CALLER_INPUTS] == [True, False, False]
+    unnamed = SidecarConfig().classes.inputs_of("")
+    assert [unnamed.allows(w) for w in CALLER_INPUTS] == [True, True, True]  # a policy without classes as before
+
+
+@pytest.mark.parametrize(
+    ("classes", "path", "words"),
+    [
+        ({"classes": [{"name": "a", "allowHints": "yes"}]}, "classes.classes[0].allowHints", "valid boolean"),
+        ({"default": {"allowPriority": 1}}, "classes.default.allowPriority", "valid boolean"),
+        ({"default": {"allowSlo": True}}, "classes.default.allowSlo", "Extra inputs are not permitted"),
+    ],
+)
+def test_bad_allow_keys_name_the_key(classes, path, words):
+    [(where, msg)] = problems_of({"classes": classes})
+    assert where == path and words in msg
+
+
 @pytest.mark.parametrize(
     ("classes", "path", "words"),
     [
@@ -328,12 +368,21 @@ def test_a_policy_with_classes_renders_a_config_the_sidecar_enforces():
     from binbatch_operator import crd
     from binbatch_operator.builders import sidecar_config
 
-    spec = {"selector": {"matchLabels": {"app": "vllm"}}, "classes": {"classes": [{"name": "interactive", "priority": 100}]}}
-    assert parse_config(sidecar_config(spec)).classes.priority_of("interactive") == 100
+    spec = {"selector": {"matchLabels": {"app": "vllm"}}, "classes": {
+        "classes": [{"name": "interactive", "priority": 100, "allowPriority": True}],
+        "default": {"allowSloHeaders": False}}}  # fmt: skip
+    classes = parse_config(sidecar_config(spec)).classes
+    assert classes.priority_of("interactive") == 100
+    assert [classes.inputs_of("interactive").allows(w) for w in CALLER_INPUTS] == [True, True, False]
+    assert [classes.inputs_of("").allows(w) for w in CALLER_INPUTS] == [True, True, False]
     schema = crd.spec_schema()["properties"]["classes"]["properties"]["classes"]
     assert schema["x-kubernetes-list-type"] == "map" and schema["x-kubernetes-list-map-keys"] == ["name"]
     priority = schema["items"]["properties"]["priority"]
     assert (priority["minimum"], priority["maximum"]) == (-1000, 1000)
+    allowed = {k: v["default"] for k, v in schema["items"]["properties"].items() if k.startswith("allow")}
+    assert allowed == {"allowHints": True, "allowPriority": False, "allowSloHeaders": False}
+    default = crd.spec_schema()["properties"]["classes"]["properties"]["default"]["properties"]
+    assert {k: v["default"] for k, v in default.items()} == {"allowHints": True, "allowPriority": True, "allowSloHeaders": True}
 
 
 def test_count_mode_auto_needs_a_latency_target_and_free_bins():

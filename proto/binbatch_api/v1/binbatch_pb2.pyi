@@ -215,17 +215,23 @@ class GenerateRequest(_message.Message):
     """
     expected_output_tokens: _builtins.int
     """Length hint: the client's estimate of the number of output tokens, in
-    [1, `bins.maxOutputTokens`]. When set, it always decides the request's bin,
+    [1, `bins.maxOutputTokens`]. When set, it decides the request's bin,
     whatever the predictor has learned (capped at `max_tokens` when that is
     set); hint accuracy is reported apart from the learned predictor's
     (`PredictorStats.sources`). Unset: the sidecar's predictor decides.
+    A hint below `min_tokens`, or below `max_tokens` with `ignore_eos` and no
+    `stop`, is INVALID_ARGUMENT. Ignored (the predictor decides) when the
+    request's class does not allow hints (`allowHints`) or has lost them: its
+    answers ran over twice its hints (median of its latest completions).
     """
     priority: _builtins.int
     """Scheduling priority in [-1000, 1000]; larger is more urgent, 0 is the
     default. Orders requests within a bin and across bins when the dispatcher
     picks the next batch, after the priority of the request's class (a class
     ranks first; this field orders requests of equally ranked classes).
-    Negative values are allowed (background work).
+    Negative values are allowed (background work). Ignored (0) unless the
+    request's class allows it (`allowPriority`; by default requests naming no
+    class).
     """
     request_class: _builtins.str
     """Workload class of the request, one of the names the sidecar's policy

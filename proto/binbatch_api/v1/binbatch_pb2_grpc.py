@@ -47,7 +47,9 @@ class InferenceStub:
     engine's TPOT with one request running (waiting cannot help). They are metadata
     keys, not message fields. Values are plain ASCII digits (no sign, spaces
     or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
-    `x-slo-tpot-ms` in [1, 100000].
+    `x-slo-tpot-ms` in [1, 100000]. Honoured only for a request whose class
+    allows them (`allowSloHeaders`; by default requests naming no class);
+    otherwise ignored and counted (binbatch_ignored_inputs_total).
     Errors (status codes):
     * INVALID_ARGUMENT: a malformed request (a field or metadata value out of
     its documented bounds, or a body that is not a valid GenerateRequest,
@@ -106,7 +108,9 @@ class InferenceServicer:
     engine's TPOT with one request running (waiting cannot help). They are metadata
     keys, not message fields. Values are plain ASCII digits (no sign, spaces
     or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
-    `x-slo-tpot-ms` in [1, 100000].
+    `x-slo-tpot-ms` in [1, 100000]. Honoured only for a request whose class
+    allows them (`allowSloHeaders`; by default requests naming no class);
+    otherwise ignored and counted (binbatch_ignored_inputs_total).
     Errors (status codes):
     * INVALID_ARGUMENT: a malformed request (a field or metadata value out of
     its documented bounds, or a body that is not a valid GenerateRequest,
@@ -185,7 +189,9 @@ class Inference:
     engine's TPOT with one request running (waiting cannot help). They are metadata
     keys, not message fields. Values are plain ASCII digits (no sign, spaces
     or underscores), given at most once: `x-slo-ttft-ms` in [1, 600000],
-    `x-slo-tpot-ms` in [1, 100000].
+    `x-slo-tpot-ms` in [1, 100000]. Honoured only for a request whose class
+    allows them (`allowSloHeaders`; by default requests naming no class);
+    otherwise ignored and counted (binbatch_ignored_inputs_total).
     Errors (status codes):
     * INVALID_ARGUMENT: a malformed request (a field or metadata value out of
     its documented bounds, or a body that is not a valid GenerateRequest,
