@@ -178,7 +178,8 @@ class Sidecar:
                                                        self._port_settings[1])  # fmt: skip
             await self._http_runner.setup()
             assert self._http_runner.server is not None
-            cap_connections(self._http_runner.server, lambda: self.config.server.max_connections)
+            cap_connections(self._http_runner.server, lambda: self.config.server.max_connections,
+                            self.metrics.http_connections_refused.inc)  # fmt: skip
             self.http_port = await ports.start_site(self._http_runner, self.host, self._http_port_req,
                                                     self._port_settings[2])  # fmt: skip
             if self._take_over_port_req is not None:

@@ -82,8 +82,9 @@ async def read_body(request: web.Request, seconds: float) -> bytes | None:
         return None
 
 
-def cap_connections(server: web.Server, limit: Callable[[], int]) -> None:
-    """Close each connection ``server`` is given past ``limit()`` open ones, as it is made.
+def cap_connections(server: web.Server, limit: Callable[[], int], refused: Callable[[], None]) -> None:
+    """Close each connection ``server`` is given past ``limit()`` open ones, as it is made
+    (``refused()`` counts it).
 
     The check sits where aiohttp registers a connection (``Server.connection_made``,
     called by each connection's protocol), so it is exact however many are accepted
@@ -95,6 +96,7 @@ def cap_connections(server: web.Server, limit: Callable[[], int]) -> None:
         if len(server.connections) >= limit():
             log.debug("connection refused: %d open (server.maxConnections)", len(server.connections))
             transport.close()  # never registered: its protocol's connection_lost finds nothing to remove
+            refused()
             return
         register(handler, transport)
 
