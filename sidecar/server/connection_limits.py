@@ -86,9 +86,11 @@ def cap_connections(server: web.Server, limit: Callable[[], int], refused: Calla
     """Close each connection ``server`` is given past ``limit()`` open ones, as it is made
     (``refused()`` counts it).
 
-    The check sits where aiohttp registers a connection (``Server.connection_made``,
-    called by each connection's protocol), so it is exact however many are accepted
-    at once; ``limit`` is read per connection (``server.maxConnections`` applies live).
+    aiohttp has no cap of its own.  The check sits where it registers a connection
+    (``Server.connection_made``, called by each connection's protocol; wrapped on the
+    instance, since the runner builds the Server), so it is exact however many are
+    accepted at once -- a count at accept time would miss those accepted in the same
+    loop iteration.  ``limit`` is read per connection (``server.maxConnections`` applies live).
     """
     register = server.connection_made
 

@@ -56,22 +56,22 @@ async def completion(http: aiohttp.ClientSession, base: str, model: str) -> int:
 
 async def test_half_a_header_is_disconnected_at_the_deadline_while_a_normal_request_is_answered(tmp_path):
     async with sidecar(tmp_path, httpRequestReadTimeoutMilliseconds=DEADLINE_MS) as (sc, base, model):
+        opened = time.monotonic()  # before the connect: the server's clock starts later
         reader, writer = await raw(sc)
-        opened = time.monotonic()
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")  # and then nothing
         await writer.drain()
         async with aiohttp.ClientSession() as http:
             assert await completion(http, base, model) == 200  # another connection is served meanwhile
         assert await closed_by_server(reader) == b""  # closed unanswered: no request ever arrived
-        assert time.monotonic() - opened >= DEADLINE_MS / 1000 * 0.9  # at the deadline, not before
+        assert time.monotonic() - opened >= DEADLINE_MS / 1000  # at the deadline, not before
         writer.close()
 
 
 async def test_a_header_trickled_a_byte_at_a_time_is_still_cut_at_the_deadline(tmp_path):
     """Data arriving does not restart the clock: the headers are due by the deadline, whole."""
     async with sidecar(tmp_path, httpRequestReadTimeoutMilliseconds=DEADLINE_MS) as (sc, _, _):
-        reader, writer = await raw(sc)
         opened = time.monotonic()
+        reader, writer = await raw(sc)
         header = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 10_000
         sent = 0
         async with asyncio.timeout(BOUND):
@@ -84,21 +84,21 @@ async def test_a_header_trickled_a_byte_at_a_time_is_still_cut_at_the_deadline(t
                     continue
                 break
         assert got == b""
-        assert sent > 1 and DEADLINE_MS / 1000 * 0.9 <= time.monotonic() - opened < BOUND
+        assert sent > 1 and DEADLINE_MS / 1000 <= time.monotonic() - opened < BOUND
         writer.close()
 
 
 async def test_a_slow_body_is_answered_408_and_disconnected_while_a_normal_request_is_answered(tmp_path):
     async with sidecar(tmp_path, httpRequestReadTimeoutMilliseconds=DEADLINE_MS) as (sc, base, model):
         reader, writer = await raw(sc)
+        headers_sent = time.monotonic()  # before the write: the server's clock starts later
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"model\": ")  # fmt: skip
         await writer.drain()
-        headers_sent = time.monotonic()
         async with aiohttp.ClientSession() as http:
             assert await completion(http, base, model) == 200
         answer = await closed_by_server(reader)  # the 408, then the server closes
-        assert time.monotonic() - headers_sent >= DEADLINE_MS / 1000 * 0.9
+        assert time.monotonic() - headers_sent >= DEADLINE_MS / 1000
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408 ")
         assert b"Connection: close" in head
