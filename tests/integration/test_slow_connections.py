@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sidecar_harness import Running, running_sidecar, sidecar_config
 
@@ -132,6 +133,25 @@ async def test_connections_past_max_connections_are_closed_at_once_while_open_on
             assert (await closed_by_server(reader)).startswith(b"HTTP/1.1 200 ")
             writer.close()
             refused_writer.close()
+
+
+async def test_a_reload_raising_max_connections_admits_new_connections_without_a_restart(tmp_path):
+    async with sidecar(tmp_path, maxConnections=1) as (sc, _, _):
+        _, held_writer = await raw(sc)  # the one place
+        refused_reader, refused_writer = await raw(sc)
+        assert await closed_by_server(refused_reader) == b""
+        doc = yaml.safe_load(sc.path.read_text())
+        doc["server"]["maxConnections"] = 2
+        generation = sc.sidecar.loaded.generation
+        sc.write_config(doc)
+        async with asyncio.timeout(BOUND):
+            while sc.sidecar.loaded.generation == generation:
+                await sc.stats()  # a round trip lets the sidecar's loop poll the file
+        reader, writer = await raw(sc)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert (await closed_by_server(reader)).startswith(b"HTTP/1.1 200 ")
+        for w in (writer, refused_writer, held_writer):
+            w.close()
 
 
 async def test_grpc_calls_past_max_concurrent_streams_wait_on_their_connection(tmp_path):
