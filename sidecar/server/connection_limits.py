@@ -12,7 +12,8 @@ HTTP door (aiohttp):
   It is set to ``server.httpRequestReadTimeoutMilliseconds`` (``http_runner_options``),
   so the one setting is both the header deadline and the keep-alive idle timeout.
 - Body: the door reads a body within the same time of its headers (``read_body``),
-  else answers 408 and closes the connection.
+  else answers 408 and closes the connection; a body it passes on to the engine as
+  it arrives (a listed passthrough path) is held to the same deadline (``StreamedBody``).
 - Connections: ``cap_connections`` closes a connection past ``server.maxConnections``
   as it is made (before a byte of it is read), so the open ones keep being served.
 
@@ -30,10 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from ..config import ServerConfig
 from .ports import GRPC_SERVER_OPTIONS
@@ -80,6 +81,33 @@ async def read_body(request: web.Request, seconds: float) -> bytes | None:
             return await request.read()
     except TimeoutError:
         return None
+
+
+class StreamedBody:
+    """A request body passed on as it arrives (a listed passthrough path), due within
+    ``seconds`` of now: past it, the chunks stop with an error (the engine call fails
+    and is closed) and ``missed`` says why."""
+
+    def __init__(self, content: StreamReader, seconds: float) -> None:
+        self.content = content
+        self.deadline = asyncio.get_running_loop().time() + seconds
+        self.missed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            try:
+                async with asyncio.timeout_at(self.deadline):
+                    chunk = await self.content.readany()
+            except TimeoutError:
+                self.missed = True
+                raise BodyTooSlow from None
+            if not chunk:
+                return
+            yield chunk
+
+
+class BodyTooSlow(Exception):
+    """A streamed body missed its deadline."""
 
 
 def cap_connections(server: web.Server, limit: Callable[[], int], refused: Callable[[], None]) -> None:

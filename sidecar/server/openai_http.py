@@ -19,8 +19,8 @@ A listed path also takes POST (``/tokenize`` and ``/v1/embeddings`` are POST onl
 
 Slow clients are bounded in time (``connection_limits``): a request's headers must
 arrive within ``server.httpRequestReadTimeoutMilliseconds`` of the connection opening
-(or of its previous answer), its body within as long again, else the connection is
-closed (a late body is a 408 first); at most ``server.maxConnections`` connections are
+(or of its previous answer), its body within as long again (one streamed on to the
+engine too), else the connection is closed (a late body is a 408 first); at most ``server.maxConnections`` connections are
 open, one past it is closed as it is made.
 
 Memory is bounded in bytes: a body over ``server.maxRequestBytes`` is a 413 (aiohttp's
@@ -66,7 +66,7 @@ from aiohttp import web
 from ..config import DEFAULT_PASSTHROUGH_PATHS
 from ..engine.dispatcher import Completion, Rejected
 from ..engine.engine_client import EngineClient, EngineError
-from .connection_limits import read_body
+from .connection_limits import StreamedBody, read_body
 from .front import DIGITS, REQUEST_ID_LIMIT, Fields, Front, InvalidRequest, Ticket, read_slo
 from .openai_bodies import ChatBody, CompletionBody, include_usage, parse_body, read_json, to_fields
 from .trace_context import read_trace_context
@@ -400,11 +400,12 @@ class OpenAIDoor:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | listed]
         query = request.rel_url.raw_query_string
         target = f"{path}?{query}" if query else path  # the path that matched, not the raw one: no encoded tricks
+        body = StreamedBody(request.content, self.read_timeout) if request.body_exists else None
         try:
-            upstream = await self.engine().forward(
-                request.method, target, headers, request.content if request.body_exists else None
-            )
+            upstream = await self.engine().forward(request.method, target, headers, body and body.chunks())
         except EngineError as exc:
+            if body is not None and body.missed:  # the engine call was cut because the client's body was late
+                return body_too_slow(self.read_timeout, None)
             return error_response(exc, None)
         try:
             listed = {t.strip().lower() for v in upstream.headers.getall("Connection", []) for t in v.split(",")}

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import grpc
 import yaml
+from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sidecar_harness import Running, running_sidecar, sidecar_config
 
@@ -28,10 +29,18 @@ BOUND = 20.0  # no wait here lasts longer
 DEADLINE_MS = 600  # server.httpRequestReadTimeoutMilliseconds in the deadline tests
 
 
+async def echo(request: web.Request) -> web.Response:
+    """An engine route that reads the whole body before it answers (as vLLM's /tokenize does)."""
+    return web.Response(body=await request.read(), content_type="application/json")
+
+
 @contextlib.asynccontextmanager
 async def sidecar(tmp_path, **server: Any) -> AsyncIterator[tuple[Running, str, str]]:
-    """A sidecar in front of the emulator; its HTTP base URL and the emulator's model."""
-    async with Emulator(FAST) as emulator:
+    """A sidecar in front of the emulator (with an echoing ``POST /tokenize``); its HTTP
+    base URL and the emulator's model."""
+    emulator = Emulator(FAST)
+    emulator.app.router.add_post("/tokenize", echo)
+    async with emulator:
         doc = sidecar_config(emulator.base_url, server=server)
         doc["metrics"]["source"] = "None"
         async with running_sidecar(doc, tmp_path) as sc:
@@ -105,6 +114,26 @@ async def test_a_slow_body_is_answered_408_and_disconnected_while_a_normal_reque
         assert b"Connection: close" in head
         assert b"server.httpRequestReadTimeoutMilliseconds" in body and b'"param":"body"' in body.replace(b" ", b"")
         assert sc.sidecar.dispatcher.totals["accepted"] == 1  # the slow one never reached the scheduler
+        writer.close()
+
+
+async def test_a_slow_body_to_a_listed_passthrough_path_is_cut_at_the_deadline_and_answered_408(tmp_path):
+    async with sidecar(tmp_path, httpRequestReadTimeoutMilliseconds=DEADLINE_MS, passthroughPaths=["/tokenize"]) as (
+        sc, base, model,
+    ):  # fmt: skip
+        async with aiohttp.ClientSession() as http:  # a whole body passes through as before
+            async with http.post(f"{base}/tokenize", data=b'{"prompt": "hi"}') as resp:
+                assert (resp.status, await resp.read()) == (200, b'{"prompt": "hi"}')
+        reader, writer = await raw(sc)
+        headers_sent = time.monotonic()
+        writer.write(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")  # fmt: skip
+        await writer.drain()
+        answer = await closed_by_server(reader)
+        assert time.monotonic() - headers_sent >= DEADLINE_MS / 1000
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head
+        assert b"server.httpRequestReadTimeoutMilliseconds" in body
         writer.close()
 
 
