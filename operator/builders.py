@@ -30,14 +30,17 @@ from typing import Any
 
 import yaml
 from kubernetes.utils import parse_quantity
+from pydantic.alias_generators import to_snake
 
-from binbatch_sidecar.config import ConfigError, parse_config
+from binbatch_sidecar.config import RESTART_KEYS, ConfigError, parse_config
 
 from . import k8s_rules, takeover
 from .crd import API_KEY_SECRET_REF, CONFIG_SECTIONS, GROUP, MODEL_REFS, SERVER_KEYS, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
 from .takeover import SIDECAR_PORT_NAMES, TakeOverPlan
 
 CONFIG_KEY = "sidecar.yaml"
+# spec.sidecar's server keys the sidecar binds at start-up (its RESTART_KEYS): part of the sidecar hash
+BOUND_AT_START = tuple(key for key in SERVER_KEYS if ("server", to_snake(key)) in RESTART_KEYS)
 # libyaml's emitter where PyYAML has it: the same text as yaml.safe_dump, about 4x faster.
 CONFIG_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 CONFIG_DIR = "/etc/binbatch"
@@ -536,9 +539,12 @@ def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
         described = [described, ref]
     if takeover.enabled(spec):  # the per-pod port comes from the pod itself; the choice to take over from here
         described = [described, takeover.settings(spec)]
-    max_request_bytes = sidecar_settings(spec)["maxRequestBytes"]
-    if max_request_bytes != SIDECAR_DEFAULTS["maxRequestBytes"]:  # bound at start-up: a running sidecar keeps its own
-        described = [described, {"maxRequestBytes": max_request_bytes}]
+    # server keys bound at the sidecar's start-up: a running sidecar keeps its own, so a new value needs a new pod
+    # (only those off their default, so a default newly added changes no running pod's digest)
+    settings = sidecar_settings(spec)
+    bound = {key: settings[key] for key in BOUND_AT_START if settings[key] != SIDECAR_DEFAULTS[key]}
+    if bound:
+        described = [described, bound]
     model = model_volume(spec)
     if model is not None:  # which ConfigMap or Secret is mounted reaches running pods only through a new pod
         described = [described, {"model": model}]

@@ -23,7 +23,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from binbatch_sidecar.config import MAX_REQUEST_BYTES_DEFAULT, ServerConfig, SidecarConfig
+from binbatch_sidecar.config import (
+    GRPC_MAX_CONCURRENT_STREAMS_DEFAULT,
+    GRPC_MAX_CONNECTION_AGE_SECONDS_DEFAULT,
+    HTTP_REQUEST_READ_TIMEOUT_MILLISECONDS_DEFAULT,
+    MAX_CONNECTIONS_DEFAULT,
+    MAX_REQUEST_BYTES_DEFAULT,
+    ServerConfig,
+    SidecarConfig,
+)
 
 from . import k8s_rules
 
@@ -43,9 +51,14 @@ MODEL_REFS = ("configMapKeyRef", "secretKeyRef")
 
 # spec.sidecar's defaults: the CRD's, and the builders' for a spec the API server did not default.
 SIDECAR_DEFAULTS: dict[str, Any] = {"grpcPort": 50051, "httpPort": 8080, "metricsPort": 9090, "drainGraceSeconds": 30,
-                                    "passthroughPaths": [], "maxRequestBytes": MAX_REQUEST_BYTES_DEFAULT}
+                                    "passthroughPaths": [], "maxRequestBytes": MAX_REQUEST_BYTES_DEFAULT,
+                                    "httpRequestReadTimeoutMilliseconds": HTTP_REQUEST_READ_TIMEOUT_MILLISECONDS_DEFAULT,
+                                    "maxConnections": MAX_CONNECTIONS_DEFAULT,
+                                    "grpcMaxConcurrentStreams": GRPC_MAX_CONCURRENT_STREAMS_DEFAULT,
+                                    "grpcMaxConnectionAgeSeconds": GRPC_MAX_CONNECTION_AGE_SECONDS_DEFAULT}  # fmt: skip
 # spec.sidecar's keys that are the sidecar config's server keys of the same name, their schema taken from it
-SERVER_KEYS = ("passthroughPaths", "maxRequestBytes")
+SERVER_KEYS = ("passthroughPaths", "maxRequestBytes", "httpRequestReadTimeoutMilliseconds", "maxConnections",
+               "grpcMaxConcurrentStreams", "grpcMaxConnectionAgeSeconds")
 # spec.sidecar.takeOverServingPort's defaults (see takeover.py).
 TAKEOVER_DEFAULTS = {"enabled": False, "enginePort": 8001, "container": ""}
 # spec.service's defaults: the extra headless Service for client-side gRPC load balancing.

@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 from .emulator.cli import port_number
@@ -120,6 +121,16 @@ def _bench_overhead(args: argparse.Namespace) -> int:
     say = _progress(args, "bench overhead")
     doc = overhead.run(cfg, say)
     _report(args, {k: doc[k] for k in overhead.JSON_KEYS}, lambda: overhead.print_table(doc))
+    return 0
+
+
+def _bench_slowloris(args: argparse.Namespace) -> int:
+    from .bench import slowloris
+
+    cfg = slowloris.SlowlorisConfig(connections=args.connections, max_connections=args.max_connections,
+                                    read_timeout_ms=args.read_timeout_ms, requests=args.requests)  # fmt: skip
+    doc = slowloris.run(cfg, _progress(args, "bench slowloris"))
+    _report(args, doc, lambda: slowloris.print_table(doc))
     return 0
 
 
@@ -346,6 +357,20 @@ def build_parser() -> argparse.ArgumentParser:
     oh.add_argument("--profile", metavar="FILE.prof", help="run the sidecar under cProfile and write its stats here")
     oh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     oh.set_defaults(func=_bench_overhead)
+    sl = bench_sub.add_parser(
+        "slowloris", help="a normal request's latency on the HTTP door while many connections hold half-sent headers"
+    )  # fmt: skip
+    sl.add_argument("--connections", type=_int_in(1, 20_000), default=2000,
+                    help="half-sent connections to open (default 2000)")  # fmt: skip
+    sl.add_argument("--max-connections", type=_int_in(1, 1_000_000), default=4096,
+                    help="the sidecar's server.maxConnections (default 4096, above the flood)")  # fmt: skip
+    sl.add_argument("--read-timeout-ms", type=_int_in(100, 600_000), default=5000,
+                    help="the sidecar's server.httpRequestReadTimeoutMilliseconds (default 5000)")  # fmt: skip
+    sl.add_argument("--requests", type=_int_in(1, 10_000), default=50,
+                    help="normal requests measured before and during the flood (default 50)")  # fmt: skip
+    sl.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    sl.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    sl.set_defaults(func=_bench_slowloris)
     op = bench_sub.add_parser(
         "operator", help="the operator holding a fleet: idle API requests per policy, spec change to ConfigMap, "
                          "webhook admission, RSS and CPU at 100 and 1,000 policies (kmock unless --kubeconfig)"
@@ -487,6 +512,21 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high] (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {v}")
+        return v
+
+    return parse
 
 
 def version_text() -> str:

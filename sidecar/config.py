@@ -30,7 +30,8 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
     metrics:   {source: Scrape|PromQL|None, url, intervalMilliseconds,
                 staleAfterMilliseconds, promqlSelector}
     server:    {grpcPort, httpPort, metricsPort, drainGraceSeconds, configPollMilliseconds, passthroughPaths,
-                maxRequestBytes}
+                maxRequestBytes, httpRequestReadTimeoutMilliseconds, maxConnections, grpcMaxConcurrentStreams,
+                grpcMaxConnectionAgeSeconds}
     logging:   {level: Debug|Info|Warning|Error, format: Json|Text, logPrompts}
     classes:   {classes: [{name, priority, allowHints, allowPriority, allowSloHeaders}],
                 default: {allowHints, allowPriority, allowSloHeaders}}
@@ -90,10 +91,16 @@ _ALLOW_KEY = {"hint": "allow_hints", "priority": "allow_priority", "slo": "allow
 # Keys bound once at start-up (listening sockets). A reload that changes one is
 # refused and names the key; everything else is applied live.
 RESTART_KEYS = (("server", "grpc_port"), ("server", "http_port"), ("server", "metrics_port"),
-                ("server", "max_request_bytes"))  # the gRPC server's receive limit is set when it is built
+                ("server", "max_request_bytes"),  # the gRPC server's receive limit is set when it is built
+                ("server", "http_request_read_timeout_milliseconds"),  # the HTTP protocol's timer, set when it is built
+                ("server", "grpc_max_concurrent_streams"), ("server", "grpc_max_connection_age_seconds"))
 CLASS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 CLASS_PRIORITY_LIMIT = 1000  # class and request priorities are in [-1000, 1000]
 MAX_REQUEST_BYTES_DEFAULT = 4 * 1024 * 1024  # server.maxRequestBytes: one request body (HTTP) or message (gRPC)
+HTTP_REQUEST_READ_TIMEOUT_MILLISECONDS_DEFAULT = 30_000  # server.httpRequestReadTimeoutMilliseconds
+MAX_CONNECTIONS_DEFAULT = 1024  # server.maxConnections: open HTTP connections
+GRPC_MAX_CONCURRENT_STREAMS_DEFAULT = 1024  # server.grpcMaxConcurrentStreams: calls at once on one connection
+GRPC_MAX_CONNECTION_AGE_SECONDS_DEFAULT = 1800  # server.grpcMaxConnectionAgeSeconds
 MAX_QUEUED_BYTES_DEFAULT = 256 * 1024 * 1024  # batch.maxQueuedBytes: the bodies of every queued request
 # the engine paths the HTTP door forwards (GET/HEAD) without being listed in server.passthroughPaths
 DEFAULT_PASSTHROUGH_PATHS = ("/v1/models", "/metrics", "/version")
@@ -328,6 +335,10 @@ class ServerConfig(_Section):
     config_poll_milliseconds: int = Field(1000, ge=100, le=600_000, description="How often the config file is checked for a change.")  # fmt: skip
     passthrough_paths: list[PassthroughPath] = Field(default_factory=list, max_length=PASSTHROUGH_PATHS_LIMIT, description="Engine paths the HTTP door forwards unqueued (GET, HEAD and POST: vLLM's /tokenize and /v1/embeddings are POST only), besides GET of /v1/models, /metrics and /version; every other path is answered 404 and never reaches the engine (admin routes such as /pause, /invocations, /pooling, /score, /tokenize stay closed unless listed). Exact absolute paths, no wildcards, no query, at most 32 of at most 256 characters. A reload applies it at once.")  # fmt: skip
     max_request_bytes: int = Field(MAX_REQUEST_BYTES_DEFAULT, ge=65_536, le=67_108_864, description="Largest request the sidecar reads: an HTTP body beyond it is answered 413, a gRPC message beyond it RESOURCE_EXHAUSTED, before it is held in memory. 64 KiB to 64 MiB. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
+    http_request_read_timeout_milliseconds: int = Field(HTTP_REQUEST_READ_TIMEOUT_MILLISECONDS_DEFAULT, ge=100, le=600_000, description="HTTP door: a connection must deliver a request's headers within this time of opening (or of its previous answer), else it is closed; the body must then arrive within this time of the headers (also one streamed on to the engine on a server.passthroughPaths path), else the answer is 408 and the connection closed. It is also the keep-alive idle timeout: an idle connection closes after it (keep a gateway's upstream idle timeout below it). 100 ms to 10 minutes. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
+    max_connections: int = Field(MAX_CONNECTIONS_DEFAULT, ge=1, le=1_000_000, description="HTTP door: the most open connections (over the serving port and a taken-over port together); a connection past it is closed at once, unread, so the open ones keep being served. A reload applies it to new connections.")  # fmt: skip
+    grpc_max_concurrent_streams: int = Field(GRPC_MAX_CONCURRENT_STREAMS_DEFAULT, ge=1, le=65_536, description="gRPC: the most calls at once on one client connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); a client's further calls wait in the client until one ends. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
+    grpc_max_connection_age_seconds: int = Field(GRPC_MAX_CONNECTION_AGE_SECONDS_DEFAULT, ge=10, le=86_400, description="gRPC: a client connection older than this is asked to go away (GOAWAY; the client reconnects, to any replica behind the Service); calls running then get 10 minutes to finish. Spreads long-lived clients over new replicas. 10 s to 24 h. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
 
     @field_validator("passthrough_paths")
     @classmethod

@@ -531,7 +531,7 @@ class EngineClient:
 
     async def forward(
         self, method: str, path_qs: str, headers: Mapping[str, str] | Iterable[tuple[str, str]],
-        body: aiohttp.StreamReader | bytes | None,
+        body: aiohttp.StreamReader | AsyncIterator[bytes] | bytes | None,
     ) -> aiohttp.ClientResponse:  # fmt: skip
         """Send a request on to the engine as it came (the HTTP door's other paths:
         ``/metrics``, ``/tokenize``, ...) and return the response, headers read: the

@@ -136,6 +136,10 @@ class SidecarMetrics:
             "binbatch_queued_bytes", "Bytes of the request bodies queued and not yet sent to the engine, which "
             "batch.maxQueuedBytes bounds", registry=r,
         )  # fmt: skip
+        self.http_connections_refused = Counter(
+            "binbatch_http_connections_refused", "HTTP connections closed as they were made because "
+            "server.maxConnections were open", registry=r,
+        )  # fmt: skip
         self.batches = Counter(
             "binbatch_batches", "Batches dispatched, by bin and reason (full|timeout|slo|policy|room|drain)",
             ["bin", "reason"], registry=r,

@@ -47,6 +47,7 @@ from .assembly import (
     model_stamp,
 )
 from .config_watcher import ConfigWatcher
+from .connection_limits import cap_connections, grpc_server_options, http_runner_options
 from .metrics_endpoint import metrics_app
 from .openai_http import OpenAIDoor
 from .reflection import enable_reflection
@@ -168,14 +169,14 @@ class Sidecar:
             external=self.external, metrics=self.metrics,
         )  # fmt: skip
         self.health = health.aio.HealthServicer()
-        # server.maxRequestBytes: a larger message is RESOURCE_EXHAUSTED before it is held (the HTTP door's 413)
-        self.server = grpc.aio.server(options=(*ports.GRPC_SERVER_OPTIONS,
-                                               ("grpc.max_receive_message_length", cfg.server.max_request_bytes)))
+        # message size, streams per connection, keepalive enforcement, connection age (connection_limits)
+        self.server = grpc.aio.server(options=grpc_server_options(cfg.server))
         add_servicers(self.server, inference, AdminServicer(self.replies))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
         door = OpenAIDoor(inference.front, engine=lambda: self.client, ready=self.ready)
-        self._http_runner = web.AppRunner(door.app(), access_log=None, handler_cancellation=True)
+        self._http_runner = web.AppRunner(door.app(), access_log=None, handler_cancellation=True,
+                                          **http_runner_options(cfg.server))  # fmt: skip
         self._runner = web.AppRunner(metrics_app(self.metrics.render, lambda: self.engine_serving), access_log=None)
         try:  # a port in use: ListenError, after closing what was opened
             self.grpc_port = ports.bind_grpc(self.server, self.host, self._grpc_port_req, self._port_settings[0])
@@ -185,6 +186,9 @@ class Sidecar:
             self.metrics_port = await ports.start_site(self._runner, self.host, self._metrics_port_req,
                                                        self._port_settings[1])  # fmt: skip
             await self._http_runner.setup()
+            assert self._http_runner.server is not None
+            cap_connections(self._http_runner.server, lambda: self.config.server.max_connections,
+                            self.metrics.http_connections_refused.inc)  # fmt: skip
             self.http_port = await ports.start_site(self._http_runner, self.host, self._http_port_req,
                                                     self._port_settings[2])  # fmt: skip
             if self._take_over_port_req is not None:

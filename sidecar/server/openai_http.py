@@ -17,6 +17,12 @@ headers, and its answer comes back streamed.  Every other path -- vLLM's
 route -- is a 404 naming ``server.passthroughPaths`` and never reaches the engine.
 A listed path also takes POST (``/tokenize`` and ``/v1/embeddings`` are POST only).
 
+Slow clients are bounded in time (``connection_limits``): a request's headers must
+arrive within ``server.httpRequestReadTimeoutMilliseconds`` of the connection opening
+(or of its previous answer), its body within as long again (one streamed on to the
+engine too), else the connection is closed (a late body is a 408 first); at most ``server.maxConnections`` connections are
+open, one past it is closed as it is made.
+
 Memory is bounded in bytes: a body over ``server.maxRequestBytes`` is a 413 (aiohttp's
 ``client_max_size``, answered as OpenAI JSON), and the queue's bodies together are
 bounded by ``batch.maxQueuedBytes`` (429 with ``Retry-After``, from the scheduler).
@@ -63,6 +69,7 @@ from aiohttp import web
 from ..config import DEFAULT_PASSTHROUGH_PATHS
 from ..engine.dispatcher import Completion, Rejected
 from ..engine.engine_client import EngineClient, EngineError
+from .connection_limits import StreamedBody, read_body
 from .front import DIGITS, REQUEST_ID_LIMIT, Fields, Front, InvalidRequest, Ticket, read_slo
 from .openai_bodies import ChatBody, CompletionBody, include_usage, parse_body, read_json, to_fields
 from .trace_context import read_trace_context
@@ -134,6 +141,18 @@ def too_large(limit: int, request_id: str | None) -> web.Response:
     headers = {REQUEST_ID: request_id} if request_id else {}
     return web.json_response(error_body(message, "invalid_request_error", "body", "request_too_large"), status=413,
                              headers=headers)  # fmt: skip
+
+
+def body_too_slow(seconds: float, request_id: str | None) -> web.Response:
+    """408 for a body that did not arrive within ``server.httpRequestReadTimeoutMilliseconds``
+    of its headers; the connection is closed after it (the rest of the body is not waited for)."""
+    message = (f"body: not received within {seconds * 1000:.0f} ms of the headers "
+               "(server.httpRequestReadTimeoutMilliseconds, spec.sidecar.httpRequestReadTimeoutMilliseconds)")  # fmt: skip
+    headers = {REQUEST_ID: request_id} if request_id else {}
+    response = web.json_response(error_body(message, "invalid_request_error", "body", "request_timeout"), status=408,
+                                 headers=headers)  # fmt: skip
+    response.force_close()
+    return response
 
 
 def error_response(exc: BaseException, request_id: str | None) -> web.Response:
@@ -234,10 +253,14 @@ class OpenAIDoor:
         self.engine = engine
         self.ready = ready
         self.max_request_bytes = front.config().server.max_request_bytes  # app() reads it again, as it builds
+        self.read_timeout = front.config().server.http_request_read_timeout_milliseconds / 1000
 
     def app(self) -> web.Application:
-        """The routes; ``server.maxRequestBytes`` is read here, once (a restart key)."""
-        self.max_request_bytes = limit = self.front.config().server.max_request_bytes
+        """The routes; ``server.maxRequestBytes`` and ``server.httpRequestReadTimeoutMilliseconds``
+        are read here, once (restart keys: the runner's header deadline is the same setting)."""
+        server = self.front.config().server
+        self.max_request_bytes = limit = server.max_request_bytes
+        self.read_timeout = server.http_request_read_timeout_milliseconds / 1000
         app = web.Application(client_max_size=limit, middlewares=[_http_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -273,9 +296,11 @@ class OpenAIDoor:
         if request.content_length is not None and request.content_length > limit:
             return too_large(limit, request_id)  # refused before a byte of it is read
         try:
-            raw = await request.read()
+            raw = await read_body(request, self.read_timeout)
         except web.HTTPRequestEntityTooLarge:  # chunked, or a Content-Length that lied: stopped at the limit
             return too_large(limit, request_id)
+        if raw is None:  # a slow or stalled body: what arrived is dropped, and so is the connection
+            return body_too_slow(self.read_timeout, request_id)
         try:
             body = parse_body(read_json(raw), chat)
             f, names = to_fields(body)
@@ -378,11 +403,12 @@ class OpenAIDoor:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | listed]
         query = request.rel_url.raw_query_string
         target = f"{path}?{query}" if query else path  # the path that matched, not the raw one: no encoded tricks
+        body = StreamedBody(request.content, self.read_timeout) if request.body_exists else None
         try:
-            upstream = await self.engine().forward(
-                request.method, target, headers, request.content if request.body_exists else None
-            )
+            upstream = await self.engine().forward(request.method, target, headers, body and body.chunks())
         except EngineError as exc:
+            if body is not None and body.missed:  # the engine call was cut because the client's body was late
+                return body_too_slow(self.read_timeout, None)
             return error_response(exc, None)
         try:
             listed = {t.strip().lower() for v in upstream.headers.getall("Connection", []) for t in v.split(",")}

@@ -197,6 +197,7 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
     ("server", "drain_grace_seconds"): ({"server": {"drainGraceSeconds": 3}}, lambda s: s.config.server.drain_grace_seconds, 3),  # read by stop()  # fmt: skip
     ("server", "config_poll_milliseconds"): ({"server": {"configPollMilliseconds": 250}}, lambda s: s.watcher.poll_seconds, 0.25),  # fmt: skip
     ("server", "passthrough_paths"): ({"server": {"passthroughPaths": ["/tokenize"]}}, lambda s: s.config.server.passthrough_paths, ["/tokenize"]),  # read per request; see test_front_door_intake  # fmt: skip
+    ("server", "max_connections"): ({"server": {"maxConnections": 7}}, lambda s: s.config.server.max_connections, 7),  # read per connection; see test_slow_connections  # fmt: skip
     ("logging", "level"): ({"logging": {"level": "Debug"}}, lambda s: logging.getLogger().level, logging.DEBUG),
     ("logging", "format"): ({"logging": {"format": "Text"}}, lambda s: logs.current_format(), "Text"),  # and see test_sidecar_process  # fmt: skip
     ("logging", "log_prompts"): ({"logging": {"logPrompts": True}}, lambda s: s.config.logging.log_prompts, True),  # read per request; see test_sidecar_input  # fmt: skip
@@ -216,6 +217,9 @@ REFUSED: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("server", "metrics_port"): {"server": {"metricsPort": 12346}},
     ("server", "http_port"): {"server": {"httpPort": 12347}},
     ("server", "max_request_bytes"): {"server": {"maxRequestBytes": 1 << 20}},
+    ("server", "http_request_read_timeout_milliseconds"): {"server": {"httpRequestReadTimeoutMilliseconds": 5000}},
+    ("server", "grpc_max_concurrent_streams"): {"server": {"grpcMaxConcurrentStreams": 8}},
+    ("server", "grpc_max_connection_age_seconds"): {"server": {"grpcMaxConnectionAgeSeconds": 60}},
 }
 SINGLE_VALUED: dict[tuple[str, str], Any] = {}  # keys with nothing to change them to
 

@@ -94,6 +94,10 @@ server:
   configPollMilliseconds: 2000
   passthroughPaths: [/tokenize, /v1/embeddings]
   maxRequestBytes: 1048576
+  httpRequestReadTimeoutMilliseconds: 10000
+  maxConnections: 256
+  grpcMaxConcurrentStreams: 100
+  grpcMaxConnectionAgeSeconds: 3600
 logging:
   level: Debug
   format: Text
@@ -441,6 +445,16 @@ def test_front_door_bounds_default_to_4_mib_requests_256_mib_queued_and_no_extra
         ({"server": {"passthroughPaths": "/tokenize"}}, "server.passthroughPaths", "list"),
         ({"server": {"maxRequestBytes": 1024}}, "server.maxRequestBytes", "65536"),
         ({"server": {"maxRequestBytes": 2**27}}, "server.maxRequestBytes", "67108864"),
+        ({"server": {"httpRequestReadTimeoutMilliseconds": 50}}, "server.httpRequestReadTimeoutMilliseconds", "100"),
+        ({"server": {"httpRequestReadTimeoutMilliseconds": 600_001}}, "server.httpRequestReadTimeoutMilliseconds", "600000"),
+        ({"server": {"httpRequestReadTimeoutMilliseconds": "30s"}}, "server.httpRequestReadTimeoutMilliseconds", "integer"),
+        ({"server": {"maxConnections": 0}}, "server.maxConnections", "1"),
+        ({"server": {"maxConnections": 1.5}}, "server.maxConnections", "integer"),
+        ({"server": {"grpcMaxConcurrentStreams": 0}}, "server.grpcMaxConcurrentStreams", "1"),
+        ({"server": {"grpcMaxConcurrentStreams": 65_537}}, "server.grpcMaxConcurrentStreams", "65536"),
+        ({"server": {"grpcMaxConnectionAgeSeconds": 9}}, "server.grpcMaxConnectionAgeSeconds", "10"),
+        ({"server": {"grpcMaxConnectionAgeSeconds": 86_401}}, "server.grpcMaxConnectionAgeSeconds", "86400"),
+        ({"server": {"maxConnection": 10}}, "server.maxConnection", "Extra inputs"),
         ({"batch": {"maxQueuedBytes": 1000}}, "batch.maxQueuedBytes", "1048576"),
         ({"batch": {"maxQueuedBytes": 2**37}}, "batch.maxQueuedBytes", "68719476736"),
         ({"batch": {"maxQueuedBytes": 2 * 1024 * 1024}}, "batch.maxQueuedBytes", "server.maxRequestBytes"),
@@ -451,6 +465,22 @@ def test_front_door_settings_refused_name_their_field(doc, path, says):
         parse_config(doc)
     assert [p for p, _ in err.value.problems] == [path]
     assert says in err.value.problems[0][1]
+
+
+def test_connection_settings_default_to_30_s_reads_1024_connections_and_streams_and_30_minute_grpc_connections():
+    server = SidecarConfig().server
+    assert server.http_request_read_timeout_milliseconds == 30_000 and server.max_connections == 1024
+    assert (server.grpc_max_concurrent_streams, server.grpc_max_connection_age_seconds) == (1024, 1800)
+
+
+def test_connection_settings_bound_at_start_up_need_a_restart_and_max_connections_does_not():
+    running = SidecarConfig()
+    changed = parse_config({"server": {"httpRequestReadTimeoutMilliseconds": 5000, "grpcMaxConcurrentStreams": 8,
+                                       "grpcMaxConnectionAgeSeconds": 60}})  # fmt: skip
+    assert [p for p, _ in restart_required(running, changed)] == [
+        "server.httpRequestReadTimeoutMilliseconds", "server.grpcMaxConcurrentStreams", "server.grpcMaxConnectionAgeSeconds",
+    ]  # fmt: skip
+    assert restart_required(running, parse_config({"server": {"maxConnections": 8}})) == []
 
 
 def test_max_request_bytes_needs_a_restart_and_passthrough_paths_do_not():

@@ -75,6 +75,30 @@ def test_spec_sidecar_passthrough_paths_and_request_bytes_reach_the_sidecar_conf
     assert builders.sidecar_hash(defaulted, "img") == builders.sidecar_hash(SPEC, "img")
 
 
+def test_spec_sidecar_connection_settings_reach_the_sidecar_config_and_those_bound_at_start_change_the_hash():
+    wanted = {"httpRequestReadTimeoutMilliseconds": 5000, "maxConnections": 64, "grpcMaxConcurrentStreams": 16,
+              "grpcMaxConnectionAgeSeconds": 600}  # fmt: skip
+    spec = {**SPEC, "sidecar": {**SPEC["sidecar"], **wanted}}
+    server = parse_config(yaml.safe_load(builders.build_configmap("fast", "llm", spec)["data"][builders.CONFIG_KEY])).server
+    assert (server.http_request_read_timeout_milliseconds, server.max_connections, server.grpc_max_concurrent_streams,
+            server.grpc_max_connection_age_seconds) == (5000, 64, 16, 600)  # fmt: skip
+    # at their defaults they are left out: the ConfigMap and the pods' digest are the ones before these settings
+    defaulted = {**SPEC, "sidecar": {**SPEC["sidecar"], "httpRequestReadTimeoutMilliseconds": 30000,
+                                     "maxConnections": 1024, "grpcMaxConcurrentStreams": 1024,
+                                     "grpcMaxConnectionAgeSeconds": 1800}}  # fmt: skip
+    assert builders.sidecar_config(defaulted) == builders.sidecar_config(SPEC)
+    assert builders.sidecar_hash(defaulted, "img") == builders.sidecar_hash(SPEC, "img")
+    for key, value in wanted.items():  # a key bound at start-up needs new pods; maxConnections applies live
+        changed = {**SPEC, "sidecar": {**SPEC["sidecar"], key: value}}
+        assert (builders.sidecar_hash(changed, "img") != builders.sidecar_hash(SPEC, "img")) == (key != "maxConnections")
+
+
+def test_a_bad_spec_sidecar_connection_setting_is_refused_naming_it():
+    with pytest.raises(ConfigError) as err:
+        builders.sidecar_config({**SPEC, "sidecar": {"maxConnections": 0}})
+    assert [p for p, _ in err.value.problems] == ["spec.sidecar.maxConnections"]
+
+
 def test_a_bad_spec_sidecar_passthrough_path_is_refused_naming_it():
     with pytest.raises(ConfigError) as err:
         builders.sidecar_config({**SPEC, "sidecar": {"passthroughPaths": ["/v1/../pause"]}})
