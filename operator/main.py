@@ -306,6 +306,7 @@ async def follow_policy(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf
 @kopf.on.delete(*POLICY)
 async def delete_policy(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
     meta = body["metadata"]
+    memo.ctx.fleet.forget(meta["namespace"], meta["name"])  # its model's ConfigMap goes with it (owner reference)
     carriers = memo.watched.pods(meta["namespace"], {POLICY_LABEL: policy_label(meta["name"])})
     restarted = await cleanup(memo.ctx, body, carriers, logger)
     if restarted:

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import logging
 import time
 
 import kopf
@@ -26,7 +27,7 @@ from kubernetes.client.exceptions import ApiException
 
 from binbatch_sidecar.config import ConfigError
 
-from . import opt_in, takeover, vllm_args
+from . import fleet_model, opt_in, takeover, vllm_args
 from .builders import (
     CONFLICT_ANNOTATION,
     INJECTED_ANNOTATION,
@@ -39,6 +40,7 @@ from .builders import (
     build_pod_patch,
     build_service,
     child_name,
+    fleet_settings,
     headless_enabled,
     headless_name,
     matching_policies,
@@ -57,6 +59,7 @@ from .sidecar_stats import SidecarStats
 from .status import ApiFailure, Condition, PodReport, adjustments, aggregate, merge_conditions, model_condition, now_iso
 
 CHILD_KINDS = ("ConfigMap", "Service")
+log = logging.getLogger("binbatch.operator")
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Context:
     webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
     model_check_seconds: float = 60.0  # spec.predictor.model's ConfigMap (up to 1 MiB) is read at most this often
     model_checks: dict[tuple[str, str, str], tuple[float, Condition]] = field(default_factory=dict)
+    fleet: fleet_model.FleetModels = field(default_factory=fleet_model.FleetModels)  # spec.predictor.fleet's state
 
 
 @dataclass
@@ -155,7 +159,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
                 logger.info("%s %s", what, done)
         if not headless_enabled(spec):
             await _drop_headless(ctx, name, namespace, seen, failures, logger)
-    outcome = await observe(ctx, body, seen, problems, children_ready, failures)
+    outcome = await observe(ctx, body, seen, problems, children_ready, failures, logger)
     _warn_once(body, outcome, logger)
     return outcome
 
@@ -211,6 +215,7 @@ async def observe(
     problems: Sequence[tuple[str, str]],
     children_ready: bool,
     failures: list[ApiFailure],
+    logger: Any = None,
 ) -> Outcome:
     meta, spec = body["metadata"], body.get("spec") or {}
     name, namespace = meta["name"], meta["namespace"]
@@ -253,6 +258,16 @@ async def observe(
 
     conditions, fields = aggregate(reports, problems, children_ready, failures, unreached, engine_priority)
     model = await _model_ready(ctx, spec, namespace) if not problems else None
+    fleet = fleet_settings(spec) if not problems else None
+    published = None  # the status' model field: the fleet model in its ConfigMap (None: none, or fleet off)
+    if fleet is not None:
+        # the sidecars that answered are the ones asked for their records (their pods are Running and reachable)
+        reachable = {key: address for key, (report, address) in asked.items() if report.stats is not None}
+        state = ctx.fleet.maybe_start(ctx.kube, body, fleet, reachable, logger or log)
+        model = fleet_model.condition(name, state, old.get("model"))
+        published = state.published.status() if state.published is not None else old.get("model")
+    else:
+        ctx.fleet.forget(namespace, name)
     if model is not None:  # not one of Ready's checks: without its model a sidecar still serves (cold)
         conditions.append(model)
     status = {
@@ -260,6 +275,7 @@ async def observe(
         "conditions": merge_conditions(old.get("conditions"), conditions, generation, now_iso()),
         **fields,
         "adjustments": adjustments(reports, old.get("adjustments")),
+        "model": published,  # None deletes a stale one (fleet turned off)
     }
     return Outcome(status, failures)
 
