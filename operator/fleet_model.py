@@ -187,6 +187,11 @@ class FleetModels:
             wait = min(wait, PENDING_RETRY_SECONDS)
         return self._clock() - state.last_round >= wait
 
+    def close(self) -> None:
+        """The operator stops: cancel the rounds still running (a fit in its thread finishes alone)."""
+        for key in list(self._policies):
+            self.forget(*key)
+
     def maybe_start(
         self, kube: Any, body: Mapping[str, Any], settings: FleetSpec, addresses: Mapping[str, str], logger: Any
     ) -> PolicyFleet:
@@ -195,8 +200,16 @@ class FleetModels:
         state = self._state(meta["namespace"], meta["name"], settings)
         if self.due(state, settings):
             state.last_round = self._clock()
-            state.task = asyncio.ensure_future(self.round(kube, body, settings, addresses, logger))
+            state.task = asyncio.ensure_future(self._guarded(state, kube, body, settings, addresses, logger))
         return state
+
+    async def _guarded(self, state: PolicyFleet, *args: Any) -> None:
+        """A round in the background: whatever it raises is its failure, never an unretrieved task error."""
+        try:
+            await self.round(*args)
+        except Exception as exc:  # noqa: BLE001 - reported in ModelReady; the last good model stays
+            state.failure = f"{type(exc).__name__}: {exc}"
+            args[-1].exception("spec.predictor.fleet: the round failed; keeping the last good model")
 
     async def gather(self, state: PolicyFleet, settings: FleetSpec, addresses: Mapping[str, str]) -> list[str]:
         """New records of every pod into the reservoirs; the pods that could not be asked, with why."""

@@ -192,6 +192,7 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
     if "elector" in memo:
         memo.elector.stop()
     if "ctx" in memo:
+        memo.ctx.fleet.close()  # fleet model rounds still running
         memo.ctx.kube.close()
 
 
