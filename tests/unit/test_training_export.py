@@ -129,3 +129,14 @@ def test_every_bad_hashed_record_names_its_field(tmp_path, line, field):
     with pytest.raises(training_records.RecordsError) as err:
         training_records.read_records(path)
     assert err.value.problems[0].startswith(f"{path}:1: {field}:")
+
+
+def test_the_fleet_model_bench_refuses_a_training_count_its_refits_would_not_end_on():
+    from binbatch_sidecar.bench.fleet_model import FleetModelBenchConfig, quick
+
+    assert quick().train_requests == 256
+    for bad, field in ((100, "train_requests"), (32, "train_requests")):
+        with pytest.raises(ValueError, match=field):
+            FleetModelBenchConfig(train_requests=bad)
+    with pytest.raises(ValueError, match="eval_requests"):
+        FleetModelBenchConfig(eval_requests=4)
