@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     fm = bench_sub.add_parser(
         "fleet-model", help="a sidecar serves ShareGPT turns, its records are exported and fitted, and a new sidecar "
                             "started from that model ranks new turns as well as the first one (Kendall tau within "
-                            "0.02); a cold one for comparison (~3 min; --quick < 1 min)"
+                            "0.02); a cold one for comparison (~7 min; --quick ~1.5 min)"
     )  # fmt: skip
     fm.add_argument("--train-requests", type=_positive_int, default=2048, metavar="N",
                     help="training turns the first sidecar serves, a power of two >= 64 (default 2048)")
