@@ -85,3 +85,11 @@ async def test_a_sidecar_that_is_not_learned_refuses_the_export(tmp_path):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await sc.admin.ExportTrainingRecords(pb.ExportTrainingRecordsRequest(), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "predictor.kind" in err.value.details()
+
+
+def test_predictor_export_names_the_target_it_cannot_reach(tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    code = cli.main(["predictor", "export", "--target", "127.0.0.1:1", "--out", str(out)])
+    assert code != 0 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("binbatch predictor export: --target 127.0.0.1:1: UNAVAILABLE")

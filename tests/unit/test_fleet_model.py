@@ -5,6 +5,7 @@ sidecars' GetStats and ExportTrainingRecords are fakes, the clock is a counter."
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import logging
@@ -228,3 +229,21 @@ def test_the_reservoir_keeps_a_bounded_uniform_sample():
     assert 2_000 < sum(r.items) / 100 < 8_000  # from all of the stream, not its start
     r.resize(10)
     assert len(r.items) == 10
+
+
+async def test_stopping_the_operator_cancels_a_round_still_running():
+    sidecars, kube, clock = FakeSidecars(300), FakeKube(), Clock()
+    blocked = asyncio.Event()
+
+    async def export(address, **_):
+        await blocked.wait()  # never set: the round is still gathering when the operator stops
+
+    ctx = _context(sidecars, kube, clock)
+    ctx.fleet._export = export
+    await reconcile(ctx, policy_body(spec=FLEET), Seen(pods=_pods()), LOG)
+    task = ctx.fleet.state("llm", "fast").task
+    assert task is not None and not task.done()
+    ctx.fleet.close()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ctx.fleet.state("llm", "fast") is None

@@ -140,3 +140,4 @@ def test_the_fleet_model_bench_refuses_a_training_count_its_refits_would_not_end
             FleetModelBenchConfig(train_requests=bad)
     with pytest.raises(ValueError, match="eval_requests"):
         FleetModelBenchConfig(eval_requests=4)
+
