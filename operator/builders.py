@@ -16,7 +16,9 @@ pod patch mounts that one Secret key read-only into the sidecar (the kubelet
 reads the Secret; the operator never does) and the config gets
 ``engine.apiKeyFile`` pointing at the mounted file.
 - ``model_ref`` / ``model_volume``: ``spec.predictor.model``, the trained length model the
-  sidecar reads from a ConfigMap or Secret key mounted read-only at ``MODEL_PATH``.
+  sidecar reads from a ConfigMap or Secret key mounted read-only at ``MODEL_PATH``; with
+  ``spec.predictor.fleet`` (``fleet_settings``) the ConfigMap the operator publishes its
+  fleet's model in (``fleet_model_name``) is mounted there instead.
 """
 
 from __future__ import annotations
@@ -35,7 +37,18 @@ from pydantic.alias_generators import to_snake
 from binbatch_sidecar.config import RESTART_KEYS, ConfigError, parse_config
 
 from . import k8s_rules, takeover
-from .crd import API_KEY_SECRET_REF, CONFIG_SECTIONS, GROUP, MODEL_REFS, SERVER_KEYS, SERVICE_DEFAULTS, SIDECAR_DEFAULTS
+from pydantic import ValidationError
+
+from .crd import (
+    API_KEY_SECRET_REF,
+    CONFIG_SECTIONS,
+    GROUP,
+    MODEL_REFS,
+    SERVER_KEYS,
+    SERVICE_DEFAULTS,
+    SIDECAR_DEFAULTS,
+    FleetSpec,
+)
 from .takeover import SIDECAR_PORT_NAMES, TakeOverPlan
 
 CONFIG_KEY = "sidecar.yaml"
@@ -162,6 +175,22 @@ def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
     doc["server"] = {key: value for key, value in sidecar_settings(spec).items()
                      if key not in SERVER_KEYS or value != SIDECAR_DEFAULTS[key]}  # fmt: skip
     takeover.config_urls(spec, doc)
+    if "fleet" in doc.get("predictor", {}):  # CRD-only: the operator's; enabled, its model is the warm start
+        doc["predictor"] = {k: v for k, v in doc["predictor"].items() if k != "fleet"}
+        fleet = fleet_settings(spec)
+        if fleet is not None:
+            predictor = doc["predictor"]
+            problems = [(f"{FLEET_FIELD}.enabled", f"is only used with kind Learned (kind is {predictor.get('kind')})")
+                        ] if predictor.get("kind", "Learned") != "Learned" else []  # fmt: skip
+            if predictor.get("warmStart"):
+                problems.append((FLEET_FIELD, "fleet and warmStart exclude each other: with fleet the operator mounts "
+                                              "its model and sets warmStart to it; leave spec.predictor.warmStart empty"))  # fmt: skip
+            if predictor.get("model") is not None:
+                problems.append((FLEET_FIELD, "fleet and model exclude each other: with fleet the operator fits, "
+                                              "publishes and mounts the model; remove spec.predictor.model"))  # fmt: skip
+            if problems:
+                raise ConfigError(problems)
+            predictor["warmStart"], predictor["warmStartOptional"] = MODEL_PATH, True
     if "model" in doc.get("predictor", {}):  # CRD-only: the mounted file becomes the warm start
         predictor = doc["predictor"]
         if predictor.pop("model") is None or model_ref(spec) is None:
@@ -207,6 +236,28 @@ def api_key_secret_ref(spec: Mapping[str, Any]) -> dict[str, str] | None:
 
 
 MODEL_FIELD = "spec.predictor.model"
+FLEET_FIELD = "spec.predictor.fleet"
+FLEET_MODEL_SUFFIX = "-binbatch-model"
+FLEET_MODEL_KEY = "model.npz"  # the key of the fleet's model in its ConfigMap's binaryData
+
+
+def fleet_settings(spec: Mapping[str, Any]) -> FleetSpec | None:
+    """``spec.predictor.fleet`` when enabled (None: off or absent); ``ConfigError`` naming the field
+    when it is malformed."""
+    fleet = (spec.get("predictor") or {}).get("fleet")
+    if fleet is None:
+        return None
+    try:
+        settings = FleetSpec.model_validate(dict(fleet) if isinstance(fleet, Mapping) else fleet)
+    except ValidationError as exc:
+        problems = [(".".join([FLEET_FIELD, *(str(p) for p in e["loc"])]), e["msg"]) for e in exc.errors()]
+        raise ConfigError(problems) from None
+    return settings if settings.enabled else None
+
+
+def fleet_model_name(policy: str) -> str:
+    """The ConfigMap the operator publishes a policy's fleet model in: ``<policy>-binbatch-model``."""
+    return child_name(policy, FLEET_MODEL_SUFFIX)
 
 
 def model_ref(spec: Mapping[str, Any]) -> tuple[str, str, str] | None:
@@ -240,8 +291,9 @@ def model_ref(spec: Mapping[str, Any]) -> tuple[str, str, str] | None:
     return ("ConfigMap" if refs[0] == "configMapKeyRef" else "Secret"), ref["name"], ref["key"]
 
 
-def model_volume(spec: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The volume holding ``spec.predictor.model``'s key as ``model.npz`` (None without a valid one).
+def model_volume(spec: Mapping[str, Any], policy: str | None = None) -> dict[str, Any] | None:
+    """The volume holding ``spec.predictor.model``'s key as ``model.npz`` (None without a valid one);
+    with ``spec.predictor.fleet`` enabled, the fleet model's ConfigMap of ``policy``.
 
     ``optional``: a ConfigMap, Secret or key that does not exist leaves the volume
     empty instead of keeping the pod from starting (the sidecar then starts cold).
@@ -249,6 +301,8 @@ def model_volume(spec: Mapping[str, Any]) -> dict[str, Any] | None:
     """
     try:
         ref = model_ref(spec)
+        if ref is None and policy is not None and fleet_settings(spec) is not None:
+            ref = ("ConfigMap", fleet_model_name(policy), FLEET_MODEL_KEY)
     except ConfigError:
         return None
     if ref is None:
@@ -477,7 +531,8 @@ def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: Ta
             {"name": TMP_VOLUME, "mountPath": "/tmp"},
             *([{"name": ENGINE_KEY_VOLUME, "mountPath": ENGINE_KEY_DIR, "readOnly": True}]
               if api_key_secret_ref(spec) is not None else []),
-            *([{"name": MODEL_VOLUME, "mountPath": MODEL_DIR, "readOnly": True}] if model_volume(spec) else []),
+            *([{"name": MODEL_VOLUME, "mountPath": MODEL_DIR, "readOnly": True}]
+              if model_volume(spec, policy="") else []),
         ],
         "securityContext": {
             "runAsNonRoot": True, "runAsUser": SIDECAR_UID, "runAsGroup": SIDECAR_UID,
@@ -545,7 +600,7 @@ def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
     bound = {key: settings[key] for key in BOUND_AT_START if settings[key] != SIDECAR_DEFAULTS[key]}
     if bound:
         described = [described, bound]
-    model = model_volume(spec)
+    model = model_volume(spec, policy="")  # the fleet's ConfigMap is named for the policy, which never changes
     if model is not None:  # which ConfigMap or Secret is mounted reaches running pods only through a new pod
         described = [described, {"model": model}]
     text = json.dumps(described, sort_keys=True)
@@ -573,7 +628,7 @@ def build_pod_patch(
     ConfigMap volume is mounted as a directory (not ``subPath``) so kubelet
     updates it in place and the sidecar reloads the new config without a
     restart; it is ``optional`` so a pod restarted after its policy was deleted
-    still starts.  ``spec.predictor.model`` adds its own volume (``model_volume``).
+    still starts.  ``spec.predictor.model`` (or ``spec.predictor.fleet``) adds its own volume (``model_volume``).
     ``native`` makes it a native sidecar (see ``as_native_sidecar``).
     """
     pod_spec = pod.get("spec") or {}
@@ -590,7 +645,7 @@ def build_pod_patch(
     ref = api_key_secret_ref(spec)
     if ref is not None:
         volumes.append(engine_key_volume(ref, pod_spec))
-    model = model_volume(spec)
+    model = model_volume(spec, policy)
     if model is not None:
         volumes.append(model)
     drain = sidecar_settings(spec)["drainGraceSeconds"]

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
 
 from binbatch_sidecar.config import (
     GRPC_MAX_CONCURRENT_STREAMS_DEFAULT,
@@ -46,7 +47,7 @@ CRD_PATH = Path("manifests/crd/batchingpolicies.binbatch.io.yaml")
 CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging", "classes")
 
 # Fields of a config section that only the operator reads (the sidecar's config has no such key).
-CRD_ONLY = {"predictor": ("model",), "engine": ("apiKeySecretRef",)}
+CRD_ONLY = {"predictor": ("model", "fleet"), "engine": ("apiKeySecretRef",)}
 MODEL_REFS = ("configMapKeyRef", "secretKeyRef")
 
 # spec.sidecar's defaults: the CRD's, and the builders' for a spec the API server did not default.
@@ -68,6 +69,19 @@ SERVICE_DEFAULTS = {"headless": False}
 API_KEY_SECRET_REF = "apiKeySecretRef"
 LOOPBACK_URL = r"^https?://(127\.0\.0\.1|localhost|\[::1\])(:[0-9]+)?([/?#].*)?$"
 
+class FleetSpec(BaseModel):
+    """``spec.predictor.fleet``: one learned length model for all the policy's pods, fitted by the operator."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, strict=True, alias_generator=to_camel)
+
+    enabled: bool = Field(False, description="Gather the hashed training records of the policy's sidecars (never prompt text), fit one length model on them and publish it in the ConfigMap <policy>-binbatch-model, which new pods mount as their model: each sidecar starts from what the whole fleet learned, and it outlives the pods. Needs kind Learned; not with model or warmStart.")  # fmt: skip
+    refit_interval_seconds: int = Field(600, ge=60, le=86400, description="Gather the new records and refit this often.")  # fmt: skip
+    max_records: int = Field(10000, ge=1000, le=40000, description="Records the operator keeps to fit on (a uniform sample of all gathered; a tenth more held out to score the model). Each takes a few KiB of the operator's memory.")  # fmt: skip
+
+
+FLEET_DEFAULTS: dict[str, Any] = FleetSpec().model_dump(by_alias=True)
+
+
 def _rule(uses: tuple[str, ...], check: str, message: str, field_path: str | None = None) -> dict[str, str]:
     """A CEL rule that holds when any field it ``uses`` is absent.
 
@@ -83,6 +97,8 @@ def _rule(uses: tuple[str, ...], check: str, message: str, field_path: str | Non
         rule["fieldPath"] = field_path
     return rule
 
+
+_FLEET_OFF = "!has(self.fleet) || !has(self.fleet.enabled) || !self.fleet.enabled"
 
 SECTION_RULES: dict[str, list[dict[str, str]]] = {
     "engine": [
@@ -139,6 +155,12 @@ SECTION_RULES: dict[str, list[dict[str, str]]] = {
         _rule(("warmStart",), "!has(self.model) || self.warmStart == ''",
               "model and warmStart exclude each other: with model the operator mounts the file and sets warmStart "
               "to it; leave warmStart empty", ".model"),
+        _rule(("kind",), f"{_FLEET_OFF} || self.kind == 'Learned'", "fleet is only used with kind Learned", ".fleet"),
+        _rule((), f"{_FLEET_OFF} || !has(self.model)",
+              "fleet and model exclude each other: with fleet the operator fits, publishes and mounts the model", ".fleet"),
+        _rule(("warmStart",), f"{_FLEET_OFF} || self.warmStart == ''",
+              "fleet and warmStart exclude each other: with fleet the operator mounts its model and sets warmStart "
+              "to it; leave warmStart empty", ".fleet"),
     ],
     "metrics": [
         _rule(("staleAfterMilliseconds", "intervalMilliseconds"),
@@ -234,6 +256,9 @@ def section_schema(name: str, model: type[BaseModel], description: str | None = 
         props[API_KEY_SECRET_REF] = api_key_secret_ref_schema()
     if name == "predictor":
         props["model"] = model_schema()
+        props["fleet"] = section_schema("predictor.fleet", FleetSpec, "Learned: one model for the whole fleet of "
+                                        "pods, fitted by the operator from their sidecars' records.")  # fmt: skip
+        del props["fleet"]["default"]  # absent is off: a stored policy without it stays as it was
     if name == "bins":  # pydantic checks entries in a validator; the API server needs the bounds here
         props["boundaries"]["items"] |= {"minimum": 1, "maximum": 1_000_000}
         props["boundaries"]["x-kubernetes-list-type"] = "set"  # with isSorted(): strictly increasing
@@ -508,7 +533,8 @@ def status_schema() -> dict[str, Any]:
     condition = {
         "type": "object",
         "description": "One condition: Ready, Valid, SidecarsInjected, MetricsAvailable, "
-                       "EnginePriorityEnabled (batch.order EnginePriority) or ModelReady (spec.predictor.model).",
+                       "EnginePriorityEnabled (batch.order EnginePriority) or ModelReady (spec.predictor.model or "
+                       "spec.predictor.fleet).",
         "required": ["type", "status"],
         "properties": {
             "type": _str("Condition type.", maxLength=64),
@@ -546,6 +572,18 @@ def status_schema() -> dict[str, Any]:
                                   "makes none).", maxLength=63),
             "adjustments": {"type": "array", "description": "The last adjustments (at most 20).",
                             "items": adjustment, "maxItems": 20},
+            "model": {
+                "type": "object",
+                "description": "spec.predictor.fleet: the fleet model the operator published last.",
+                "properties": {
+                    "version": {**integer, "description": "Its version: one more at each publish."},
+                    "records": {**integer, "description": "Training records it was fitted on."},
+                    "kendallTau": _str("Kendall's tau of its predicted against the actual output lengths of "
+                                       "held-out records (never fitted on): how well it orders requests, -1 to 1.",
+                                       maxLength=16),
+                    "publishedAt": _str("When it was published.", format="date-time"),
+                },
+            },
         },
     }  # fmt: skip
 

@@ -230,6 +230,7 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
     if "elector" in memo:
         memo.elector.stop()
     if "ctx" in memo:
+        memo.ctx.fleet.close()  # fleet model rounds still running
         memo.ctx.kube.close()
 
 
@@ -345,6 +346,7 @@ async def follow_policy(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf
 @kopf.on.delete(*POLICY)
 async def delete_policy(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
     meta = body["metadata"]
+    memo.ctx.fleet.forget(meta["namespace"], meta["name"])  # its model's ConfigMap goes with it (owner reference)
     carriers = memo.watched.pods(meta["namespace"], {POLICY_LABEL: policy_label(meta["name"])})
     restarted = await cleanup(memo.ctx, body, carriers, logger)
     if restarted:

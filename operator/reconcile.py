@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import logging
 import time
 
 import kopf
@@ -26,7 +27,7 @@ from kubernetes.client.exceptions import ApiException
 
 from binbatch_sidecar.config import ConfigError
 
-from . import opt_in, takeover, vllm_args
+from . import fleet_model, opt_in, takeover, vllm_args
 from .allowlist import Allowlist
 from .builders import (
     CONFLICT_ANNOTATION,
@@ -41,6 +42,7 @@ from .builders import (
     build_pod_patch,
     build_service,
     child_name,
+    fleet_settings,
     headless_enabled,
     headless_name,
     matching_policies,
@@ -61,6 +63,7 @@ from .sidecar_stats import SidecarStats
 from .status import ApiFailure, Condition, PodReport, adjustments, aggregate, merge_conditions, model_condition, now_iso
 
 CHILD_KINDS = ("ConfigMap", "Service")
+log = logging.getLogger("binbatch.operator")
 
 
 @dataclass
@@ -72,6 +75,7 @@ class Context:
     webhook_config: str = ""  # the install's MutatingWebhookConfiguration: which namespaces it sees
     model_check_seconds: float = 60.0  # spec.predictor.model's ConfigMap (up to 1 MiB) is read at most this often
     model_checks: dict[tuple[str, str, str], tuple[float, Condition]] = field(default_factory=dict)
+    fleet: fleet_model.FleetModels = field(default_factory=fleet_model.FleetModels)  # spec.predictor.fleet's state
     allowlist: Allowlist | None = None  # the install's bounds on images and URLs; None: its default (allowlist.py)
     network_policy: bool = False  # a NetworkPolicy per policy (the chart's networkPolicy.enabled)
     metrics_from: list[dict[str, Any]] = field(default_factory=list)  # peers reaching the metrics port (its metricsFrom)
@@ -188,7 +192,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
         if not ctx.network_policy:
             await _drop_child(ctx, body, build_network_policy(name, namespace, spec), seen, failures, logger,
                               "the install makes no NetworkPolicy")  # fmt: skip
-    outcome = await observe(ctx, body, seen, problems, children_ready, failures, conflicts)
+    outcome = await observe(ctx, body, seen, problems, children_ready, failures, conflicts, logger)
     outcome.status["networkPolicy"] = network_policy
     _warn_once(body, outcome, logger)
     return outcome
@@ -252,6 +256,7 @@ async def observe(
     children_ready: bool,
     failures: list[ApiFailure],
     conflicts: Sequence[str] = (),
+    logger: Any = None,
 ) -> Outcome:
     meta, spec = body["metadata"], body.get("spec") or {}
     name, namespace = meta["name"], meta["namespace"]
@@ -295,6 +300,16 @@ async def observe(
 
     conditions, fields = aggregate(reports, problems, children_ready, failures, unreached, engine_priority, conflicts)
     model = await _model_ready(ctx, spec, namespace) if not problems else None
+    fleet = fleet_settings(spec) if not problems else None
+    published = None  # the status' model field: the fleet model in its ConfigMap (None: none, or fleet off)
+    if fleet is not None:
+        # the sidecars that answered are the ones asked for their records (their pods are Running and reachable)
+        reachable = {key: address for key, (report, address) in asked.items() if report.stats is not None}
+        state = ctx.fleet.maybe_start(ctx.kube, body, fleet, reachable, logger or log)
+        model = fleet_model.condition(name, state, old.get("model"))
+        published = state.published.status() if state.published is not None else old.get("model")
+    else:
+        ctx.fleet.forget(namespace, name)
     if model is not None:  # not one of Ready's checks: without its model a sidecar still serves (cold)
         conditions.append(model)
     status = {
@@ -302,6 +317,7 @@ async def observe(
         "conditions": merge_conditions(old.get("conditions"), conditions, generation, now_iso()),
         **fields,
         "adjustments": adjustments(reports, old.get("adjustments")),
+        "model": published,  # None deletes a stale one (fleet turned off)
     }
     return Outcome(status, failures)
 

@@ -34,6 +34,7 @@ estimate must not average into one number.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
@@ -218,9 +219,11 @@ def _features(req: Request) -> Features:
 
 
 @dataclass(frozen=True, slots=True)
-class _Record:
-    """One completion kept to learn from: the prompt's hashed features, never its text."""
+class TrainingRecord:
+    """One completion kept to learn from: the prompt's hashed features, never its text;
+    ``sequence`` numbers the predictor's completions from 1 (what an export's cursor counts)."""
 
+    sequence: int
     features: Features
     output_tokens: float
 
@@ -237,6 +240,11 @@ class LearnedPredictor:
     ``training_set`` hands a copy to whoever fits off the request path
     (``length_model.fit``, given ``prior``: the warm start), and ``install`` swaps
     the new model in whole.  Pure: the engine layer runs the fit in a thread.
+
+    The records are numbered (``TrainingRecord.sequence``) within an ``epoch``
+    (a name the caller gives, new per process), so ``export`` hands out only the
+    ones after a cursor: the operator gathers a fleet's records that way.
+    ``carry_records`` keeps them (and the numbering) across a model swap.
     """
 
     name = "learned"
@@ -250,6 +258,7 @@ class LearnedPredictor:
         refit_every: int = 1024,
         first_fit: int = 64,
         warm_start: str = "",
+        epoch: str = "",
     ) -> None:
         if not 16 <= first_fit <= buffer:
             raise ValueError(f"first_fit must be in [16, buffer={buffer}], got {first_fit}")
@@ -261,7 +270,9 @@ class LearnedPredictor:
         self.model = model
         self.fallback = fallback or OnlinePredictor()
         self.first_fit, self.refit_every = first_fit, refit_every
-        self._records: deque[_Record] = deque(maxlen=buffer)
+        self._records: deque[TrainingRecord] = deque(maxlen=buffer)
+        self._sequence = 0  # the last record's number
+        self.epoch = epoch  # what the numbering is valid in (a new process starts again at 1)
         self._new = 0  # records since the last training_set
         self._last_fit = 0  # records the last training_set held
         self.installed_at: float | None = None  # clock time of the last install (the engine layer's clock)
@@ -288,8 +299,32 @@ class LearnedPredictor:
 
     def observe(self, req: Request, actual_tokens: float) -> None:
         self.fallback.observe(req, actual_tokens)  # validates actual_tokens
-        self._records.append(_Record(_features(req), float(actual_tokens)))
+        self._sequence += 1
+        self._records.append(TrainingRecord(self._sequence, _features(req), float(actual_tokens)))
         self._new += 1
+
+    def export(self, since: int, limit: int) -> tuple[list[TrainingRecord], int]:
+        """The records numbered above ``since``, oldest first, at most ``limit``; and how many newer ones are
+        left."""
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        held = len(self._records)
+        first = self._sequence - held + 1  # the oldest record's number
+        start = min(held, max(0, since - first + 1))
+        out = list(itertools.islice(self._records, start, start + limit))
+        return out, held - start - len(out)
+
+    @property
+    def oldest_sequence(self) -> int:
+        """The oldest record's number (0: none held)."""
+        return self._sequence - len(self._records) + 1 if self._records else 0
+
+    def carry_records(self, previous: LearnedPredictor) -> None:
+        """Take over ``previous``'s records and numbering (its model file was swapped for a new one):
+        what was learned from stays exportable, and the refit counts only the records that come next."""
+        self._records = deque(previous._records, maxlen=self._records.maxlen)
+        self._sequence, self.epoch = previous._sequence, previous.epoch
+        self._last_fit = len(self._records)
 
     def refit_due(self) -> bool:
         # with a warm start, a fit on a few records would replace the prior's residual

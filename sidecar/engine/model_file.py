@@ -9,6 +9,7 @@ older dense layout (uncompressed float32, about 4 MiB) are still read.
 
 from __future__ import annotations
 
+import io
 import os
 import zipfile
 
@@ -28,6 +29,13 @@ def save_model(path: str | os.PathLike[str], model: LengthModel) -> None:
     """Write ``model`` to ``path`` (a file object is given, so numpy adds no ``.npz`` to the name)."""
     with open(path, "wb") as f:
         np.savez_compressed(f, **model.to_arrays())
+
+
+def model_bytes(model: LengthModel) -> bytes:
+    """The file ``save_model`` writes, as bytes (what the operator publishes in a ConfigMap)."""
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **model.to_arrays())
+    return buffer.getvalue()
 
 
 def load_model(path: str | os.PathLike[str]) -> LengthModel:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from dataclasses import replace
 from urllib.parse import urlsplit
 
@@ -53,6 +54,11 @@ def build_binner(cfg: SidecarConfig, k: int | None = None) -> Binner:
         )  # fmt: skip
     n_max = b.max_requests_per_bin or cfg.batch.static_size  # 0: from KV memory once metrics arrive
     return AdaptiveBinner(1, b.max_output_tokens, n_max, theta=b.split_threshold_percent / 100, max_buckets=b.count)
+
+
+# This process's name for its training records' numbering (ExportTrainingRecords' epoch): a restarted
+# sidecar numbers from 1 again, and a reader's cursor from before must not skip its records.
+EPOCH = secrets.token_hex(8)
 
 
 def model_stamp(path: str) -> tuple[int, int, int] | None:
@@ -120,7 +126,9 @@ def build_predictor(cfg: SidecarConfig, previous: LengthPredictor | None = None,
             if same is not None:
                 log.info("predictor.warmStart %s changed: its model (%d records) swapped in", p.warm_start, model.records)
     learned = LearnedPredictor(model=model, fallback=online, buffer=p.training_buffer_records,
-                               refit_every=p.refit_every_records, warm_start=p.warm_start)  # fmt: skip
+                               refit_every=p.refit_every_records, warm_start=p.warm_start, epoch=EPOCH)  # fmt: skip
+    if isinstance(previous, LearnedPredictor):  # a new model file: the completions seen stay (and exportable)
+        learned.carry_records(previous)
     learned.warm_start_stamp = stamp
     learned.installed_at = now if model is not None else None
     return learned

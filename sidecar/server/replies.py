@@ -1,4 +1,4 @@
-"""The Admin service's replies (``GetStats``, ``GetConfig``), built from the
+"""The Admin service's replies (``GetStats``, ``GetConfig``, ``ExportTrainingRecords``), built from the
 running parts at each call.
 
 Apart from the lifecycle (``app.py``) so that the servicers and the process
@@ -21,6 +21,10 @@ from ..core.sizer import INITIAL_REASON
 from ..core.throughput import ThroughputWindow
 from ..engine.dispatcher import Dispatcher
 from ..engine.metrics_feed import NO_SOURCE_KIND, MetricsFeed
+from .assembly import learned_of
+
+EXPORT_MAX_RECORDS = 2000  # records in one ExportTrainingRecords answer, at most
+EXPORT_MAX_BYTES = 2 * 1024 * 1024  # and about this many bytes (gRPC's default receive limit is 4 MiB)
 
 
 def sidecar_version() -> str:
@@ -31,7 +35,7 @@ def sidecar_version() -> str:
 
 
 class Replies:
-    """``stats()`` and ``config_view()`` for the Admin servicer."""
+    """``stats()``, ``config_view()`` and ``training_records()`` for the Admin servicer."""
 
     def __init__(
         self,
@@ -53,6 +57,30 @@ class Replies:
         self.engine_serving = engine_serving
         self.reload_error = reload_error
         self.started_at = time.monotonic() if started_at is None else started_at
+
+    def training_records(self, since: int, epoch: str, max_records: int) -> pb.TrainingRecords | None:
+        """The learned predictor's records after ``since`` (all held when ``epoch`` is set and not the
+        predictor's), bounded by count and bytes; None when ``predictor.kind`` is not Learned."""
+        learned = learned_of(self.dispatcher.core.predictor)
+        if learned is None:
+            return None
+        if epoch and epoch != learned.epoch:
+            since = 0
+        limit = min(max_records or EXPORT_MAX_RECORDS, EXPORT_MAX_RECORDS)
+        records, left = learned.export(since, limit)
+        reply = pb.TrainingRecords(epoch=learned.epoch, oldest=learned.oldest_sequence, next=since)
+        size = 0
+        for i, r in enumerate(records):
+            msg = pb.TrainingRecord(sequence=r.sequence, indices=r.features.indices.tolist(),
+                                    values=r.features.values.tolist(), output_tokens=round(r.output_tokens))  # fmt: skip
+            size += msg.ByteSize() + 4  # and the field's tag and length
+            if size > EXPORT_MAX_BYTES and i > 0:  # one record always goes, whatever its size: the cursor moves on
+                left += len(records) - i
+                break
+            reply.records.append(msg)
+            reply.next = r.sequence
+        reply.remaining = left
+        return reply
 
     def stats(self) -> pb.Stats:
         d = self.dispatcher

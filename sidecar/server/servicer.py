@@ -133,6 +133,10 @@ def add_servicers(server: grpc.aio.Server, inference: InferenceServicer, admin: 
                 admin.GetConfig, request_deserializer=_decoder(pb.GetConfigRequest),
                 response_serializer=pb.ConfigView.SerializeToString,
             ),
+            "ExportTrainingRecords": grpc.unary_unary_rpc_method_handler(
+                admin.ExportTrainingRecords, request_deserializer=_decoder(pb.ExportTrainingRecordsRequest),
+                response_serializer=pb.TrainingRecords.SerializeToString,
+            ),
         },
     }  # fmt: skip
     for name, handlers in services.items():
@@ -157,6 +161,8 @@ class AdminReplies(Protocol):
     def stats(self) -> pb.Stats: ...
 
     def config_view(self) -> pb.ConfigView: ...
+
+    def training_records(self, since: int, epoch: str, max_records: int) -> pb.TrainingRecords | None: ...
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -332,4 +338,15 @@ class AdminServicer(pb_grpc.AdminServicer):
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return self.replies.config_view()
+
+    async def ExportTrainingRecords(
+        self, request: pb.ExportTrainingRecordsRequest | Undecodable, context: Any
+    ) -> pb.TrainingRecords:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        reply = self.replies.training_records(request.since, request.epoch, request.max_records)
+        if reply is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "predictor.kind is not Learned: only the learned predictor keeps training records")  # fmt: skip
+        return reply
 

@@ -148,6 +148,7 @@ def test_services_have_their_full_names_and_methods() -> None:
         "binbatch.v1.Admin": {
             "GetStats": ("GetStatsRequest", "Stats", False),
             "GetConfig": ("GetConfigRequest", "ConfigView", False),
+            "ExportTrainingRecords": ("ExportTrainingRecordsRequest", "TrainingRecords", False),
         },
     }
     for service in services.values():
@@ -182,6 +183,7 @@ def test_stubs_call_the_fully_qualified_method_paths() -> None:
     binbatch_pb2_grpc.AdminStub(channel)
     assert sorted(channel.paths) == [
         ("unary_stream", "/binbatch.v1.Inference/GenerateStream"),
+        ("unary_unary", "/binbatch.v1.Admin/ExportTrainingRecords"),
         ("unary_unary", "/binbatch.v1.Admin/GetConfig"),
         ("unary_unary", "/binbatch.v1.Admin/GetStats"),
         ("unary_unary", "/binbatch.v1.Inference/Generate"),

@@ -457,6 +457,132 @@ class GetConfigRequest(_message.Message):
 Global___GetConfigRequest: _TypeAlias = GetConfigRequest  # noqa: Y015
 
 @_typing.final
+class ExportTrainingRecordsRequest(_message.Message):
+    """Request for `Admin.ExportTrainingRecords`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SINCE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    MAX_RECORDS_FIELD_NUMBER: _builtins.int
+    since: _builtins.int
+    """Only records with a sequence number above this one (0: every record held).
+    Pass the previous answer's `next` to get only the new ones.
+    """
+    epoch: _builtins.str
+    """The `epoch` that `since` counts in (the previous answer's). When it is not
+    the sidecar's current epoch (the sidecar restarted: its sequence numbers
+    started again), `since` is ignored and every record held is returned.
+    Empty: `since` is taken as it is.
+    """
+    max_records: _builtins.int
+    """At most this many records (0 or more than 2,000: 2,000)."""
+    def __init__(
+        self,
+        *,
+        since: _builtins.int = ...,
+        epoch: _builtins.str = ...,
+        max_records: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "max_records", b"max_records", "since", b"since"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportTrainingRecordsRequest: _TypeAlias = ExportTrainingRecordsRequest  # noqa: Y015
+
+@_typing.final
+class TrainingRecord(_message.Message):
+    """One completion the learned predictor keeps to learn from: the request's
+    hashed feature vector (what the length model reads of its prompt, class and
+    `max_tokens`; no text) and how many tokens the answer had.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    INDICES_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """Its sequence number: 1 for the sidecar's first completion, one more each."""
+    output_tokens: _builtins.int
+    """Output tokens of the answer."""
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Hashed feature slots (a slot may repeat: its values add up)."""
+
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The value of each slot in `indices`, in the same order."""
+
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+        output_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["indices", b"indices", "output_tokens", b"output_tokens", "sequence", b"sequence", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrainingRecord: _TypeAlias = TrainingRecord  # noqa: Y015
+
+@_typing.final
+class TrainingRecords(_message.Message):
+    """Reply of `Admin.ExportTrainingRecords`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDS_FIELD_NUMBER: _builtins.int
+    NEXT_FIELD_NUMBER: _builtins.int
+    REMAINING_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    OLDEST_FIELD_NUMBER: _builtins.int
+    next: _builtins.int
+    """The sequence number of the last record returned (the request's `since`
+    when none was): the next request's `since`.
+    """
+    remaining: _builtins.int
+    """Records newer than `next` still held (this answer stopped at its count or
+    size bound): ask again with `since` = `next`.
+    """
+    epoch: _builtins.str
+    """Identifies this run of the predictor's record sequence; it changes when
+    the sidecar restarts (sequence numbers start again at 1).
+    """
+    oldest: _builtins.int
+    """Sequence number of the oldest record still held (0: none). Records
+    between the request's `since` and this one were dropped from the bounded
+    buffer before they were asked for.
+    """
+    @_builtins.property
+    def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___TrainingRecord]:
+        """The records, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        records: _abc.Iterable[Global___TrainingRecord] | None = ...,
+        next: _builtins.int = ...,
+        remaining: _builtins.int = ...,
+        epoch: _builtins.str = ...,
+        oldest: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "next", b"next", "oldest", b"oldest", "records", b"records", "remaining", b"remaining"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrainingRecords: _TypeAlias = TrainingRecords  # noqa: Y015
+
+@_typing.final
 class BinStats(_message.Message):
     """State of one bin."""
 

@@ -285,6 +285,11 @@ class AdminStub:
                 request_serializer=binbatch__api_dot_v1_dot_binbatch__pb2.GetConfigRequest.SerializeToString,
                 response_deserializer=binbatch__api_dot_v1_dot_binbatch__pb2.ConfigView.FromString,
                 _registered_method=True)
+        self.ExportTrainingRecords = channel.unary_unary(
+                '/binbatch.v1.Admin/ExportTrainingRecords',
+                request_serializer=binbatch__api_dot_v1_dot_binbatch__pb2.ExportTrainingRecordsRequest.SerializeToString,
+                response_deserializer=binbatch__api_dot_v1_dot_binbatch__pb2.TrainingRecords.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -305,6 +310,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportTrainingRecords(self, request, context):
+        """Returns the training records the learned length predictor holds (its
+        last `predictor.trainingBufferRecords` completions), oldest first, newer
+        than a cursor: each record is the prompt's HASHED features and the answer's
+        length, never the prompt's text. One answer holds at most 2,000 records
+        and about 2 MiB; page on with `next`. The operator gathers them to fit one
+        model for a policy's pods (`spec.predictor.fleet`), and `binbatch
+        predictor export` writes them to a file `binbatch predictor train` reads.
+        FAILED_PRECONDITION when `predictor.kind` is not `Learned` (no records are
+        kept then).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -317,6 +337,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetConfig,
                     request_deserializer=binbatch__api_dot_v1_dot_binbatch__pb2.GetConfigRequest.FromString,
                     response_serializer=binbatch__api_dot_v1_dot_binbatch__pb2.ConfigView.SerializeToString,
+            ),
+            'ExportTrainingRecords': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportTrainingRecords,
+                    request_deserializer=binbatch__api_dot_v1_dot_binbatch__pb2.ExportTrainingRecordsRequest.FromString,
+                    response_serializer=binbatch__api_dot_v1_dot_binbatch__pb2.TrainingRecords.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -374,6 +399,33 @@ class Admin:
             '/binbatch.v1.Admin/GetConfig',
             binbatch__api_dot_v1_dot_binbatch__pb2.GetConfigRequest.SerializeToString,
             binbatch__api_dot_v1_dot_binbatch__pb2.ConfigView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportTrainingRecords(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/binbatch.v1.Admin/ExportTrainingRecords',
+            binbatch__api_dot_v1_dot_binbatch__pb2.ExportTrainingRecordsRequest.SerializeToString,
+            binbatch__api_dot_v1_dot_binbatch__pb2.TrainingRecords.FromString,
             options,
             channel_credentials,
             insecure,

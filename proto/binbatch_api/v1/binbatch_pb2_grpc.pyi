@@ -233,6 +233,17 @@ class AdminStub:
     """Returns a snapshot of the batching state, counters and recent decisions."""
     GetConfig: _grpc.UnaryUnaryMultiCallable[_binbatch_pb2.GetConfigRequest, _binbatch_pb2.ConfigView]
     """Returns the configuration the sidecar is running with."""
+    ExportTrainingRecords: _grpc.UnaryUnaryMultiCallable[_binbatch_pb2.ExportTrainingRecordsRequest, _binbatch_pb2.TrainingRecords]
+    """Returns the training records the learned length predictor holds (its
+    last `predictor.trainingBufferRecords` completions), oldest first, newer
+    than a cursor: each record is the prompt's HASHED features and the answer's
+    length, never the prompt's text. One answer holds at most 2,000 records
+    and about 2 MiB; page on with `next`. The operator gathers them to fit one
+    model for a policy's pods (`spec.predictor.fleet`), and `binbatch
+    predictor export` writes them to a file `binbatch predictor train` reads.
+    FAILED_PRECONDITION when `predictor.kind` is not `Learned` (no records are
+    kept then).
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -243,6 +254,17 @@ class AdminAsyncStub(AdminStub):
     """Returns a snapshot of the batching state, counters and recent decisions."""
     GetConfig: _aio.UnaryUnaryMultiCallable[_binbatch_pb2.GetConfigRequest, _binbatch_pb2.ConfigView]  # type: ignore[assignment]
     """Returns the configuration the sidecar is running with."""
+    ExportTrainingRecords: _aio.UnaryUnaryMultiCallable[_binbatch_pb2.ExportTrainingRecordsRequest, _binbatch_pb2.TrainingRecords]  # type: ignore[assignment]
+    """Returns the training records the learned length predictor holds (its
+    last `predictor.trainingBufferRecords` completions), oldest first, newer
+    than a cursor: each record is the prompt's HASHED features and the answer's
+    length, never the prompt's text. One answer holds at most 2,000 records
+    and about 2 MiB; page on with `next`. The operator gathers them to fit one
+    model for a policy's pods (`spec.predictor.fleet`), and `binbatch
+    predictor export` writes them to a file `binbatch predictor train` reads.
+    FAILED_PRECONDITION when `predictor.kind` is not `Learned` (no records are
+    kept then).
+    """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     """Introspection of the sidecar: live statistics and the effective config."""
@@ -262,5 +284,22 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_binbatch_pb2.ConfigView, _abc.Awaitable[_binbatch_pb2.ConfigView]]:
         """Returns the configuration the sidecar is running with."""
+
+    @_abc_1.abstractmethod
+    def ExportTrainingRecords(
+        self,
+        request: _binbatch_pb2.ExportTrainingRecordsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_binbatch_pb2.TrainingRecords, _abc.Awaitable[_binbatch_pb2.TrainingRecords]]:
+        """Returns the training records the learned length predictor holds (its
+        last `predictor.trainingBufferRecords` completions), oldest first, newer
+        than a cursor: each record is the prompt's HASHED features and the answer's
+        length, never the prompt's text. One answer holds at most 2,000 records
+        and about 2 MiB; page on with `next`. The operator gathers them to fit one
+        model for a policy's pods (`spec.predictor.fleet`), and `binbatch
+        predictor export` writes them to a file `binbatch predictor train` reads.
+        FAILED_PRECONDITION when `predictor.kind` is not `Learned` (no records are
+        kept then).
+        """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
