@@ -219,3 +219,29 @@ def test_the_ridge_on_the_used_slots_is_the_ridge_on_all_of_them():
     assert np.count_nonzero(w_used[len(slots):]) == 0
     assert b_used == pytest.approx(b_all, abs=1e-4)
     assert np.abs(narrowed @ w_used - x @ w_all).max() < 1e-3
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 24, 100, 383])
+def test_a_block_of_distinct_grams_keeps_the_general_formula_exactly(n):
+    # featurize's shortcut (every gram once: tf all 1) must give the very floats of 1 + log c scaled to norm w
+    grams = [f"g{i} w{i * 7}" for i in range(n)]
+    for weight in (1.0, 0.7):
+        slots, values = lm._block(grams, weight)
+        tf = 1.0 + np.log(np.ones(n))
+        want = (tf * (weight / np.sqrt(tf @ tf))).astype(np.float32)
+        assert values.dtype == np.float32 and np.array_equal(values, want)
+        assert slots.dtype == np.int32 and slots.tolist() == [lm._slot(g) for g in grams]
+    repeated_slots, repeated = lm._block(grams + grams[:1], 1.0)  # one gram twice: the general path
+    tf = 1.0 + np.log(np.array([2.0] + [1.0] * (n - 1)))
+    assert np.array_equal(repeated, (tf / np.sqrt(tf @ tf)).astype(np.float32))
+
+
+@pytest.mark.parametrize("text", ["", "overhead 12", "def f():\n    return {a; b} # in 500 words?", "~!@#$%^&*()_+`\x7f\t"])
+def test_the_meta_features_of_ascii_text_count_no_script(text):
+    span = lm.read_span(text)
+    words = lm._TOKEN.findall(span.lower())
+    counted = [len(r.findall(span)) for r in lm._SCRIPTS]
+    assert counted == [0] * 5
+    assert lm.meta_features(text, span, words)[2:7] == [0.0] * 5
+    accented = text + " é東"
+    assert lm.meta_features(accented, accented, words)[2] > 0 and lm.meta_features(accented, accented, words)[6] > 0
