@@ -17,7 +17,18 @@ machine's cores, so the figures say what the whole stack reaches here; the
 table names the direct rate too, which bounds what any front end can reach.
 Each rate window also reports the CPU each process spent per request (from
 /proc on Linux): the sidecar's share is what it costs, the bench client's says
-whether the client, not the sidecar, limited the rate.
+whether the client, not the sidecar, limited the rate.  It is the figure to
+compare runs by on a loaded machine: wall-clock latencies and rates move with
+whatever else runs on the cores, CPU per request much less.
+
+The judged sidecar (``sidecar`` and ``http`` rows, the JSON keys) runs the
+configuration a user installs: the operator's own rendering of a
+``BatchingPolicy`` that sets nothing (``e2e.policy_default``), with only what the
+bench needs besides (loopback ports 0, the engine and its scrape URL).  A second
+sidecar, ``tuned`` (``HAND_TUNED``: the Hint predictor, a static size of 1024, no
+wait), is measured beside it for reference; each sidecar row names the target
+batch size ``B_t`` its sizer held at the window's end, so a default that capped
+the engine below the callers would show.
 ``--profile FILE.prof`` runs the sidecar under cProfile (slower: compare the
 hot spots, not the rates) and prints its top functions on stderr.
 """
@@ -43,21 +54,25 @@ import aiohttp
 import grpc
 import yaml
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
 from .bench_clients import CallFailed, completion_body, exactly
-from .chaos_load import percentile
 from .bench_processes import EngineProcess, EngineShape, served_model, sidecar_doc
+from .chaos_load import percentile
 from .chaos_processes import SIDECAR_READY, SidecarProcess, run_to_end
+from .e2e import policy_default
 
 JSON_KEYS = ("added_p50_ms", "added_p99_ms", "max_requests_per_s", "http_added_p50_ms", "http_added_p99_ms")
 _HTTP_PORT = re.compile(r"HTTP on :(\d+)")  # in the sidecar's "serving gRPC on ..." line
+_METRICS_PORT = re.compile(r"metrics on :(\d+)")  # likewise
 INSTANT = EngineShape(step_a=0.0, step_c=0.0, num_gpu_blocks=65536, block_size=16, max_num_seqs=1024,
                       max_model_len=512)  # fmt: skip
-# Admission must never be what limits this bench: a static size far above the
-# concurrency, no wait, every request its own engine call (continuous mode).
-SIDECAR = {
+# The reference row: admission must never be what limits it: a static size far above
+# the concurrency, no wait, every request its own engine call (continuous mode).
+HAND_TUNED = {
     "predictor": {"kind": "Hint"},
     "bins": {"count": 4, "maxOutputTokens": 16},
     "batch": {"mode": "Continuous", "sizing": "Static", "staticSize": 1024, "maxBatchSize": 1024,
@@ -70,12 +85,25 @@ class OverheadConfig:
     latency_calls: int = 1000
     concurrencies: tuple[int, ...] = (16, 64, 256)
     window_s: float = 4.0
-    profile: str | None = None
+    profile: str | None = None  # cProfile dump of the judged sidecar
+    tuned: bool = True  # measure the HAND_TUNED sidecar beside the judged one
 
 
 def quick() -> OverheadConfig:
     """The seconds-long version (the test suite's)."""
     return OverheadConfig(latency_calls=40, concurrencies=(8,), window_s=0.5)
+
+
+def judged_sidecar_doc(engine_url: str, model: str) -> dict[str, Any]:
+    """The judged sidecar's config: the policy default (``e2e.policy_default({})``, what a
+    ``BatchingPolicy`` that sets nothing renders), given the engine, its scrape URL at the
+    default interval and loopback port 0 -- nothing else of the bench's."""
+    return sidecar_doc(engine_url, model, policy_default({}), scrape_ms=None)
+
+
+def tuned_sidecar_doc(engine_url: str, model: str) -> dict[str, Any]:
+    """The reference sidecar's config: ``HAND_TUNED`` (admission never the limit)."""
+    return sidecar_doc(engine_url, model, HAND_TUNED)
 
 
 class _ProfiledSidecar(SidecarProcess):
@@ -129,6 +157,23 @@ async def _closed_loop(call: Callable[[int], Awaitable[None]], concurrency: int,
     return done / (loop.time() - t0), done
 
 
+async def _start_sidecar(doc: dict[str, Any], path: Path, cwd: Path, profile: str | None) -> SidecarProcess:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    sidecar = _ProfiledSidecar(path, cwd, profile) if profile else SidecarProcess(path, cwd)
+    await sidecar.start()
+    return sidecar
+
+
+async def target_batch_size(session: aiohttp.ClientSession, port: int) -> int | None:
+    """The largest ``binbatch_target_batch_size`` (B_t, the most requests the
+    sidecar lets into the engine at once) its metrics port shows; None if none."""
+    async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+        text = await resp.text()
+    sizes = [s.value for f in text_string_to_metric_families(text) if f.name == "binbatch_target_batch_size"
+             for s in f.samples]  # fmt: skip
+    return round(max(sizes)) if sizes else None
+
+
 async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="binbatch-bench-overhead-") as tmp_name:
         tmp = Path(tmp_name)
@@ -139,16 +184,20 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
             session = await stack.enter_async_context(aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)))  # fmt: skip
             model, _ = await served_model(session, engine.url)
-            path = tmp / "sidecar.yaml"
-            doc = sidecar_doc(engine.url, model, SIDECAR)
-            path.write_text(yaml.safe_dump(doc, sort_keys=False))
-            sidecar = _ProfiledSidecar(path, tmp, cfg.profile) if cfg.profile else SidecarProcess(path, tmp)
-            await sidecar.start()
+            sidecar = await _start_sidecar(judged_sidecar_doc(engine.url, model), tmp / "sidecar.yaml", tmp, cfg.profile)
             stack.push_async_callback(sidecar.signal_and_wait, signal.SIGTERM, 30)
-            say(f"instant engine on {engine.url}, sidecar on {sidecar.target}"
+            say(f"instant engine on {engine.url}, sidecar (policy default) on {sidecar.target}"
                 + (f" (under cProfile -> {cfg.profile})" if cfg.profile else ""))  # fmt: skip
-            channel = await stack.enter_async_context(grpc.aio.insecure_channel(sidecar.target))
-            stub = pb_grpc.InferenceStub(channel)
+            stubs = {"sidecar": pb_grpc.InferenceStub(await stack.enter_async_context(
+                grpc.aio.insecure_channel(sidecar.target)))}  # fmt: skip
+            procs = {"sidecar": sidecar}
+            if cfg.tuned:
+                tuned = await _start_sidecar(tuned_sidecar_doc(engine.url, model), tmp / "tuned.yaml", tmp, None)
+                stack.push_async_callback(tuned.signal_and_wait, signal.SIGTERM, 30)
+                say(f"hand-tuned sidecar (Hint predictor, Static 1024) on {tuned.target}")
+                stubs["tuned"] = pb_grpc.InferenceStub(await stack.enter_async_context(
+                    grpc.aio.insecure_channel(tuned.target)))  # fmt: skip
+                procs["tuned"] = tuned
             door = f"http://127.0.0.1:{http_port(sidecar.lines)}/v1/completions"
 
             async def direct(i: int) -> None:
@@ -158,11 +207,14 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
                         raise CallFailed(f"engine answered HTTP {resp.status}")
                     await resp.read()
 
-            async def through(i: int) -> None:
-                reply = await stub.Generate(pb.GenerateRequest(prompt=f"overhead {i}", max_tokens=1, ignore_eos=True,
-                                                               expected_output_tokens=1), timeout=60)  # fmt: skip
-                if reply.completion_tokens != 1:
-                    raise CallFailed(f"sidecar answered {reply.completion_tokens} tokens, asked for 1")
+            def through(stub: pb_grpc.InferenceStub) -> Callable[[int], Awaitable[None]]:
+                async def call(i: int) -> None:
+                    reply = await stub.Generate(pb.GenerateRequest(prompt=f"overhead {i}", max_tokens=1, ignore_eos=True,
+                                                                   expected_output_tokens=1), timeout=60)  # fmt: skip
+                    if reply.completion_tokens != 1:
+                        raise CallFailed(f"sidecar answered {reply.completion_tokens} tokens, asked for 1")
+
+                return call
 
             async def through_http(i: int) -> None:
                 body = {"model": model, "prompt": f"overhead {i}", "max_tokens": 1, "ignore_eos": True}
@@ -173,30 +225,42 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
                 if tokens != 1:
                     raise CallFailed(f"the HTTP door answered {tokens} tokens, asked for 1")
 
-            paths = (("direct", direct), ("sidecar", through), ("http", through_http))
+            paths: tuple[tuple[str, Callable[[int], Awaitable[None]]], ...] = (
+                ("direct", direct), ("sidecar", through(stubs["sidecar"])), ("http", through_http),
+                *((("tuned", through(stubs["tuned"])),) if cfg.tuned else ()))  # fmt: skip
             for i in range(20):  # warm every path (connections, first-call imports)
                 for _, call in paths:
                     await call(i)
             lat: dict[str, list[float]] = {name: [] for name, _ in paths}
             for i in range(cfg.latency_calls):
-                for name, call in paths[i % 3:] + paths[:i % 3]:  # each path first in turn
+                k = i % len(paths)
+                for name, call in paths[k:] + paths[:k]:  # each path first in turn
                     t0 = time.perf_counter()
                     await call(i)
                     lat[name].append(time.perf_counter() - t0)
             p = {name: (percentile(v, 0.5), percentile(v, 0.99)) for name, v in lat.items()}
-            say(f"one at a time, {cfg.latency_calls} calls each: direct p50 {p['direct'][0] * 1e3:.2f} ms, "
-                f"sidecar (gRPC) p50 {p['sidecar'][0] * 1e3:.2f} ms, "
-                f"HTTP door p50 {p['http'][0] * 1e3:.2f} ms")  # fmt: skip
+            say(f"one at a time, {cfg.latency_calls} calls each: "
+                + ", ".join(f"{name} p50 {v[0] * 1e3:.2f} ms" for name, v in p.items()))  # fmt: skip
             rates: list[dict[str, Any]] = []
-            pids = {"client": None, "sidecar": sidecar.pid, "engine": engine.pid}
             for c in cfg.concurrencies:
-                for name, call in (("direct", direct), ("sidecar", through)):
+                for name, call in paths:
+                    if name == "http":
+                        continue
+                    # on the direct path the sidecar column is the judged sidecar's idle cost
+                    pids = {"client": None, "sidecar": procs.get(name, sidecar).pid, "engine": engine.pid}
                     before = {k: cpu_seconds(pid) for k, pid in pids.items()}
                     rate, n = await _closed_loop(call, c, cfg.window_s)
                     cpu_us = {k: _per_request_us(before[k], cpu_seconds(pid), n) for k, pid in pids.items()}
-                    rates.append({"path": name, "concurrency": c, "requests_per_s": rate, "cpu_us_per_request": cpu_us})
+                    row = {"path": name, "concurrency": c, "requests_per_s": rate, "cpu_us_per_request": cpu_us}
+                    if name in procs:
+                        row["target_batch_size"] = await target_batch_size(session, metrics_port(procs[name].lines))
+                    rates.append(row)
                     shown = ", ".join(f"{k} {v:.0f}" for k, v in cpu_us.items() if v is not None)
-                    say(f"{name}, {c} callers: {rate:.0f} requests/s (CPU us per request: {shown})")
+                    cap = f", B_t {row['target_batch_size']}" if row.get("target_batch_size") is not None else ""
+                    say(f"{name}, {c} callers: {rate:.0f} requests/s (CPU us per request: {shown}{cap})")
+                    if row.get("target_batch_size") is not None and row["target_batch_size"] < c:
+                        say(f"note: the {name} sidecar's batch sizing caps the engine at {row['target_batch_size']} "
+                            f"requests, below the {c} callers")  # fmt: skip
     out = {
         "added_p50_ms": (p["sidecar"][0] - p["direct"][0]) * 1e3,
         "added_p99_ms": (p["sidecar"][1] - p["direct"][1]) * 1e3,
@@ -221,6 +285,14 @@ def http_port(lines: list[str]) -> int:
     raise RuntimeError("the sidecar named no HTTP port:\n" + "".join(lines[-20:]))
 
 
+def metrics_port(lines: list[str]) -> int:
+    """The sidecar's metrics port from its start-up lines (as ``http_port``)."""
+    for line in lines:
+        if match := _METRICS_PORT.search(line):
+            return int(match.group(1))
+    raise RuntimeError("the sidecar named no metrics port:\n" + "".join(lines[-20:]))
+
+
 def hot_spots(path: str, limit: int = 20) -> str:
     """The top functions of a cProfile dump by their own time."""
     buf = io.StringIO()
@@ -235,16 +307,22 @@ def run(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str, Any]:
 def print_table(doc: dict[str, Any]) -> None:
     lat = doc["latency_ms"]
     print("binbatch bench overhead: one sidecar in front of an instant engine (emulator, zero step time)")
+    print("sidecar/http: the policy default (gRPC and HTTP doors); tuned: hand-tuned (Hint predictor, Static 1024)")
     print(f"{'path':10} {'p50 ms':>8} {'p99 ms':>8}")
-    for name in ("direct", "sidecar", "http"):
-        print(f"{name:10} {lat[name]['p50']:8.2f} {lat[name]['p99']:8.2f}")
+    for name in ("direct", "sidecar", "http", "tuned"):
+        if name in lat:
+            print(f"{name:10} {lat[name]['p50']:8.2f} {lat[name]['p99']:8.2f}")
     print(f"{'added':10} {doc['added_p50_ms']:8.2f} {doc['added_p99_ms']:8.2f}  (gRPC door)")
     print(f"{'added':10} {doc['http_added_p50_ms']:8.2f} {doc['http_added_p99_ms']:8.2f}  (HTTP door)")
+    if "tuned" in lat:
+        print(f"{'added':10} {lat['tuned']['p50'] - lat['direct']['p50']:8.2f} "
+              f"{lat['tuned']['p99'] - lat['direct']['p99']:8.2f}  (gRPC door, hand-tuned)")  # fmt: skip
     procs = ("client", "sidecar", "engine")
-    print(f"{'path':10} {'callers':>8} {'req/s':>8}   CPU us per request: " + " ".join(f"{p:>8}" for p in procs))
+    print(f"{'path':10} {'callers':>8} {'req/s':>8} {'B_t':>6}   CPU us per request: " + " ".join(f"{p:>8}" for p in procs))
     for r in doc["rates"]:
         cpu = r.get("cpu_us_per_request", {})
         shown = " ".join("       -" if cpu.get(p) is None else f"{cpu[p]:8.0f}" for p in procs)
-        print(f"{r['path']:10} {r['concurrency']:8d} {r['requests_per_s']:8.0f}   {'':20}{shown}")
-    print(f"max requests/s through the sidecar: {doc['max_requests_per_s']:.0f}")
+        cap = "-" if r.get("target_batch_size") is None else str(r["target_batch_size"])
+        print(f"{r['path']:10} {r['concurrency']:8d} {r['requests_per_s']:8.0f} {cap:>6}   {'':20}{shown}")
+    print(f"max requests/s through the sidecar (policy default): {doc['max_requests_per_s']:.0f}")
     sys.stdout.flush()

@@ -214,8 +214,12 @@ class ExternalFirst:
 
 
 def _features(req: Request) -> Features:
-    """What the learned model reads of a request: its prompt's text, its class, its cap."""
-    return featurize(req.prompt_text, req.request_class, req.max_tokens)
+    """What the learned model reads of a request: its prompt's text, its class, its cap
+    (computed once per request: an unhinted one is featurized to predict, then kept to learn from)."""
+    f = req.features
+    if f is None:
+        f = req.features = featurize(req.prompt_text, req.request_class, req.max_tokens)
+    return f
 
 
 @dataclass(frozen=True, slots=True)

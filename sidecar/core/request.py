@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from .length_dist import LengthDist
+
+if TYPE_CHECKING:
+    from .length_model import Features
 
 
 @dataclass(eq=False, slots=True)
@@ -37,6 +40,8 @@ class Request:
     body_bytes: int = 0  # the size of the request as it came (HTTP body, gRPC message): batch.maxQueuedBytes counts it
     # an external predictor service's answer, asked by the server before the request is queued
     external_length: LengthDist | None = None
+    # the learned predictor's features of the prompt, computed once: predict reads them, observe keeps them
+    features: Features | None = None
     predicted_tokens: float | None = None  # set by the length predictor: the median of ``length``
     length: LengthDist | None = None  # set by the length predictor: the whole predicted distribution
     prediction_source: str = ""  # set by the length predictor: one of predictor.SOURCES

@@ -504,16 +504,16 @@ class Dispatcher:
         """A stream's first delta: its TTFT, from acceptance (both doors share this path)."""
         call.first_token_at = now = self.clock.now()
         model = self.metrics.model_label(call.engine_request.params.model)
-        self.metrics.ttft.labels(model).observe(max(0.0, now - req.arrival))
+        self._child(self.metrics.ttft, model).observe(max(0.0, now - req.arrival))
 
     def _observe_latency(self, req: Request, call: Call, now: float) -> None:
         """A completed request's E2E from acceptance; its TTFT too when no delta came
         first (not streamed, or gang mode: the whole answer is its first token)."""
         model = self.metrics.model_label(call.engine_request.params.model)
         e2e = max(0.0, now - req.arrival)
-        self.metrics.e2e.labels(model).observe(e2e)
+        self._child(self.metrics.e2e, model).observe(e2e)
         if call.first_token_at is None:
-            self.metrics.ttft.labels(model).observe(e2e)
+            self._child(self.metrics.ttft, model).observe(e2e)
 
     def _finish(
         self, req: Request, outcome: str, *, result: Completion | None = None, exc: BaseException | None = None

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from binbatch_sidecar.bench.overhead import cpu_seconds, print_table
+from binbatch_operator import builders
+from binbatch_sidecar.bench.overhead import HAND_TUNED, cpu_seconds, judged_sidecar_doc, print_table
+from binbatch_sidecar.config import parse_config
 
 
 def _spin(seconds: float) -> None:
@@ -41,11 +43,37 @@ def test_the_table_shows_each_process_cpu_per_request(capsys):
         "rates": [
             {"path": "direct", "concurrency": 16, "requests_per_s": 3000.0,
              "cpu_us_per_request": {"client": 120.0, "sidecar": 2.0, "engine": 140.0}},
-            {"path": "sidecar", "concurrency": 16, "requests_per_s": 900.0,
+            {"path": "sidecar", "concurrency": 16, "requests_per_s": 900.0, "target_batch_size": 256,
              "cpu_us_per_request": {"client": 300.0, "sidecar": 850.0, "engine": None}},
         ],
     }  # fmt: skip
     print_table(doc)
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
-    assert ["sidecar", "16", "900", "300", "850", "-"] in rows
-    assert ["direct", "16", "3000", "120", "2", "140"] in rows
+    assert ["sidecar", "16", "900", "256", "300", "850", "-"] in rows
+    assert ["direct", "16", "3000", "-", "120", "2", "140"] in rows
+
+
+ENGINE = "http://127.0.0.1:9"
+
+
+def test_the_judged_sidecar_runs_the_policy_default():
+    # what the operator renders for a BatchingPolicy that sets nothing, bench environment aside
+    doc = judged_sidecar_doc(ENGINE, "m")
+    policy = builders.sidecar_config({"selector": {}, "predictor": {}})
+    policy.pop("server")
+    bench_only = {"engine", "metrics", "server", "logging"}
+    assert {k: v for k, v in doc.items() if k not in bench_only} == {k: v for k, v in policy.items() if k not in bench_only}
+    assert doc["engine"] == {"url": ENGINE, "model": "m"}
+    assert doc["metrics"] == {"url": f"{ENGINE}/metrics"}  # the default scrape interval
+    assert doc["server"]["grpcPort"] == doc["server"]["httpPort"] == doc["server"]["metricsPort"] == 0
+    judged, default = parse_config(doc), parse_config({})
+    for section in ("bins", "batch", "memory", "latency", "predictor", "logging", "classes"):
+        assert getattr(judged, section) == getattr(default, section), section
+    assert judged.metrics.interval_milliseconds == default.metrics.interval_milliseconds
+    assert (judged.kv_admission, judged.rank_by) == (default.kv_admission, default.rank_by)
+
+
+def test_the_hand_tuned_row_differs_from_the_default():
+    tuned = parse_config(HAND_TUNED)
+    assert tuned.predictor.kind == "Hint" != parse_config({}).predictor.kind
+    assert tuned.batch.sizing == "Static" and tuned.batch.static_size == 1024

@@ -14,7 +14,7 @@ from binbatch_sidecar.core.admission import AdmissionOrder, Drain
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
-from binbatch_sidecar.core.kv_plan import FLOOR, KvPlan, Seq, peak_tokens
+from binbatch_sidecar.core.kv_plan import FLOOR, KvPlan, Seq, peak_bound, peak_tokens
 from binbatch_sidecar.core.length_dist import PLAN_LEVEL, LengthDist
 from binbatch_sidecar.core.predictor import HintPredictor
 from binbatch_sidecar.core.request import Request
@@ -443,3 +443,35 @@ def test_a_request_that_ends_before_a_blocked_head_could_start_goes_past_it_and_
     for name, prompt, tokens in [("run0", 40, 100), ("run1", 40, 100), ("head", 420, 5), ("fill", 40, 50)]:
         fifo.submit(Request(id=name, arrival=0.0, prompt_tokens=prompt, max_tokens=tokens, hint_tokens=tokens))
     assert [r.id for d in fifo.step(0.0).dispatches for r in d.requests] == ["run0", "run1"]
+
+
+def _random_seqs(rng: random.Random, n: int) -> list[Seq]:
+    seqs = []
+    for _ in range(n):
+        held, left, exact = rng.uniform(0, 3000), rng.choice([0.0, 0.5, 1.0, rng.uniform(1, 2000)]), rng.random() < 0.5
+        if rng.random() < 0.5:
+            seqs.append(Seq(held, left, exact))
+        else:
+            dist = LengthDist.from_samples([rng.uniform(1, 4000) for _ in range(rng.randint(2, 9))])
+            produced = rng.uniform(0, dist.points[-1])
+            sure = dist.known or dist.cdf(produced) >= 1.0  # as KvPlan.held plans it: no longer uncertain
+            seqs.append(Seq(held, left, exact) if sure else Seq(held, left, exact, dist, produced))
+    return seqs
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_the_quick_bound_is_never_below_the_peak(block):
+    rng = random.Random(block)
+    for n in [1, 2, 3, 8, 40] * 40:
+        seqs = _random_seqs(rng, n)
+        assert peak_bound(seqs, block) >= peak_tokens(seqs, block)
+
+
+def test_fits_answers_as_the_peak_does_with_or_without_room_to_spare():
+    rng = random.Random(7)
+    for trial in range(300):
+        seqs = _random_seqs(rng, rng.randint(2, 12))
+        peak = peak_tokens(seqs, 16)
+        for capacity in (peak * 0.9, peak * 1.0000001, peak * 1.5, peak_bound(seqs, 16) * 1.01, 1e12):
+            plan = KvPlan(capacity=capacity, block=16)
+            assert plan.fits(seqs[:-1], seqs[-1]) == (peak <= capacity), (trial, capacity)

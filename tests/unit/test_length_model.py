@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import zipfile
 
 import numpy as np
@@ -198,3 +199,49 @@ def test_a_bad_model_file_says_what_is_wrong(tmp_path, model, content, message):
         np.savez(path, **{**arrays, "format": np.array("binbatch-length-model/9")})
     with pytest.raises(ModelFileError, match=message):
         load_model(path)
+
+
+def test_the_ridge_on_the_used_slots_is_the_ridge_on_all_of_them():
+    # fit() solves on the slots some record uses (a refit's cost no longer grows with DIM): the same
+    # weights as over all N_FEATURES columns, within the solver's tolerance, and 0 on every other slot
+    rng = random.Random(5)
+    vocab = "write a story about the cat list ten reasons why explain this code in 500 words please".split()
+    prompts = [" ".join(rng.choice(vocab) for _ in range(rng.randint(2, 30))) for _ in range(300)]
+    x = lm.design([lm.featurize(p, "", 256) for p in prompts])
+    y = np.array([rng.gauss(0.0, 1.0) for _ in prompts])
+    narrowed, slots = lm.used_columns(x)
+    assert narrowed.shape[1] > narrowed.shape[0]  # sklearn keeps the kernel form it takes on N_FEATURES
+    assert np.array_equal(slots, np.unique(x.indices))
+    w_all, b_all = lm._ridge(x, y, lm.ALPHA)
+    w_used, b_used = lm._ridge(narrowed, y, lm.ALPHA)
+    assert np.count_nonzero(w_all[np.setdiff1d(np.arange(lm.N_FEATURES), slots)]) == 0
+    np.testing.assert_allclose(w_used[: len(slots)], w_all[slots], atol=1e-4)
+    assert np.count_nonzero(w_used[len(slots):]) == 0
+    assert b_used == pytest.approx(b_all, abs=1e-4)
+    assert np.abs(narrowed @ w_used - x @ w_all).max() < 1e-3
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 24, 100, 383])
+def test_a_block_of_distinct_grams_keeps_the_general_formula_exactly(n):
+    # featurize's shortcut (every gram once: tf all 1) must give the very floats of 1 + log c scaled to norm w
+    grams = [f"g{i} w{i * 7}" for i in range(n)]
+    for weight in (1.0, 0.7):
+        slots, values = lm._block(grams, weight)
+        tf = 1.0 + np.log(np.ones(n))
+        want = (tf * (weight / np.sqrt(tf @ tf))).astype(np.float32)
+        assert values.dtype == np.float32 and np.array_equal(values, want)
+        assert slots.dtype == np.int32 and slots.tolist() == [lm._slot(g) for g in grams]
+    repeated_slots, repeated = lm._block(grams + grams[:1], 1.0)  # one gram twice: the general path
+    tf = 1.0 + np.log(np.array([2.0] + [1.0] * (n - 1)))
+    assert np.array_equal(repeated, (tf / np.sqrt(tf @ tf)).astype(np.float32))
+
+
+@pytest.mark.parametrize("text", ["", "overhead 12", "def f():\n    return {a; b} # in 500 words?", "~!@#$%^&*()_+`\x7f\t"])
+def test_the_meta_features_of_ascii_text_count_no_script(text):
+    span = lm.read_span(text)
+    words = lm._TOKEN.findall(span.lower())
+    counted = [len(r.findall(span)) for r in lm._SCRIPTS]
+    assert counted == [0] * 5
+    assert lm.meta_features(text, span, words)[2:7] == [0.0] * 5
+    accented = text + " é東"
+    assert lm.meta_features(accented, accented, words)[2] > 0 and lm.meta_features(accented, accented, words)[6] > 0

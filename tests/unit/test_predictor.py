@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from binbatch_sidecar.core import length_model as lm
+from binbatch_sidecar.core import predictor as predictor_module
 from binbatch_sidecar.core.predictor import (
     AccuracyTracker,
     HintPredictor,
@@ -458,6 +460,25 @@ def test_learned_reads_the_prompt_once_fitted():
     assert p.predict(long) > 10 * p.predict(short)
     assert long.prediction_source == short.prediction_source == "learned"
     assert long.length.plan >= long.length.median
+
+
+def test_learned_featurizes_a_request_once_to_predict_and_learn(monkeypatch):
+    p = LearnedPredictor(first_fit=40)
+    _feed(p, 40)
+    calls = []
+
+    def counted(text, request_class="", max_tokens=0):
+        calls.append(text)
+        return lm.featurize(text, request_class, max_tokens)
+
+    monkeypatch.setattr(predictor_module, "featurize", counted)
+    r, y = _learned_req(7)
+    p.predict(r)
+    p.observe(r, y)
+    assert calls == [r.prompt_text]
+    kept = p.training_set()[0][-1]
+    want = lm.featurize(r.prompt_text, r.request_class, r.max_tokens)
+    assert np.array_equal(kept.indices, want.indices) and np.array_equal(kept.values, want.values)
 
 
 def test_learned_keeps_no_prompt_text_and_a_bounded_buffer():
