@@ -109,7 +109,9 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     doc = e2e.run(cfg, say)
     if args.plot:
         e2e.plot(doc, args.plot)
-    _report(args, {"runs": doc["runs"], "ratios": doc["ratios"]}, lambda: e2e.print_tables(doc), args.plot)
+    # the setup too: a result file keeps what the figures came from (engine, load, capacity, the notes)
+    _report(args, {"setup": doc.get("_setup", {}), "runs": doc["runs"], "ratios": doc["ratios"]}, lambda: e2e.print_tables(doc),
+            args.plot)  # fmt: skip
     return 0
 
 
@@ -359,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the same engine and model as --engine, started with --scheduling-policy priority: the "
                          "'priority' client sends there, each request's true length its priority (vLLM's own "
                          "shortest-first, the sidecar's yardstick); without it that client is left out")  # fmt: skip
-    e2.add_argument("--json", action="store_true", help="print one JSON document {runs, ratios} instead of tables")
+    e2.add_argument("--json", action="store_true", help="print one JSON document {setup, runs, ratios} instead of tables")
     e2.add_argument("--plot", metavar="FILE.png", help="also draw latency and goodput vs load to this PNG")
     e2.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
     e2.add_argument("--repeats", type=_positive_int, help="interleaved repeats of every run (default 2)")

@@ -725,8 +725,8 @@ async def _steady_capacity(
 
 
 def run(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any]:
-    """The bench's document: ``runs`` and ``ratios`` (and ``_setup``, which the
-    CLI prints with the tables and leaves out of ``--json``)."""
+    """The bench's document: ``runs``, ``ratios`` and ``_setup`` (what they came from; ``--json``
+    prints it as ``setup``)."""
     return run_to_end(run_async(cfg, say))
 
 
