@@ -457,3 +457,82 @@ def client_networking(cluster: Cluster) -> Any:
     from kubernetes import client
 
     return client.NetworkingV1Api(cluster.api)
+
+
+# -- uninstall, in the right order and the wrong one (README "Operate and uninstall") --------
+
+
+FINALIZER = f"{crd.GROUP}/cleanup"
+
+
+def get_policy(cluster: Cluster, namespace: str) -> dict[str, Any]:
+    return cluster.custom.get_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, POLICY)
+
+
+def test_a_policy_deleted_after_the_operator_stopped_stays_terminating_until_its_finalizer_is_cleared(
+    cluster: Cluster, operator: Operator, policy_namespace: Any
+) -> None:
+    """The wrong uninstall order: the operator is gone, so nothing releases the finalizer; the recovery the
+    docs give (clear the finalizers by hand) lets the policy go, and the garbage collector its children."""
+    ns = policy_namespace(INJECT)
+    create_policy(cluster, ns, {"selector": SELECTOR})
+    reconciled(cluster, ns, operator)
+    assert get_policy(cluster, ns)["metadata"]["finalizers"] == [FINALIZER]
+    operator.stop()
+    try:
+        cluster.custom.delete_namespaced_custom_object(crd.GROUP, crd.VERSION, ns, crd.PLURAL, POLICY)
+        stuck = get_policy(cluster, ns)
+        assert stuck["metadata"].get("deletionTimestamp") and stuck["metadata"]["finalizers"] == [FINALIZER], stuck
+        cluster.core.read_namespaced_config_map(child_name(POLICY), ns)  # its children stay with it
+        cluster.kubectl("--namespace", ns, "patch", "batchingpolicy", POLICY, "--type=merge",
+                        "-p", '{"metadata":{"finalizers":null}}')  # fmt: skip
+
+        def all_gone() -> bool:
+            return (
+                cluster.gone(cluster.custom.get_namespaced_custom_object, crd.GROUP, crd.VERSION, ns, crd.PLURAL, POLICY)
+                and cluster.gone(cluster.core.read_namespaced_config_map, child_name(POLICY), ns)
+                and cluster.gone(cluster.core.read_namespaced_service, child_name(POLICY), ns)
+            )
+
+        wait_for(f"policy {ns}/{POLICY} and its children to go once its finalizer is cleared", all_gone,
+                 timeout=60, every=0.2, diagnose=cluster.diagnostics)  # fmt: skip
+    finally:
+        operator.start()
+
+
+def test_helm_uninstall_leaves_the_peering_object_the_operator_made(
+    cluster: Cluster, operator: Operator, helm_release: str
+) -> None:
+    """helm uninstall deletes what the release's manifest lists; the operator's ClusterKopfPeering is not in
+    it, so it stays behind, as the docs say (``kubectl delete clusterkopfpeering <release>``)."""
+    import helm_python as helm
+
+    # Named after the chart's full name: the release's name if it contains "binbatch", else <release>-binbatch.
+    fullname = helm_release if "binbatch" in helm_release else f"{helm_release}-binbatch"
+    peering = [a.removeprefix("--peering=") for a in operator.command if a.startswith("--peering=")]
+    assert peering == [fullname], operator.command  # the chart's default: two replicas, kopf peering
+    made = cluster.kubectl("get", "clusterkopfpeering", fullname, "-o", "json")
+    assert json.loads(made)["metadata"]["name"] == fullname
+    with helm.Config(kubeconfig_path=cluster.kubeconfig, namespace=helm_release) as config:
+        manifest = config.status(helm_release)["manifest"]
+    kinds = {doc["kind"] for doc in yaml.safe_load_all(manifest) if doc}
+    assert "MutatingWebhookConfiguration" in kinds and "ClusterKopfPeering" not in kinds, kinds
+
+
+def test_the_quickstart_sample_runs_with_the_sidecar(
+    cluster: Cluster, operator: Operator, policy_namespace: Any
+) -> None:
+    """The quickstart: label a namespace, apply manifests/samples/cpu-emulator.yaml (policy and Deployment
+    at once); the Deployment's pod, made by the controller manager, is stored with the sidecar."""
+    ns = policy_namespace()
+    cluster.kubectl("label", "namespace", ns, "binbatch.io/inject=enabled")
+    sample = Path(__file__).resolve().parents[2] / "manifests" / "samples" / "cpu-emulator.yaml"
+    cluster.kubectl("--namespace", ns, "apply", "-f", str(sample))
+
+    def pod() -> Any:
+        pods = cluster.core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/name=vllm-emulator").items
+        return pods[0] if pods else None
+
+    made = wait_for("the sample Deployment's pod", pod, timeout=60, every=0.2,
+                    diagnose=lambda: f"{cluster.diagnostics()}\n{operator.tail()}")  # fmt: skip
+    assert SIDECAR_CONTAINER in containers(made), f"{containers(made)}\n{operator.tail()}"
