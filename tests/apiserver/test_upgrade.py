@@ -124,6 +124,11 @@ def test_upgrade_applies_the_crd_first_then_helm_upgrade_and_uninstall_leaves_no
                 assert served["spec"]["memory"]["admission"] == "BatchSize"
                 assert served["spec"]["selector"] == SELECTOR
 
+                # Removing the field lets the new default in (defaulting runs on every write).
+                cluster.kubectl("--namespace", ns, "patch", f"{PLURAL}.{group}", "stored", "--type=json",
+                                "-p", '[{"op": "remove", "path": "/spec/memory/admission"}]')  # fmt: skip
+                assert get("stored")["spec"]["memory"]["admission"] == "Auto"
+
                 # A policy created now gets the new defaults and may use the new fields.
                 fresh = create("fresh", {"selector": SELECTOR, "predictor": {"model": MODEL}})
                 assert fresh["spec"]["memory"]["admission"] == "Auto"
