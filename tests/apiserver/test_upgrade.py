@@ -101,7 +101,8 @@ def test_upgrade_applies_the_crd_first_then_helm_upgrade_and_uninstall_leaves_no
                 assert "maxQueuedBytes" not in stored["spec"]["batch"]
                 with pytest.raises(ApiException) as refused:  # no spec.predictor.model before the upgrade
                     create("too-early", {"selector": SELECTOR, "predictor": {"model": MODEL}})
-                assert refused.value.status in (400, 422) and "spec.predictor.model" in refused.value.body, refused.value.body
+                assert refused.value.status in (400, 422), refused.value.body
+                assert "spec.predictor.model" in refused.value.body, refused.value.body
 
                 # helm upgrade alone: Helm leaves the CRD in crds/ as it was.
                 with helm.Chart.load(new_chart) as chart:
@@ -116,8 +117,11 @@ def test_upgrade_applies_the_crd_first_then_helm_upgrade_and_uninstall_leaves_no
 
                 # The stored policy is served under the new schema: fields new since then come defaulted on
                 # read; what the old CRD defaulted at creation stays as stored (memory.admission BatchSize).
-                served = wait_for("the stored policy served with the new CRD's defaults",
-                                  lambda: (lambda p: p if "maxQueuedBytes" in p["spec"]["batch"] else None)(get("stored")),
+                def served_new() -> dict[str, Any] | None:
+                    policy = get("stored")
+                    return policy if "maxQueuedBytes" in policy["spec"]["batch"] else None
+
+                served = wait_for("the stored policy served with the new CRD's defaults", served_new,
                                   timeout=60, every=0.2, diagnose=cluster.diagnostics)  # fmt: skip
                 assert served["spec"]["batch"]["maxQueuedBytes"] == 268435456
                 assert served["spec"]["sidecar"]["maxConnections"] == 1024
@@ -136,6 +140,8 @@ def test_upgrade_applies_the_crd_first_then_helm_upgrade_and_uninstall_leaves_no
                 assert get("fresh")["spec"]["predictor"]["model"] == MODEL
 
                 # Uninstall: the release, then the CRD (which takes its objects with it).
+                made = leftovers(cluster, ns, release)
+                assert f"mutatingwebhookconfiguration.admissionregistration.k8s.io/{release}-binbatch" in made, made
                 config.uninstall(release, timeout=120)
                 installed = False
             assert schema_has(cluster, crd_name, "spec"), "helm uninstall deleted the CRD from crds/"
@@ -161,8 +167,10 @@ NAMESPACED_KINDS = ("deployments", "services", "serviceaccounts", "roles", "role
 
 def leftovers(cluster: Cluster, namespace: str, release: str) -> list[str]:
     """Objects of the release (its instance label, or its name) still on the server."""
-    found = cluster.kubectl("get", ",".join(CLUSTER_KINDS), "-o", "name", "-l", f"app.kubernetes.io/instance={release}")
-    found += cluster.kubectl("get", ",".join(CLUSTER_KINDS), "-o", "name", "--field-selector", f"metadata.name={release}")
+    kinds = ",".join(CLUSTER_KINDS)
+    found = cluster.kubectl("get", kinds, "-o", "name", "-l", f"app.kubernetes.io/instance={release}")
+    # The operator's peering object carries no label: it is named after the chart's full name.
+    found += cluster.kubectl("get", kinds, "-o", "name", "--field-selector", f"metadata.name={release}-binbatch")
     found += cluster.kubectl("--namespace", namespace, "get", ",".join(NAMESPACED_KINDS), "-o", "name",
                              "-l", f"app.kubernetes.io/instance={release}")  # fmt: skip
     return sorted(line for line in found.splitlines() if line)
