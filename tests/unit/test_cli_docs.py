@@ -121,12 +121,24 @@ def test_a_made_up_command_or_flag_is_caught():
     assert "--engin" not in parser._option_string_actions
 
 
-def test_every_command_of_binbatch_help_is_shown_in_the_docs():
+def _not_in_docs(parser: argparse.ArgumentParser) -> list[str]:
+    """The commands ``parser`` lists that no page under docs/ shows."""
     shown = {tuple(_words(cmd)) for where, cmd in MENTIONS if where.startswith("docs")}
+    return [cmd for cmd, _ in cli.command_lines(parser) if tuple(cmd.split()[1:]) not in shown]
+
+
+def test_every_command_of_binbatch_help_is_shown_in_the_docs():
     commands = [cmd for cmd, _ in cli.command_lines(cli.build_parser())]
     assert "binbatch bench fleet-model" in commands and "binbatch emulate-engine" in commands
-    missing = [cmd for cmd in commands if tuple(cmd.split()[1:]) not in shown]
+    missing = _not_in_docs(cli.build_parser())
     assert not missing, f"commands no page under docs/ shows: {missing}"
+
+
+def test_an_undocumented_command_is_caught():
+    parser = cli.build_parser()
+    bench = _subparsers(parser).choices["bench"]
+    _subparsers(bench).add_parser("undocumented", help="a bench no page shows")
+    assert _not_in_docs(parser) == ["binbatch bench undocumented"]
 
 
 def test_binbatch_help_lists_every_command_on_one_line(capsys):
