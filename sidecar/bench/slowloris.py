@@ -32,7 +32,7 @@ import yaml
 from .bench_processes import EngineProcess, served_model, sidecar_doc
 from .chaos_load import percentile
 from .chaos_processes import SidecarProcess, run_to_end
-from .overhead import INSTANT, SIDECAR, http_port
+from .overhead import HAND_TUNED, INSTANT, http_port
 
 HALF_HEADER = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty"
 OPEN_AT_ONCE = 200  # connects in flight at a time (the listen backlog is 128)
@@ -110,7 +110,7 @@ async def run_async(cfg: SlowlorisConfig, say: Callable[[str], None]) -> dict[st
             async with aiohttp.ClientSession() as http:
                 model, _ = await served_model(http, engine.url)
             server = {"maxConnections": cfg.max_connections, "httpRequestReadTimeoutMilliseconds": cfg.read_timeout_ms}
-            doc = sidecar_doc(engine.url, model, SIDECAR)
+            doc = sidecar_doc(engine.url, model, HAND_TUNED)
             doc["server"].update(server)
             path = tmp / "sidecar.yaml"
             path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -125,7 +125,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``emulate-engine`` on a ``binbatch`` subparsers object; it sets ``func``."""
     parser = subparsers.add_parser(
-        "emulate-engine", help="run a vLLM-compatible engine emulator (OpenAI API, /metrics, KV blocks)",
+        "emulate-engine", help="run a vLLM-compatible engine emulator",
         description=DESCRIPTION,
     )  # fmt: skip
     add_arguments(parser)
