@@ -578,7 +578,7 @@ def status_schema() -> dict[str, Any]:
                 "properties": {
                     "version": {**integer, "description": "Its version: one more at each publish."},
                     "records": {**integer, "description": "Training records it was fitted on."},
-                    "kendallTau": _str("Kendall's tau of its predicted against the actual output lengths of "
+                    "kendallTau": _str("Kendall's rank correlation of its predicted against the actual output lengths of "
                                        "held-out records (never fitted on): how well it orders requests, -1 to 1.",
                                        maxLength=16),
                     "publishedAt": _str("When it was published.", format="date-time"),

@@ -285,7 +285,7 @@ def condition(policy: str, state: PolicyFleet | None, old_model: Mapping[str, An
     published = state.published.status() if state is not None and state.published is not None else old_model
     failure, note = (state.failure, state.note) if state is not None else ("", "")
     if published:
-        tau = f", Kendall tau {published['kendallTau']} on held-out records" if "kendallTau" in published else ""
+        tau = f", rank correlation (Kendall) {published['kendallTau']} on held-out records" if "kendallTau" in published else ""
         text = (f"spec.predictor.fleet: version {published['version']} fitted on {published['records']} records{tau}, "
                 f"in {where}; the sidecars load it (binbatch_predictor_model_loaded)")  # fmt: skip
         if failure:
