@@ -141,6 +141,17 @@ def test_a_deployment_changes_only_in_the_restart_annotation(
     ns = namespace()
     cluster.apps.create_namespaced_deployment(ns, deployment("vllm"))
     apps = client.AppsV1Api(operator_client)
+    image = {"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "evil/image"}]}}}}
+
+    def fenced() -> bool:
+        """Each policy applies a moment after the API server's informers have it (the children's may be first)."""
+        try:
+            apps.patch_namespaced_deployment("vllm", ns, image, dry_run="All")
+        except ApiException as exc:
+            return exc.status == 403 and "ValidatingAdmissionPolicy" in (exc.body or "")
+        return False
+
+    wait_for("the Deployments' fence to apply", fenced, timeout=60, every=0.2, diagnose=cluster.diagnostics)
 
     # The operator's own rolling restart (KubeApi.restart_owner, as reconcile calls it) goes through.
     pod = {"metadata": {"name": "p", "namespace": ns, "ownerReferences": [
@@ -151,7 +162,6 @@ def test_a_deployment_changes_only_in_the_restart_annotation(
     assert set(annotations) == {"keep", RESTART_ANNOTATION}
     assert asyncio.run(kube.restart_owner(pod)) == "Deployment/vllm"  # a second restart: the annotation changes
 
-    image = {"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "evil/image"}]}}}}
     assert RESTART_ANNOTATION in refused(lambda: apps.patch_namespaced_deployment("vllm", ns, image))
     both = {"spec": {"replicas": 3, "template": {"metadata": {"annotations": {RESTART_ANNOTATION: "now"}}}}}
     refused(lambda: apps.patch_namespaced_deployment("vllm", ns, both))
