@@ -12,6 +12,8 @@ environment the Helm chart sets:
   BINBATCH_WEBHOOK_PORT            port the webhook listens on (default 9443)
   BINBATCH_WEBHOOK_HOSTNAMES       comma-separated names for the certificate (default: the Service's)
   BINBATCH_WEBHOOK_CERT_SECRET     built-in certificate: the Secret all replicas share (unset: one per start)
+  BINBATCH_WEBHOOK_CERT_SECONDS    built-in certificate: its lifetime (default a year; renewed while running
+                                   when a third of it is left)
   BINBATCH_WEBHOOK_CONFIG          the install's MutatingWebhookConfiguration: its namespaceSelector tells a policy
                                    whether its namespace is opted in; the built-in certificate's CA goes into it
   BINBATCH_WEBHOOK_CERT_DIR        cert-manager: the mounted Secret (tls.crt, tls.key, ca.crt); no CA patching
@@ -67,7 +69,14 @@ from .leadership import LeaseElector, gate_entry, holder_priority
 from .reconcile import Context, Outcome, admit, candidate, cleanup, deleting, reconcile
 from .sidecar_stats import SidecarStats
 from .status import changed_fields
-from .webhook import WEBHOOK_PATH_ID, WebhookServer, service_hostnames, shared_certificate
+from .webhook import (
+    CERT_SECONDS,
+    WEBHOOK_PATH_ID,
+    WebhookServer,
+    self_signed_certificate,
+    service_hostnames,
+    shared_certificate,
+)
 
 # The image this operator was released in: the installed package's version is its tag (pyproject.toml
 # is the one source; the chart's version, appVersion and the samples carry the same, checked by a test).
@@ -75,6 +84,7 @@ IMAGE_REPOSITORY = "ghcr.io/binbatch/binbatch"
 DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{metadata.version('binbatch')}"
 STATS_INTERVAL = float(os.environ.get("BINBATCH_STATS_INTERVAL_SECONDS", "15"))
 MAX_RETRY_DELAY = 300.0  # seconds: a failing policy is retried at least every 5 minutes
+MIN_CERT_SECONDS = 30  # a renewal (a third of it) must leave room for the CA to reach the API server
 WEBHOOK_WAIT_SECONDS = 5.0  # the API server calls the webhook with a 10 s timeout
 POLICY = (GROUP, VERSION, PLURAL)
 
@@ -206,10 +216,16 @@ async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookSer
             await kube.set_webhook_ca_bundle(config_name, ca_pem)
             logger.info("CA bundle set on MutatingWebhookConfiguration %s", config_name)
 
+    lifetime = cert_lifetime_seconds()
     secret = os.environ.get("BINBATCH_WEBHOOK_CERT_SECRET")
-    if not secret:  # a fresh self-signed certificate for this start only (one replica)
-        return WebhookServer(**listen, extra_sans=hosts[1:], on_ca=publish_ca)
-    cert_pem, key_pem = await shared_certificate(kube, secret, namespace, hosts)
+
+    async def renew() -> tuple[bytes, bytes]:
+        if not secret:  # one replica's own certificate
+            return self_signed_certificate(hosts, lifetime_seconds=lifetime)
+        # The Secret's, renewed by whichever replica gets there first (the others read it).
+        return await shared_certificate(kube, secret, namespace, hosts, lifetime)
+
+    cert_pem, key_pem = await renew()
     folder = Path(tempfile.mkdtemp(prefix="binbatch-webhook-"))
     # kopf's server loads the files when it starts and watches them after: the private key
     # stays on disk while the operator runs and goes when it exits (``remove_at_exit``).
@@ -218,8 +234,24 @@ async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookSer
     key_file = folder / "tls.key"
     key_file.touch(mode=0o600)
     key_file.write_bytes(key_pem)
-    logger.info("serving the webhook certificate of Secret %s/%s", namespace, secret)
-    return WebhookServer(**listen, certfile=folder / "tls.crt", pkeyfile=key_file, on_ca=publish_ca)
+    if secret:
+        logger.info("serving the webhook certificate of Secret %s/%s", namespace, secret)
+    return WebhookServer(**listen, certfile=folder / "tls.crt", pkeyfile=key_file, on_ca=publish_ca, renew=renew)
+
+
+def cert_lifetime_seconds() -> int:
+    """BINBATCH_WEBHOOK_CERT_SECONDS: the built-in certificate's lifetime (renewed at a third left)."""
+    raw = os.environ.get("BINBATCH_WEBHOOK_CERT_SECONDS", "").strip()
+    if not raw:
+        return CERT_SECONDS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < MIN_CERT_SECONDS:
+        raise kopf.PermanentError(
+            f"BINBATCH_WEBHOOK_CERT_SECONDS={raw!r}: a whole number of seconds, at least {MIN_CERT_SECONDS}")
+    return value
 
 
 @kopf.on.cleanup()

@@ -11,7 +11,11 @@ the certificate comes from one of two places:
   Service's DNS names and keeps it in a Secret of its namespace; every replica
   (and every restart) serves that same certificate and patches its CA into the
   configuration, so replicas never overwrite each other's caBundle.  A start
-  within ``RENEW_DAYS`` of its expiry (or after the names changed) replaces it.
+  within a third of its lifetime of its expiry (or after the names changed)
+  replaces it, and so does each running replica when its certificate reaches
+  that point (``WebhookServer.renew``): the new CA joins the old one in the
+  caBundle first, then the running server swaps its certificate in place
+  (no restart, no refused connection), so no admission call fails meanwhile.
   No key is ever committed or rendered into a chart.
 - cert-manager: the operator serves the mounted Secret (kopf reloads it when its
   files change) and cert-manager's CA injector fills the caBundle.
@@ -26,9 +30,14 @@ Two adjustments to kopf's ``WebhookServer``:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
 import ipaddress
+import logging
+import ssl
+import tempfile
+from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -39,11 +48,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 WEBHOOK_PATH_ID = "inject-sidecar"  # the handler id = the URL path the configuration calls
-CERT_DAYS = 365
-RENEW_DAYS = 30  # a start this close to the shared certificate's expiry replaces it
+CERT_SECONDS = 365 * 86400  # a built-in certificate's lifetime (BINBATCH_WEBHOOK_CERT_SECONDS)
+RENEW_FRACTION = 1 / 3  # a certificate with less than this part of its lifetime left is replaced
+SWAP_GRACE_SECONDS = 5.0  # between publishing the new CA and serving the new certificate
+
+log = logging.getLogger(__name__)
 
 
-def self_signed_certificate(hostnames: Iterable[str], password: str | None = None) -> tuple[bytes, bytes]:
+def self_signed_certificate(
+    hostnames: Iterable[str], password: str | None = None, lifetime_seconds: int = CERT_SECONDS
+) -> tuple[bytes, bytes]:
     """A self-signed serving certificate (PEM) for ``hostnames`` (DNS names or IPs), and its key."""
     names = list(dict.fromkeys(h for h in hostnames if h))
     sans: list[x509.GeneralName] = []
@@ -55,15 +69,21 @@ def self_signed_certificate(hostnames: Iterable[str], password: str | None = Non
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0][:64])])
     now = datetime.datetime.now(datetime.UTC)
+    lifetime = datetime.timedelta(seconds=lifetime_seconds)
+    backdate = min(datetime.timedelta(minutes=5), lifetime / 10)  # a little clock skew between the servers
     cert = (
         x509.CertificateBuilder()
         .subject_name(subject)
         .issuer_name(subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=CERT_DAYS))
+        .not_valid_before(now - backdate)
+        .not_valid_after(now + lifetime)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        # Key identifiers: while a renewal keeps two of these CAs (one subject) in the caBundle, the
+        # client picks the right one by them (OpenSSL does not fall back to trying both).
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key()), critical=False)
         # Its own CA: the API server trusts it through the caBundle.
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
@@ -88,8 +108,15 @@ def service_hostnames(service: str, namespace: str) -> list[str]:
     return [f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local", f"{service}.{namespace}", service]
 
 
+def renewal_time(cert_pem: bytes) -> datetime.datetime:
+    """When the certificate has ``RENEW_FRACTION`` of its lifetime left: the moment to replace it."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
+    return cert.not_valid_after_utc - lifetime * RENEW_FRACTION
+
+
 def certificate_usable(cert_pem: bytes, hostnames: Iterable[str], now: datetime.datetime | None = None) -> bool:
-    """True if the certificate names every host and is not within ``RENEW_DAYS`` of expiry."""
+    """True if the certificate names every host and has not reached its ``renewal_time``."""
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -98,7 +125,7 @@ def certificate_usable(cert_pem: bytes, hostnames: Iterable[str], now: datetime.
     names = {str(n) for n in sans.get_values_for_type(x509.DNSName)}
     names |= {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
     now = now or datetime.datetime.now(datetime.UTC)
-    fresh = cert.not_valid_after_utc - now > datetime.timedelta(days=RENEW_DAYS)
+    fresh = now < renewal_time(cert_pem)
     return fresh and set(h for h in hostnames if h) <= names
 
 
@@ -121,7 +148,9 @@ class SecretStore(Protocol):
     async def replace_secret(self, obj: Mapping[str, Any]) -> dict[str, Any] | None: ...
 
 
-async def shared_certificate(store: SecretStore, name: str, namespace: str, hostnames: list[str]) -> tuple[bytes, bytes]:
+async def shared_certificate(
+    store: SecretStore, name: str, namespace: str, hostnames: list[str], lifetime_seconds: int = CERT_SECONDS
+) -> tuple[bytes, bytes]:
     """The serving certificate and key every replica shares, made once and kept in a Secret.
 
     Create is first-writer-wins (409 → ``create_secret`` returns None) and a
@@ -135,7 +164,7 @@ async def shared_certificate(store: SecretStore, name: str, namespace: str, host
             cert_pem, key_pem = base64.b64decode(data["tls.crt"]), base64.b64decode(data["tls.key"])
             if certificate_usable(cert_pem, hostnames):
                 return cert_pem, key_pem
-        cert_pem, key_pem = self_signed_certificate(hostnames)
+        cert_pem, key_pem = self_signed_certificate(hostnames, lifetime_seconds=lifetime_seconds)
         fresh = certificate_secret(name, namespace, cert_pem, key_pem)
         if current is None:
             stored = await store.create_secret(fresh)
@@ -162,25 +191,97 @@ def fill_namespace(review: dict[str, Any]) -> dict[str, Any]:
 CaCallback = Callable[[bytes], Awaitable[None]]
 
 
+Renew = Callable[[], Awaitable[tuple[bytes, bytes]]]
+
+
 class WebhookServer(kopf.WebhookServer):
-    """kopf's HTTPS webhook server with our certificate and namespace fix.
+    """kopf's HTTPS webhook server with our certificate, its renewal, and the namespace fix.
 
     ``on_ca`` is awaited with the CA bundle (PEM) each time the server starts
     serving with a certificate: the operator patches it into the configuration.
+    ``renew``, given with ``certfile``/``pkeyfile`` and ``on_ca``, returns the next
+    certificate and key; it is called when the served one reaches its
+    ``renewal_time``.  The old and the new CA are then published together, and
+    after ``swap_grace`` seconds (the API server's view of the configuration
+    catches up) the running server's TLS context loads the new pair: connections
+    from then on get the new certificate; none is refused.  The old CA stays in
+    the bundle until the next renewal.
     """
 
     build_certificate = staticmethod(self_signed_certificate)
 
-    def __init__(self, *args: Any, on_ca: CaCallback | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_ca: CaCallback | None = None, renew: Renew | None = None,
+                 swap_grace: float = SWAP_GRACE_SECONDS, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.on_ca = on_ca
+        self.renew = renew
+        self.swap_grace = swap_grace
+        self.renewals = 0
+        self._context: ssl.SSLContext | None = None
+
+    def _build_ssl(self) -> tuple[bytes | None, ssl.SSLContext | None]:
+        cadata, context = super()._build_ssl()
+        self._context = context  # the live one: the renewal loads the new pair into it
+        return cadata, context
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         async def handle(review: dict[str, Any], **kwargs: Any) -> Any:
             return await fn(fill_namespace(review), **kwargs)
 
-        async for client_config in super().__call__(handle):
-            bundle = client_config.get("caBundle")
-            if self.on_ca is not None and bundle:
-                await self.on_ca(base64.b64decode(bundle))
-            yield client_config
+        renewing: asyncio.Task[None] | None = None
+        try:
+            async for client_config in super().__call__(handle):
+                bundle = client_config.get("caBundle")
+                if self.on_ca is not None and bundle:
+                    await self.on_ca(base64.b64decode(bundle))
+                if renewing is None and self.renew is not None and self.certfile and self.on_ca is not None:
+                    renewing = asyncio.create_task(self._renew_forever(), name="webhook certificate renewal")
+                yield client_config
+        finally:
+            if renewing is not None:
+                renewing.cancel()
+                await asyncio.gather(renewing, return_exceptions=True)
+
+    async def _renew_forever(self) -> None:
+        assert self.renew is not None and self.on_ca is not None and self.certfile is not None
+        folder = Path(tempfile.mkdtemp(prefix="binbatch-webhook-renewed-"))
+        try:
+            while True:
+                current = Path(self.certfile).read_bytes()
+                delay = (renewal_time(current) - datetime.datetime.now(datetime.UTC)).total_seconds()
+                await asyncio.sleep(max(delay, 0.0))  # an armed timer: the served certificate's renewal time
+                try:
+                    await self.rotate(folder, current)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the old certificate still serves: try again shortly
+                    log.warning("renewing the webhook certificate failed (retrying in 10 s): %s", exc)
+                    await asyncio.sleep(10)
+        finally:
+            for path in folder.iterdir():
+                path.unlink(missing_ok=True)
+            folder.rmdir()
+
+    async def rotate(self, folder: Path, current: bytes) -> None:
+        """One renewal: new pair, both CAs published, the live TLS context swapped."""
+        assert self.renew is not None and self.on_ca is not None
+        cert_pem, key_pem = await self.renew()
+        if cert_pem == current:
+            raise RuntimeError("the renewal returned the certificate being served")
+        self.renewals += 1
+        # Fresh file names (kopf watches the original ones and would restart the server on a change).
+        cert_file, key_file = folder / f"tls-{self.renewals}.crt", folder / f"tls-{self.renewals}.key"
+        key_file.touch(mode=0o600)
+        key_file.write_bytes(key_pem)
+        cert_file.write_bytes(cert_pem)
+        await self.on_ca(cert_pem + current)  # the API server trusts both while it catches up
+        await asyncio.sleep(self.swap_grace)
+        assert self._context is not None
+        self._context.load_cert_chain(cert_file, key_file)  # new handshakes get the new certificate
+        old = Path(self.certfile) if self.certfile else None
+        self.certfile, self.pkeyfile = cert_file, key_file
+        if old is not None and old.parent == folder:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".key").unlink(missing_ok=True)
+        log.info("the webhook now serves a renewed certificate (valid until %s)",
+                 x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc.isoformat())

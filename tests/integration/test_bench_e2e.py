@@ -39,7 +39,7 @@ async def test_quick_e2e_bench_prints_runs_direct_first_and_ratios_from_the_same
     png = tmp_path / "e2e.png"
     doc = await _bench(tmp_path, "e2e", "--plot", str(png))
 
-    assert list(doc) == ["runs", "ratios"]
+    assert list(doc) == ["setup", "runs", "ratios"]
     runs = doc["runs"]
     assert runs and runs[0]["mode"] == "direct"
     for row in runs:
@@ -56,6 +56,8 @@ async def test_quick_e2e_bench_prints_runs_direct_first_and_ratios_from_the_same
             assert row["mode"] == "direct", row["name"]
     assert {"direct", "engine-priority", "continuous", "gang", "ideal-gang"} == {r["mode"] for r in runs}
 
+    # the setup carries what the figures came from, the policy default's ratios in every scenario among it
+    assert doc["setup"]["engine"].startswith("embedded") and set(doc["setup"]["default_by_scenario"]) >= {"chat@burst"}
     ratios = doc["ratios"]
     assert tuple(ratios) == (*RATIO_KEYS, "sharegpt")
     assert tuple(ratios["sharegpt"]) == SHAREGPT_RATIO_KEYS

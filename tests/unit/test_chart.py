@@ -293,12 +293,60 @@ def test_defaults_render_the_operator_with_peering_and_nothing_optional():
     assert kinds == sorted([
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment",
         "MutatingWebhookConfiguration", "PodDisruptionBudget", "Role", "RoleBinding", "FlowSchema",  # the Lease's
+        *FENCE_KINDS,
     ])  # fmt: skip
     single = sorted(o["kind"] for o in objects(SINGLE))
     assert single == sorted([
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment",
-        "MutatingWebhookConfiguration",
+        "MutatingWebhookConfiguration", *FENCE_KINDS,
     ])  # fmt: skip
+
+
+# ------------------------------------------------------------------ the fence (ValidatingAdmissionPolicy)
+
+FENCE_KINDS = ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 3
+FENCES = ("children", "deployments", "statefulsets")
+
+
+def fence(values: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """The rendered policies by their suffix, each checked to have a Deny binding of its own name."""
+    objs = objects(values)
+    policies = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ValidatingAdmissionPolicy"}
+    bindings = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "ValidatingAdmissionPolicyBinding"}
+    assert bindings == {name: {"policyName": name, "validationActions": ["Deny"]} for name in policies}
+    return {name.removeprefix(f"{RELEASE}-"): policy["spec"] for name, policy in policies.items()}
+
+
+def test_the_fence_matches_only_the_operators_service_account():
+    for values, account in ((None, RELEASE), ({"serviceAccount": {"name": "ops"}}, "ops"),
+                            ({"serviceAccount": {"create": False, "name": "shared"}}, "shared")):  # fmt: skip
+        policies = fence(values)
+        assert sorted(policies) == sorted(FENCES)
+        for spec in policies.values():
+            assert spec["failurePolicy"] == "Fail"
+            (condition,) = spec["matchConditions"]
+            assert condition["expression"] == f"request.userInfo.username == 'system:serviceaccount:{NAMESPACE}:{account}'"
+    assert fence({"admissionPolicy": {"enabled": False}}) == {}
+
+
+def test_the_fence_names_the_labels_and_annotation_the_operator_writes():
+    """The CEL is text in the chart: it must name what operator/builders.py and operator/kube.py really use."""
+    from binbatch_operator.builders import MANAGED_LABELS, POLICY_LABEL
+    from binbatch_operator.kube import RESTART_ANNOTATION
+
+    policies = fence()
+    children = policies["children"]
+    kinds = {(g, r) for rule in children["matchConstraints"]["resourceRules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert kinds == {("", "configmaps"), ("", "services"), ("networking.k8s.io", "networkpolicies")}
+    rules = " ".join(v["expression"] for v in children["validations"])
+    assert f"'{POLICY_LABEL}' in L" in rules
+    assert f"L['app.kubernetes.io/managed-by'] == '{MANAGED_LABELS['app.kubernetes.io/managed-by']}'" in rules
+    for kind in ("deployments", "statefulsets"):
+        (rule,) = policies[kind]["matchConstraints"]["resourceRules"]
+        assert (rule["apiGroups"], rule["resources"], rule["operations"]) == (["apps"], [kind], ["CREATE", "UPDATE", "DELETE"])
+        text = " ".join(v["expression"] for v in policies[kind]["validations"])
+        assert text.count(f"k == '{RESTART_ANNOTATION}'") == 2
+        assert "object.spec.template.spec == oldObject.spec.template.spec" in text
 
 
 def test_notes_tell_the_next_commands():

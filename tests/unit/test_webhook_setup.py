@@ -23,7 +23,12 @@ from cryptography import x509
 
 import binbatch_operator.main as main
 from binbatch_operator.builders import SIDECAR_CONTAINER, build_pod_patch, sidecar_hash
-from binbatch_operator.webhook import certificate_usable, self_signed_certificate, shared_certificate
+from binbatch_operator.webhook import (
+    certificate_usable,
+    renewal_time,
+    self_signed_certificate,
+    shared_certificate,
+)
 from test_leadership import FakeLeases
 
 NS, SECRET = "binbatch-system", "binbatch-webhook-cert"
@@ -275,3 +280,33 @@ async def test_each_peering_replica_gets_its_own_priority(monkeypatch):
     settings.peering.standalone = True
     await main.configure(settings=settings, memo=memo, logger=logging.getLogger("test"))
     assert settings.peering.priority == 0
+
+
+# ------------------------------------------------------------------ renewal while running
+
+
+def test_renewal_time_is_at_a_third_of_the_lifetime_left():
+    cert, _ = self_signed_certificate(HOSTS, lifetime_seconds=3000)
+    parsed = x509.load_pem_x509_certificate(cert)
+    lifetime = parsed.not_valid_after_utc - parsed.not_valid_before_utc
+    assert renewal_time(cert) == parsed.not_valid_after_utc - lifetime / 3
+    assert certificate_usable(cert, HOSTS, now=renewal_time(cert) - datetime.timedelta(seconds=1))
+    assert not certificate_usable(cert, HOSTS, now=renewal_time(cert))
+
+
+@pytest.mark.parametrize("raw", ["ten", "29", "-5", "1.5"])
+def test_a_bad_certificate_lifetime_is_refused_naming_the_variable(webhook_env, raw):
+    webhook_env.setenv("BINBATCH_WEBHOOK_CERT_SECONDS", raw)
+    with pytest.raises(kopf.PermanentError, match="BINBATCH_WEBHOOK_CERT_SECONDS"):
+        main.cert_lifetime_seconds()
+
+
+async def test_the_certificate_lifetime_setting_reaches_the_served_certificate(webhook_env):
+    webhook_env.setenv("BINBATCH_WEBHOOK_CERT_SECONDS", "120")
+    server = await main.webhook_server(FakeKube(), "binbatch-webhook", logging.getLogger("test"))
+    cert = x509.load_pem_x509_certificate(Path(server.certfile).read_bytes())
+    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
+    assert lifetime == datetime.timedelta(seconds=132)  # 120 s and a tenth of it backdated for clock skew
+    assert server.renew is not None
+    renewed, _ = await server.renew()  # one replica's own: a fresh pair
+    assert renewed != Path(server.certfile).read_bytes()
