@@ -244,7 +244,9 @@ class WebhookServer(kopf.WebhookServer):
 
     async def _renew_forever(self) -> None:
         assert self.renew is not None and self.on_ca is not None and self.certfile is not None
-        folder = Path(tempfile.mkdtemp(prefix="binbatch-webhook-renewed-"))
+        # inside the first certificate's folder: an exit that runs no finally (the lost-Lease os._exit) removes that
+        # folder, and with it every renewed private key
+        folder = Path(tempfile.mkdtemp(prefix="renewed-", dir=Path(self.certfile).parent))
         try:
             while True:
                 current = Path(self.certfile).read_bytes()

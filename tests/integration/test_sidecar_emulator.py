@@ -234,7 +234,9 @@ async def test_memory_aware_size_follows_the_engines_kv_capacity(tmp_path):
     sizes = {}
     for blocks in (64, 1024):
         engine = EmulatorConfig(step_a=0.0005, step_c=0.00005, num_gpu_blocks=blocks, block_size=16, max_model_len=512)
-        doc = sidecar_config("", batch={"sizing": "Memory", "staticSize": 32, "maxBatchSize": 1024}, bins={"count": 1})
+        # b_mem (memory.admission BatchSize); the default, Auto, plans per request instead (kv_plan)
+        doc = sidecar_config("", batch={"sizing": "Memory", "staticSize": 32, "maxBatchSize": 1024}, bins={"count": 1},
+                             memory={"admission": "BatchSize"})
         async with running_emulator(engine) as url:
             doc["engine"]["url"], doc["metrics"]["url"] = url, url + "/metrics"
             async with running_sidecar(doc, tmp_path) as sc:

@@ -72,6 +72,7 @@ async def test_every_stats_field_is_set_after_serving_traffic(tmp_path):
         bins={"count": 2, "maxOutputTokens": 64},
         batch={"sizing": "Combined", "staticSize": 4, "maxWaitMilliseconds": 5},
         latency={"tpotMilliseconds": 200},
+        memory={"admission": "BatchSize"},  # b_mem is the BatchSize bound's (the default plans per request)
     )
     async with running_emulator(FAST) as url:
         doc["engine"]["url"], doc["metrics"]["url"] = url, url + "/metrics"
