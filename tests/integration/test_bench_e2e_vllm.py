@@ -26,12 +26,17 @@ SLO = ("--slo-ttft-ms", "20000", "--slo-tpot-ms", "1000")
 # This cache holds ~4 short chat sequences; 32 outstanding made vLLM thrash (recompute
 # after recompute) so the capacity loop alone ran for minutes on a CPU without AVX-512.
 CAPACITY = ("--capacity-concurrency", "6", "--capacity-requests", "18")
+# The clients every ratio needs (the contract under test), not the yardsticks beside them (online, the policy
+# default): each row is minutes of this CPU engine, and the run must stay well inside its timeout.
+CLIENTS = tuple(arg for key in ("direct", "hint", "packed", "free", "ideal1", "ideal4", "ideal8", "gang1", "gang4",
+                                "gang8") for arg in ("--client", key))  # fmt: skip
 VLLM_BENCH_TIMEOUT = 900  # seconds; a few minutes where vLLM's CPU kernels are fast, far more where they are not
 
 
 @pytest.mark.parametrize("vllm_server", ["large_small_kv"], indirect=True)
 async def test_quick_e2e_bench_against_real_vllm_runs_direct_first_and_reads_its_preemptions(vllm_server, tmp_path):
-    doc = await _bench(tmp_path, "e2e", "--engine", vllm_server.base_url, *SLO, *CAPACITY, timeout=VLLM_BENCH_TIMEOUT)
+    doc = await _bench(tmp_path, "e2e", "--engine", vllm_server.base_url, *SLO, *CAPACITY, *CLIENTS,
+                       timeout=VLLM_BENCH_TIMEOUT)  # fmt: skip
 
     assert list(doc) == ["setup", "runs", "ratios"]
     runs = doc["runs"]
