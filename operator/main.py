@@ -203,6 +203,8 @@ async def webhook_server(kube: KubeApi, service: str, logger: Any) -> WebhookSer
     hosts = list(dict.fromkeys(service_hostnames(service, namespace) + extra))
     listen = {"addr": os.environ.get("BINBATCH_WEBHOOK_ADDRESS") or "0.0.0.0",
               "port": int(os.environ.get("BINBATCH_WEBHOOK_PORT", "9443")), "host": hosts[0]}  # fmt: skip
+    # and the pod's loopback, as kopf's own self-signed certificate had it (a local API server or a test dials it)
+    hosts += [h for h in ("localhost", "127.0.0.1") if h not in hosts]
 
     cert_dir = os.environ.get("BINBATCH_WEBHOOK_CERT_DIR")
     if cert_dir:  # cert-manager: serve its Secret; its injector owns the caBundle

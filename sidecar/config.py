@@ -99,7 +99,9 @@ CLASS_PRIORITY_LIMIT = 1000  # class and request priorities are in [-1000, 1000]
 MAX_REQUEST_BYTES_DEFAULT = 4 * 1024 * 1024  # server.maxRequestBytes: one request body (HTTP) or message (gRPC)
 HTTP_REQUEST_READ_TIMEOUT_MILLISECONDS_DEFAULT = 30_000  # server.httpRequestReadTimeoutMilliseconds
 MAX_CONNECTIONS_DEFAULT = 1024  # server.maxConnections: open HTTP connections
-GRPC_MAX_CONCURRENT_STREAMS_DEFAULT = 1024  # server.grpcMaxConcurrentStreams: calls at once on one connection
+# server.grpcMaxConcurrentStreams: 0, gRPC's own (no cap). A cap makes a client's streams opened before it read the
+# server's settings come back REFUSED_STREAM (UNAVAILABLE): the chaos bench's overload lost calls that way.
+GRPC_MAX_CONCURRENT_STREAMS_DEFAULT = 0
 GRPC_MAX_CONNECTION_AGE_SECONDS_DEFAULT = 1800  # server.grpcMaxConnectionAgeSeconds
 MAX_QUEUED_BYTES_DEFAULT = 256 * 1024 * 1024  # batch.maxQueuedBytes: the bodies of every queued request
 # the engine paths the HTTP door forwards (GET/HEAD) without being listed in server.passthroughPaths
@@ -337,7 +339,7 @@ class ServerConfig(_Section):
     max_request_bytes: int = Field(MAX_REQUEST_BYTES_DEFAULT, ge=65_536, le=67_108_864, description="Largest request the sidecar reads: an HTTP body beyond it is answered 413, a gRPC message beyond it RESOURCE_EXHAUSTED, before it is held in memory. 64 KiB to 64 MiB. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
     http_request_read_timeout_milliseconds: int = Field(HTTP_REQUEST_READ_TIMEOUT_MILLISECONDS_DEFAULT, ge=100, le=600_000, description="HTTP door: a connection must deliver a request's headers within this time of opening (or of its previous answer), else it is closed; the body must then arrive within this time of the headers (also one streamed on to the engine on a server.passthroughPaths path), else the answer is 408 and the connection closed. It is also the keep-alive idle timeout: an idle connection closes after it (keep a gateway's upstream idle timeout below it). 100 ms to 10 minutes. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
     max_connections: int = Field(MAX_CONNECTIONS_DEFAULT, ge=1, le=1_000_000, description="HTTP door: the most open connections (over the serving port and a taken-over port together); a connection past it is closed at once, unread, so the open ones keep being served. A reload applies it to new connections.")  # fmt: skip
-    grpc_max_concurrent_streams: int = Field(GRPC_MAX_CONCURRENT_STREAMS_DEFAULT, ge=1, le=65_536, description="gRPC: the most calls at once on one client connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); a client's further calls wait in the client until one ends. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
+    grpc_max_concurrent_streams: int = Field(GRPC_MAX_CONCURRENT_STREAMS_DEFAULT, ge=0, le=65_536, description="gRPC: the most calls at once on one client connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); 0 (the default): no cap -- a cap refuses the streams a client opens before it has read the server's settings (UNAVAILABLE), so set one only for clients that retry; a client's further calls wait in the client until one ends. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
     grpc_max_connection_age_seconds: int = Field(GRPC_MAX_CONNECTION_AGE_SECONDS_DEFAULT, ge=10, le=86_400, description="gRPC: a client connection older than this is asked to go away (GOAWAY; the client reconnects, to any replica behind the Service); calls running then get 10 minutes to finish. Spreads long-lived clients over new replicas. 10 s to 24 h. Bound at start-up: a reload that changes it is refused (needs a restart).")  # fmt: skip
 
     @field_validator("passthrough_paths")

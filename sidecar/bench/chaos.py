@@ -121,6 +121,9 @@ class Bench:
                         "intervalMilliseconds": self.cfg.metrics_interval_ms,
                         "staleAfterMilliseconds": self.cfg.metrics_stale_ms},  # fmt: skip
             "bins": {"maxOutputTokens": 256},
+            # the faults are the subject, not the order: the batch-size bound keeps the sigterm scenario's long
+            # requests in the engine at SIGTERM (under the default projected plan they can finish or wait elsewhere)
+            "memory": {"admission": "BatchSize"},
             "server": {"grpcPort": 0, "httpPort": 0, "metricsPort": 0, "drainGraceSeconds": self.cfg.grace_seconds,
                        "configPollMilliseconds": 100},  # fmt: skip
             "logging": {"level": "Info"},

@@ -55,7 +55,8 @@ def grpc_server_options(server: ServerConfig) -> tuple[tuple[str, int], ...]:
         *GRPC_SERVER_OPTIONS,
         # server.maxRequestBytes: a larger message is RESOURCE_EXHAUSTED before it is held (the HTTP door's 413)
         ("grpc.max_receive_message_length", server.max_request_bytes),
-        ("grpc.max_concurrent_streams", server.grpc_max_concurrent_streams),
+        # 0: gRPC's own, no cap (config.py GRPC_MAX_CONCURRENT_STREAMS_DEFAULT says why)
+        *((("grpc.max_concurrent_streams", server.grpc_max_concurrent_streams),) if server.grpc_max_concurrent_streams else ()),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_PING_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_ping_strikes", KEEPALIVE_MAX_PING_STRIKES),

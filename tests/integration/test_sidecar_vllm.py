@@ -85,7 +85,9 @@ async def test_ttft_slo_sends_a_partial_gang_batch_to_vllm(vllm_server, tmp_path
 
 async def _memory_sized_run(vllm_server, tmp_path) -> tuple[int, float]:
     """40 requests of 48 output tokens under Memory sizing; (B_t, η from vLLM)."""
-    doc = _doc(vllm_server, batch={"sizing": "Memory", "staticSize": 32, "maxBatchSize": 1024}, bins={"count": 1})
+    # b_mem: memory.admission BatchSize (the default, Auto, plans per request instead)
+    doc = _doc(vllm_server, batch={"sizing": "Memory", "staticSize": 32, "maxBatchSize": 1024}, bins={"count": 1},
+               memory={"admission": "BatchSize"})
     async with running_sidecar(doc, tmp_path) as sc:
         await asyncio.gather(*(sc.inference.Generate(prompt_request(i, 48), timeout=300) for i in range(40)))
         snapshot = await sc.sidecar.feed.poll_once()

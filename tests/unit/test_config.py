@@ -450,7 +450,7 @@ def test_front_door_bounds_default_to_4_mib_requests_256_mib_queued_and_no_extra
         ({"server": {"httpRequestReadTimeoutMilliseconds": "30s"}}, "server.httpRequestReadTimeoutMilliseconds", "integer"),
         ({"server": {"maxConnections": 0}}, "server.maxConnections", "1"),
         ({"server": {"maxConnections": 1.5}}, "server.maxConnections", "integer"),
-        ({"server": {"grpcMaxConcurrentStreams": 0}}, "server.grpcMaxConcurrentStreams", "1"),
+        ({"server": {"grpcMaxConcurrentStreams": -1}}, "server.grpcMaxConcurrentStreams", "0"),
         ({"server": {"grpcMaxConcurrentStreams": 65_537}}, "server.grpcMaxConcurrentStreams", "65536"),
         ({"server": {"grpcMaxConnectionAgeSeconds": 9}}, "server.grpcMaxConnectionAgeSeconds", "10"),
         ({"server": {"grpcMaxConnectionAgeSeconds": 86_401}}, "server.grpcMaxConnectionAgeSeconds", "86400"),
@@ -467,10 +467,10 @@ def test_front_door_settings_refused_name_their_field(doc, path, says):
     assert says in err.value.problems[0][1]
 
 
-def test_connection_settings_default_to_30_s_reads_1024_connections_and_streams_and_30_minute_grpc_connections():
+def test_connection_settings_default_to_30_s_reads_1024_connections_no_stream_cap_and_30_minute_grpc_connections():
     server = SidecarConfig().server
     assert server.http_request_read_timeout_milliseconds == 30_000 and server.max_connections == 1024
-    assert (server.grpc_max_concurrent_streams, server.grpc_max_connection_age_seconds) == (1024, 1800)
+    assert (server.grpc_max_concurrent_streams, server.grpc_max_connection_age_seconds) == (0, 1800)
 
 
 def test_connection_settings_bound_at_start_up_need_a_restart_and_max_connections_does_not():

@@ -20,6 +20,8 @@ def test_grpc_server_options_carry_the_stream_cap_keepalive_enforcement_and_conn
     assert options["grpc.http2.min_ping_interval_without_data_ms"] == 10_000
     assert options["grpc.keepalive_permit_without_calls"] == 1
     assert options["grpc.http2.max_ping_strikes"] == 2
+    # the default sets no stream cap (a cap refuses streams opened before the client read the settings)
+    assert "grpc.max_concurrent_streams" not in dict(grpc_server_options(parse_config({}).server))
     assert options["grpc.so_reuseport"] == 0  # a second sidecar on the port fails to bind
 
 
