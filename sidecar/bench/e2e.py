@@ -505,41 +505,34 @@ def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[d
     return out, notes
 
 
+def _over_direct(accs: dict[tuple[str, str], _Acc], rows: dict[tuple[str, str], dict[str, Any]], scenario: str,
+                 client: str) -> dict[str, float | None]:  # fmt: skip
+    """One client over direct in one scenario of the same run (``SHAREGPT_RATIO_KEYS``)."""
+    d, row = (scenario, "direct"), rows[scenario, client]
+    return {
+        "e2e_mean": _ratio(accs[scenario, client].e2e_mean(), accs[d].e2e_mean()),
+        "e2e_p99": _ratio(row["e2e_p99_s"], rows[d]["e2e_p99_s"]),
+        "throughput": _ratio(row["requests_per_s"], rows[d]["requests_per_s"]),
+        "preemptions": _ratio(row["preemptions"], rows[d]["preemptions"]),
+    }
+
+
 def sharegpt_ratios(accs: dict[tuple[str, str], _Acc], rows: dict[tuple[str, str], dict[str, Any]]
                     ) -> dict[str, dict[str, float | None]]:  # fmt: skip
     """Each sidecar over direct on the ShareGPT replay, in the same run, by client
     (``SHAREGPT_RATIO_KEYS``); the judged one's (``SHAREGPT_JUDGED``) are ``ratios.sharegpt``."""
-    d = "sharegpt", "direct"
-    if d not in accs:
+    if ("sharegpt", "direct") not in accs:
         return {}
-    out = {}
-    for (scenario, client), acc in accs.items():
-        if scenario == "sharegpt" and client != "direct":
-            row = rows[scenario, client]
-            out[client] = {
-                "e2e_mean": _ratio(acc.e2e_mean(), accs[d].e2e_mean()),
-                "e2e_p99": _ratio(row["e2e_p99_s"], rows[d]["e2e_p99_s"]),
-                "throughput": _ratio(row["requests_per_s"], rows[d]["requests_per_s"]),
-                "preemptions": _ratio(row["preemptions"], rows[d]["preemptions"]),
-            }
-    return out
+    return {client: _over_direct(accs, rows, scenario, client)
+            for scenario, client in accs if scenario == "sharegpt" and client != "direct"}
 
 
 def default_ratios(accs: dict[tuple[str, str], _Acc], rows: dict[tuple[str, str], dict[str, Any]]
                    ) -> dict[str, dict[str, float | None]]:  # fmt: skip
     """The policy default over direct in every scenario that ran both (``DEFAULT_CLIENT``): what a
     user installs must not lose to its engine called directly anywhere."""
-    out = {}
-    for scenario, client in accs:
-        if client == DEFAULT_CLIENT.get(scenario, "default") and (scenario, "direct") in accs:
-            d, row = (scenario, "direct"), rows[scenario, client]
-            out[scenario] = {
-                "e2e_mean": _ratio(accs[scenario, client].e2e_mean(), accs[d].e2e_mean()),
-                "e2e_p99": _ratio(row["e2e_p99_s"], rows[d]["e2e_p99_s"]),
-                "throughput": _ratio(row["requests_per_s"], rows[d]["requests_per_s"]),
-                "preemptions": _ratio(row["preemptions"], rows[d]["preemptions"]),
-            }
-    return out
+    return {scenario: _over_direct(accs, rows, scenario, client) for scenario, client in accs
+            if client == DEFAULT_CLIENT.get(scenario, "default") and (scenario, "direct") in accs}
 
 
 async def run_async(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any]:
