@@ -28,7 +28,7 @@ from binbatch_operator.status import (
     merge_conditions,
 )
 from binbatch_operator.webhook import fill_namespace, self_signed_certificate, service_hostnames
-from binbatch_sidecar.config import ConfigError, parse_config
+from binbatch_sidecar.config import GRPC_MAX_CONCURRENT_STREAMS_DEFAULT, ConfigError, parse_config
 
 IMAGE = "registry.example/binbatch:test"
 SPEC = {
@@ -84,7 +84,7 @@ def test_spec_sidecar_connection_settings_reach_the_sidecar_config_and_those_bou
             server.grpc_max_connection_age_seconds) == (5000, 64, 16, 600)  # fmt: skip
     # at their defaults they are left out: the ConfigMap and the pods' digest are the ones before these settings
     defaulted = {**SPEC, "sidecar": {**SPEC["sidecar"], "httpRequestReadTimeoutMilliseconds": 30000,
-                                     "maxConnections": 1024, "grpcMaxConcurrentStreams": 1024,
+                                     "maxConnections": 1024, "grpcMaxConcurrentStreams": GRPC_MAX_CONCURRENT_STREAMS_DEFAULT,
                                      "grpcMaxConnectionAgeSeconds": 1800}}  # fmt: skip
     assert builders.sidecar_config(defaulted) == builders.sidecar_config(SPEC)
     assert builders.sidecar_hash(defaulted, "img") == builders.sidecar_hash(SPEC, "img")
