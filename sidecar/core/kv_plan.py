@@ -41,7 +41,8 @@ engine model to 0.70x direct's throughput.  A hint is a length known: planned
 exactly, as above.  When every length in flight was known, the engine's own
 preemption counter tightens the plan (``KvPlan.on_snapshot``).  A prompt's tokens are the sidecar's tokenizer-free
 estimate (bytes / 4) scaled by what the engine counted for the prompts of the
-requests it answered (``observe_prompt``): on the embedded engine, one token a
+requests it served (``observe_prompt``, at each request's first streamed chunk,
+which carries the engine's count, or at its answer): on the embedded engine, one token a
 word, the raw estimate held a chat prompt at 30 tokens for 24, and the plan's
 in-flight total ran ~15% above the engine's own KV usage; the 4096-token
 vocabulary of the real-vLLM test model counts the same prompts at 2.35x the

@@ -51,6 +51,7 @@ class Request:
     # what the engine's stream said so far, while the request is in flight (the KV plan's exact progress)
     engine_generated: int | None = None  # tokens generated
     engine_prompt_tokens: int | None = None  # the prompt's tokens as the engine counted them
+    prompt_counted: bool = False  # the KV plan has learned from the engine's count of its prompt (once a request)
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline

@@ -443,12 +443,26 @@ class Scheduler:
         req.actual_tokens = actual
         predicted = req.predicted_tokens if req.predicted_tokens is not None else actual
         core.predictor.observe(req, actual)
-        if core.kv_plan is not None:
+        if core.kv_plan is not None and not req.prompt_counted:
             core.kv_plan.observe_prompt(req.prompt_tokens, outcome.prompt_tokens)
         if req.bin is not None:
             core.sizer.observe(req.bin, outcome.prompt_tokens, actual)
         core.accuracy.record(predicted, actual, req.prediction_source)
         return "completed" if self.end(req, "completed") else None
+
+    def prompt_counted(self, req: Request, counted: int) -> bool:
+        """The engine's stream counted ``req``'s prompt at ``counted`` tokens, at its first chunk: the
+        KV plan learns its prompt scale from it then, not at the end of the answer, so a fresh
+        sidecar's plan stops counting the queue's prompts at the prior after one engine step, not one
+        answer (a burst at a fresh sidecar was held to a fraction of the engine's concurrency until
+        its first answer came back).  Returns whether the scale moved (the queue may now fit more)."""
+        plan = self.core.kv_plan
+        if plan is None or req.prompt_counted:
+            return False
+        req.prompt_counted = True
+        before = plan.prompt_scale
+        plan.observe_prompt(req.prompt_tokens, counted)
+        return plan.prompt_scale != before
 
     def _requeue(self, req: Request, outcome: Outcome, now: float) -> bool:
         """Queue ``req`` again if the engine never received it and it may still wait."""

@@ -416,7 +416,7 @@ class Dispatcher:
                 req.engine_generated = req.engine_prompt_tokens = None  # a requeued request starts over
                 try:
                     async for item in self.client.stream(call.engine_request, timeout=self.engine_timeout,
-                                                         on_progress=functools.partial(_note_progress, req)):  # fmt: skip
+                                                         on_progress=functools.partial(self._progress, req)):  # fmt: skip
                         if isinstance(item, EngineResult):
                             result = item
                         elif call.deltas is not None:
@@ -438,6 +438,16 @@ class Dispatcher:
         except Exception as exc:
             log.exception("request failed in dispatch", extra={"request_id": req.id})
             self._finish(req, "failed", exc=EngineError("internal", None, f"dispatch failed: {exc}"))
+
+    def _progress(self, req: Request, generated: int, prompt_tokens: int | None) -> None:
+        """A streamed chunk's progress, for the KV plan (``Scheduler._inflight_left``); the first
+        chunk's prompt count teaches the plan its prompt scale (``Scheduler.prompt_counted``), and a
+        scale that moved may let more of the queue in: the loop looks again."""
+        req.engine_generated = generated
+        if prompt_tokens is not None:
+            req.engine_prompt_tokens = prompt_tokens
+            if not req.prompt_counted and self.scheduler.prompt_counted(req, prompt_tokens):
+                self._wake.set()
 
     def _complete(self, req: Request, call: Call, result: EngineResult | EngineError, batch_size: int) -> None:
         """Hand the engine's answer to the scheduler; answer the caller as it decides."""
@@ -720,8 +730,3 @@ class Dispatcher:
         return max(0.0, self.clock.now() - p.installed_at)
 
 
-def _note_progress(req: Request, generated: int, prompt_tokens: int | None) -> None:
-    """A streamed chunk's progress, for the KV plan (``Scheduler._inflight_left``)."""
-    req.engine_generated = generated
-    if prompt_tokens is not None:
-        req.engine_prompt_tokens = prompt_tokens

@@ -149,6 +149,7 @@ def drive(
     seq = itertools.count()
     armed: set[float] = set()
     slot_of: dict[Request, tuple[Dispatch, list[int]]] = {}  # request -> its dispatch, requests left in it
+    uncounted: dict[Request, None] = {}  # dispatched, the engine's count of its prompt not yet seen (in order)
     engine_armed: float | None = None
     done_arriving = False
 
@@ -167,6 +168,7 @@ def drive(
             left = [len(d.requests)]
             for r in d.requests:
                 slot_of[r] = (d, left)
+            uncounted.update(dict.fromkeys(d.requests))
             dt = engine.submit(now, d.requests)
             if isinstance(dt, float):
                 res.busy += dt
@@ -176,7 +178,12 @@ def drive(
         engine.kick(now)
 
     def finish(now: float) -> None:
-        for r in engine.advance(now):
+        done = engine.advance(now)
+        for r in [r for r in uncounted if r.engine_prompt_tokens is not None]:  # its stream's first chunk
+            del uncounted[r]  # counted its prompt: the live dispatcher's ``_progress``
+            scheduler.prompt_counted(r, r.engine_prompt_tokens)
+        for r in done:
+            uncounted.pop(r, None)
             d, left = slot_of.pop(r)
             # the prompt as the engine counted it, where its stream said (the live sidecar reads it from usage)
             prompt = r.engine_prompt_tokens if r.engine_prompt_tokens is not None else r.prompt_tokens

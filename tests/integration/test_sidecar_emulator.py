@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2 as pb
+from binbatch_sidecar.core.kv_plan import PROMPT_SCALE_PRIOR
 from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
 from binbatch_sidecar.server.servicer import TEMPLATE_TOKENS
 
@@ -305,3 +306,22 @@ async def test_engine_priority_order_lets_the_engine_run_the_shortest_waiting_fi
             assert done == {short}
             assert (await long).completion_tokens == 40 and (await short).completion_tokens == 3
     assert len(keys) == 2 and keys[0] < keys[1] and keys[0] > 0  # the short one heads the engine's queue
+
+
+async def test_the_kv_plan_learns_the_engines_prompt_count_at_the_first_chunk_not_the_answers_end(tmp_path):
+    """A fresh sidecar counts queued prompts at the prior until the engine has counted one;
+    the engine's stream carries its count in the first chunk (continuous usage stats), so the
+    plan learns it while the answer still runs (a burst at a fresh sidecar waited for a whole
+    answer before)."""
+    slow = replace(FAST, step_a=0.02)  # 200 tokens: seconds in the engine
+    async with running_emulator(slow) as url, running_sidecar(sidecar_config(url), tmp_path) as sc:
+        plan = sc.sidecar.dispatcher.scheduler.core.kv_plan
+        assert plan is not None and plan.prompts_seen == 0  # the default plans per request (memory.admission Auto)
+        stream = sc.inference.GenerateStream(prompt_request(3, 200), timeout=60)
+        async for chunk in stream:
+            if chunk.text:
+                break  # the first token: the answer has 199 to go
+        assert plan.prompts_seen == 1 and plan.prompt_scale != PROMPT_SCALE_PRIOR
+        stats = await sc.stats()
+        assert stats.totals.completed == 0  # learned before the answer ended
+        stream.cancel()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -71,6 +72,7 @@ class EngineModelClient:
     def __init__(self, model, clock: ManualClock, by_id: dict[str, Request]) -> None:
         self.model, self.clock, self.by_id = model, clock, by_id
         self.waiting: list[tuple[list[Request], asyncio.Future]] = []
+        self.unreported: dict[Request, Callable[[int, int | None], None]] = {}  # streams whose first chunk is to come
 
     async def complete_batch(self, engine_requests, *, timeout=None):
         reqs = [self.by_id[e.prompt] for e in engine_requests]
@@ -80,9 +82,18 @@ class EngineModelClient:
         return await fut
 
     async def stream(self, engine_request, *, timeout=None, on_progress=None):
-        """The whole answer at its end; the model tells the request its progress itself (``streams``)."""
+        """The whole answer at its end; the model tells the request its progress itself (``streams``),
+        and ``progressed`` hands the first chunk's counts to ``on_progress``, as a real stream does."""
+        if on_progress is not None:
+            self.unreported[self.by_id[engine_request.prompt]] = on_progress
         (result,) = await self.complete_batch([engine_request])
         yield result
+
+    def progressed(self) -> None:
+        """The first chunk of each stream the model has started, in the order they were sent (the
+        simulator's ``finish`` order)."""
+        for r in [r for r in self.unreported if r.engine_prompt_tokens is not None]:
+            self.unreported.pop(r)(r.engine_generated, r.engine_prompt_tokens)
 
     def finish(self, done: set[Request]) -> None:
         still = []
@@ -141,7 +152,9 @@ async def through_the_dispatcher(sp, mode: str, kind: str, sizing: str, scrape: 
                 drain = asyncio.create_task(d.drain(grace=3600.0))  # no more arrivals: drain, as the simulator does
                 await settle()
         elif model.next_time() == t:
-            done.update(model.advance(t))
+            ended = model.advance(t)
+            client.progressed()
+            done.update(ended)
             client.finish(done)
             await settle()
         elif next_scrape == t:

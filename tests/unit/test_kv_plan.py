@@ -168,6 +168,26 @@ def test_the_engines_prompt_counts_of_answered_requests_let_more_in():
     assert [r.id for d in s.step(0.8).dispatches for r in d.requests] == ["r1", "r2", "r3"]
 
 
+def test_the_first_chunks_prompt_count_lets_more_in_before_any_answer():
+    """The same four requests: the engine's stream counts r0's prompt at its first
+    chunk (10 tokens, not the prior's 80), and two more enter while r0 still runs
+    (its own 10 + 1 + 80 tokens held with theirs: 3 x 91.5 <= 280), not at its end.
+    Its answer then teaches the scale nothing twice."""
+    s, clock = _scheduler(KvPlan())
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=280, kv_block_tokens=1, tpot_seconds=0.01, fresh=True), 0.0)
+    for i in range(4):
+        s.submit(Request(id=f"r{i}", arrival=0.0, prompt_tokens=40, max_tokens=80, hint_tokens=80))
+    first = s.step(0.0).dispatches
+    (r0,) = first[0].requests
+    assert s.step(0.01).dispatches == []  # no count yet: the prior holds the queue
+    r0.engine_generated, r0.engine_prompt_tokens = 1, 10
+    assert s.prompt_counted(r0, 10) and not s.prompt_counted(r0, 10)  # learned once
+    assert [r.id for d in s.step(0.02).dispatches for r in d.requests] == ["r1", "r2"]
+    scale = s.core.kv_plan.prompt_scale
+    s.complete(r0, Outcome(completion_tokens=80, prompt_tokens=10), 0.8)
+    assert s.core.kv_plan.prompt_scale == scale and s.core.kv_plan.prompts_seen == 1
+
+
 def test_without_a_plan_the_same_requests_all_go_in():
     s, _ = _scheduler(None)
     s.on_snapshot(EngineSnapshot(kv_capacity_tokens=200, kv_block_tokens=1, tpot_seconds=0.01, fresh=True), 0.0)
