@@ -193,20 +193,23 @@ class FleetModels:
             self.forget(*key)
 
     def maybe_start(
-        self, kube: Any, body: Mapping[str, Any], settings: FleetSpec, addresses: Mapping[str, str], logger: Any
+        self, kube: Any, body: Mapping[str, Any], settings: FleetSpec, addresses: Mapping[str, str], logger: Any,
+        current: Mapping[str, Any] | None = None,
     ) -> PolicyFleet:
-        """The policy's state; a round is started in the background when one is due (the reconcile does not wait)."""
+        """The policy's state; a round is started in the background when one is due (the reconcile does not wait).
+        ``current``: the model's ConfigMap as the operator's watch shows it (None: not seen)."""
         meta = body["metadata"]
         state = self._state(meta["namespace"], meta["name"], settings)
         if self.due(state, settings):
             state.last_round = self._clock()
-            state.task = asyncio.ensure_future(self._guarded(state, kube, body, settings, addresses, logger))
+            state.task = asyncio.ensure_future(self._guarded(state, kube, body, settings, addresses, logger,
+                                                             current=current))  # fmt: skip
         return state
 
-    async def _guarded(self, state: PolicyFleet, *args: Any) -> None:
+    async def _guarded(self, state: PolicyFleet, *args: Any, current: Mapping[str, Any] | None) -> None:
         """A round in the background: whatever it raises is its failure, never an unretrieved task error."""
         try:
-            await self.round(*args)
+            await self.round(*args, current=current)
         except Exception as exc:  # noqa: BLE001 - reported in ModelReady; the last good model stays
             state.failure = f"{type(exc).__name__}: {exc}"
             args[-1].exception("spec.predictor.fleet: the round failed; keeping the last good model")
@@ -230,9 +233,13 @@ class FleetModels:
         return failed
 
     async def round(
-        self, kube: Any, body: Mapping[str, Any], settings: FleetSpec, addresses: Mapping[str, str], logger: Any
+        self, kube: Any, body: Mapping[str, Any], settings: FleetSpec, addresses: Mapping[str, str], logger: Any,
+        current: Mapping[str, Any] | None = None,
     ) -> None:
-        """Gather, fit, publish; a failure keeps the last good model and is kept in ``state.failure``."""
+        """Gather, fit, publish; a failure keeps the last good model and is kept in ``state.failure``.
+
+        ``current`` is the model's ConfigMap as watched (None: not seen), which ``kube.ensure`` patches
+        only if it is the policy's own; one the watch has not shown yet is found by the create's 409."""
         meta = body["metadata"]
         name, namespace = meta["name"], meta["namespace"]
         state = self._state(namespace, name, settings)
@@ -259,7 +266,7 @@ class FleetModels:
         obj = build_model_configmap(name, namespace, data, version)
         kopf.adopt(obj, owner=dict(body))
         try:
-            await kube.ensure(obj, {} if state.published is not None else None)
+            await kube.ensure(obj, current)
         except Exception as exc:  # noqa: BLE001 - a refused publish keeps the last good model
             state.failure = f"publishing ConfigMap {fleet_model_name(name)} failed: {describe_api_error(exc)}"
             logger.warning("spec.predictor.fleet: %s; keeping the last good model", state.failure)

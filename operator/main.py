@@ -60,7 +60,7 @@ from typing import Any
 import kopf
 
 from .allowlist import Allowlist
-from .builders import POLICY_LABEL, as_native_sidecar, child_name, headless_name, policy_label
+from .builders import POLICY_LABEL, as_native_sidecar, child_name, fleet_model_name, headless_name, policy_label
 from .crd import GROUP, PLURAL, VERSION
 from .indexes import Seen, Watched
 from .k8s_rules import allow_from_problems
@@ -303,7 +303,7 @@ def seen(watched: Watched, body: kopf.Body) -> Seen:
     meta, spec = body["metadata"], body.get("spec") or {}
     namespace, name = meta["namespace"], meta["name"]
     wanted = [("ConfigMap", child_name(name)), ("Service", child_name(name)), ("Service", headless_name(name)),
-              ("NetworkPolicy", child_name(name))]  # fmt: skip
+              ("NetworkPolicy", child_name(name)), ("ConfigMap", fleet_model_name(name))]  # fmt: skip
     match_labels = (spec.get("selector") or {}).get("matchLabels") or {}
     return Seen(watched.pods(namespace, match_labels), watched.children(namespace, wanted), watched.policies(namespace))
 

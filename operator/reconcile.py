@@ -42,6 +42,7 @@ from .builders import (
     build_pod_patch,
     build_service,
     child_name,
+    fleet_model_name,
     fleet_settings,
     headless_enabled,
     headless_name,
@@ -305,7 +306,8 @@ async def observe(
     if fleet is not None:
         # the sidecars that answered are the ones asked for their records (their pods are Running and reachable)
         reachable = {key: address for key, (report, address) in asked.items() if report.stats is not None}
-        state = ctx.fleet.maybe_start(ctx.kube, body, fleet, reachable, logger or log)
+        state = ctx.fleet.maybe_start(ctx.kube, body, fleet, reachable, logger or log,
+                                      current=seen.children.get(("ConfigMap", fleet_model_name(name))))  # fmt: skip
         model = fleet_model.condition(name, state, old.get("model"))
         published = state.published.status() if state.published is not None else old.get("model")
     else:

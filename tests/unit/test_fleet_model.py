@@ -17,7 +17,7 @@ import pytest
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_operator import builders, fleet_model
 from binbatch_operator.fleet_model import FleetModels, Reservoir
-from binbatch_operator.indexes import Seen
+from binbatch_operator.indexes import Seen, child_entry
 from binbatch_operator.reconcile import Context, reconcile
 from binbatch_operator.sidecar_stats import SidecarStats
 from binbatch_sidecar.config import ConfigError
@@ -74,9 +74,10 @@ def _context(sidecars: FakeSidecars, kube: FakeKube, clock: Clock, fit=fleet_mod
                    fleet=FleetModels(export=sidecars.export, clock=clock, seed=1, fit=fit))  # fmt: skip
 
 
-async def _reconcile(ctx: Context, status=None) -> dict:
-    """One reconcile, then the round it started (if any) to its end; the status it returned."""
-    outcome = await reconcile(ctx, policy_body(spec=FLEET, status=status), Seen(pods=_pods()), LOG)
+async def _reconcile(ctx: Context, status=None, children=None) -> dict:
+    """One reconcile, then the round it started (if any) to its end; the status it returned.
+    ``children``: what the watches show of the policy's children, by (kind, name)."""
+    outcome = await reconcile(ctx, policy_body(spec=FLEET, status=status), Seen(pods=_pods(), children=children or {}), LOG)
     state = ctx.fleet.state("llm", "fast")
     if state is not None and state.task is not None:
         await state.task
@@ -133,6 +134,31 @@ async def test_each_round_asks_only_for_the_records_after_the_cursor_and_only_wh
     assert state.train.seen + state.held.seen == 605
     status = await _reconcile(ctx, status)
     assert status["model"]["version"] == 2 and _published(kube)[0]["metadata"]["annotations"][fleet_model.VERSION_ANNOTATION] == "2"
+
+
+async def test_a_refit_patches_the_model_configmap_the_watch_shows_and_never_someone_elses():
+    """The next round hands ``ensure`` the model's ConfigMap as the operator's watch keeps it (owned by the
+    policy, no binaryData), so the API seam's ownership check lets it update it; a ConfigMap of that name
+    that someone else made is never written, and ModelReady names it."""
+    sidecars, kube, clock = FakeSidecars(300), FakeKube(), Clock()
+    ctx = _context(sidecars, kube, clock)
+    status = await _reconcile(ctx, await _reconcile(ctx))
+    key = ("ConfigMap", "fast-binbatch-model")
+    watched = {key: child_entry(kube.children[key], "ConfigMap")}
+    assert "binaryData" not in watched[key] and watched[key]["metadata"]["ownerReferences"]
+    clock.now = 600.0
+    status = await _reconcile(ctx, await _reconcile(ctx, status, watched), watched)
+    assert status["model"]["version"] == 2 and _model_ready(status)["reason"] == "FleetModelPublished"
+    assert kube.children[key]["metadata"]["annotations"][fleet_model.VERSION_ANNOTATION] == "2"
+
+    theirs = {"metadata": {"name": "fast-binbatch-model", "namespace": "llm", "labels": {"team": "x"}}, "data": {}}
+    kube.children[key] = theirs
+    clock.now = 1200.0
+    status = await _reconcile(ctx, await _reconcile(ctx, status, {key: theirs}), {key: theirs})
+    assert kube.children[key] is theirs and status["model"]["version"] == 2
+    ready = _model_ready(status)
+    assert (ready["status"], ready["reason"]) == ("True", "FleetRefitFailed")
+    assert "ConfigMap llm/fast-binbatch-model already exists and is not made by this policy" in ready["message"]
 
 
 async def test_a_failed_fit_keeps_the_last_model_and_says_why():

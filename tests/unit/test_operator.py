@@ -17,6 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_operator import builders
 from binbatch_operator.indexes import Seen, Watched
+from binbatch_operator.kube import ChildConflict
 from binbatch_operator.reconcile import Context, admit, candidate, reconcile
 from binbatch_operator.status import (
     ApiFailure,
@@ -506,7 +507,12 @@ class FakeKube:
             raise _api_exception(*self.errors[key])
 
     async def ensure(self, obj, current):
+        """As ``KubeApi.ensure``: an object of that name (as watched, or found by a create's 409) that is
+        not the policy's own is never written."""
         self._maybe_fail(("ensure", obj["kind"]))
+        found = current if current is not None else self.children.get((obj["kind"], obj["metadata"]["name"]))
+        if found is not None and not builders.owned_by(found, obj):
+            raise ChildConflict(obj, found)
         if current is not None and builders.covers(current, obj):
             return "unchanged"
         self.children[(obj["kind"], obj["metadata"]["name"])] = obj
@@ -816,8 +822,6 @@ def test_admit_injects_nothing_for_a_policy_whose_children_are_not_its_own():
 
 
 async def test_a_conflicting_child_sets_ready_child_conflict_and_is_not_written():
-    from binbatch_operator.kube import ChildConflict
-
     class Conflicting(FakeKube):
         async def ensure(self, obj, current):
             if obj["kind"] == "ConfigMap":
