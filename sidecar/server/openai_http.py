@@ -82,6 +82,7 @@ from .trace_context import read_trace_context
 
 log = logging.getLogger("binbatch.http")
 
+CALLER_KEY = web.RequestKey("caller", str)  # the authenticated caller, set by OpenAIDoor._authenticate
 REQUEST_ID = "x-request-id"
 TIMEOUT = "x-request-timeout-ms"
 TIMEOUT_LIMIT_MS = 3_600_000
@@ -279,12 +280,12 @@ class OpenAIDoor:
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         """With caller authentication on, every path but ``/health`` (probes) needs a known caller's token:
-        else 401 before anything else is read.  The caller's name is ``request["caller"]``."""
-        request["caller"] = ""
+        else 401 before anything else is read.  The caller's name is ``request[CALLER_KEY]``."""
+        request[CALLER_KEY] = ""
         if self.auth is None or request.path == "/health":
             return await handler(request)
         try:
-            request["caller"] = self.auth.authenticate("http", request.headers.getall("Authorization", []),
+            request[CALLER_KEY] = self.auth.authenticate("http", request.headers.getall("Authorization", []),
                                                        "Authorization")  # fmt: skip
         except Unauthenticated as exc:
             sent = "Authorization" in request.headers
@@ -332,7 +333,7 @@ class OpenAIDoor:
             f, names = to_fields(body)
             f.request_id = request_id
             f.body_bytes = len(raw)
-            f.caller = request["caller"]
+            f.caller = request[CALLER_KEY]
             read_headers(request, f)
             ticket = await self.front.submit(f, body.stream, HEADER_NAMES | names)
         except (InvalidRequest, Rejected) as exc:
