@@ -28,6 +28,7 @@ from sidecar_harness import Running, prompt_request, running_sidecar, sidecar_co
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 from binbatch_operator.sidecar_stats import get_stats
+from binbatch_sidecar import cli
 from binbatch_sidecar.config import load_config
 from binbatch_sidecar.emulator import EmulatorConfig, running_emulator
 from binbatch_sidecar.engine.admin_token import load_private_pem, new_private_pem, public_pem, sign
@@ -198,6 +199,20 @@ async def test_admin_answers_loopback_and_off_loopback_only_a_credential(tmp_pat
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await get_stats(address)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "needs a credential" in err.value.details()
+
+
+async def test_predictor_export_off_loopback_needs_the_admin_token_file(tmp_path, capsys):
+    async with locked_sidecar(tmp_path) as sc:
+        sc.sidecar.admin_gate.is_loopback = lambda peer: False
+        target, out = f"127.0.0.1:{sc.sidecar.grpc_port}", tmp_path / "records.jsonl"
+        export = ["predictor", "export", "--target", target, "--out", str(out)]
+        assert await asyncio.to_thread(cli.main, export) != 0 and not out.exists()
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        missing = ["--token-file", str(tmp_path / "nope")]
+        assert await asyncio.to_thread(cli.main, [*export, *missing]) != 0
+        assert "--token-file: cannot read the key file" in capsys.readouterr().err
+        assert await asyncio.to_thread(cli.main, [*export, "--token-file", str(tmp_path / "admin-token")]) == 0
+        assert out.exists()
 
 
 def non_loopback_ipv4() -> str | None:
