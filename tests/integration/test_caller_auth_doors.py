@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -127,7 +128,8 @@ async def test_the_http_door_serves_a_known_caller_and_refuses_others_with_401(t
         assert unauthenticated(sc, "http") == 6
 
 
-async def test_grpc_generate_needs_a_known_callers_token_in_its_metadata(tmp_path):
+async def test_grpc_generate_needs_a_known_callers_token_in_its_metadata(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
     async with locked_sidecar(tmp_path) as sc:
         reply = await sc.inference.Generate(prompt_request(1, 3), metadata=bearer(TOKENS["team-b"]), timeout=WAIT)
         assert reply.completion_tokens == 3
@@ -144,6 +146,8 @@ async def test_grpc_generate_needs_a_known_callers_token_in_its_metadata(tmp_pat
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert sc.sidecar.dispatcher.totals["accepted"] == accepted
         assert unauthenticated(sc, "grpc") == 4
+    assert "unauthenticated call(s)" in caplog.text  # said, at INFO, once
+    assert all(token not in caplog.text for token in (*TOKENS.values(), ADMIN_TOKEN, "nope"))
 
 
 async def test_a_rotated_secret_refuses_the_old_token_and_accepts_the_new(tmp_path):

@@ -179,6 +179,25 @@ def test_caller_auth_counts_refusals_by_door_and_is_silent_when_off(tmp_path):
     assert off.authenticate("http", [], "Authorization") == ""
 
 
+def test_refusals_are_logged_at_info_once_a_minute_per_door_with_a_count_and_never_the_token(tmp_path, caplog):
+    caplog.set_level("DEBUG", logger="binbatch.auth")
+    clock = ManualClock()
+    tokens = CallerTokens()
+    tokens.load(str(write_tokens(tmp_path / "t", {"team-a": "tok-a"})))
+    on = parse_config({"auth": {"callerTokensDir": str(tmp_path / "t")}})
+    auth = CallerAuth(lambda: on, tokens, None, clock=clock.now)
+    for _ in range(3):
+        with pytest.raises(Unauthenticated):
+            auth.authenticate("http", ["Bearer guessed-token"], "Authorization")
+    clock.advance(61)
+    with pytest.raises(Unauthenticated):
+        auth.authenticate("http", ["Bearer guessed-token"], "Authorization")
+    infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(infos) == 2 and "refused 1 unauthenticated" in infos[0] and "refused 3 unauthenticated" in infos[1]
+    assert len([r for r in caplog.records if r.levelname == "DEBUG"]) == 4
+    assert "guessed-token" not in caplog.text and "tok-a" not in caplog.text
+
+
 # -- the caller's steering rights and hint trust --------------------------------------------------------------
 
 
