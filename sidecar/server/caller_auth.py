@@ -278,7 +278,8 @@ class AdminGate:
         if self.admin_token.matches(token):
             return
         if token.count(".") != 2 or not auth.operator_public_keys:
-            raise Unauthenticated("authorization: the bearer token is not auth.adminTokenFile's")
+            raise Unauthenticated("authorization: the bearer token is not auth.adminTokenFile's (nor a token signed "
+                                  "by the operator)")  # fmt: skip
         try:
             verify(token, auth.operator_public_keys, auth.audience, now=self.now)
         except TokenRefused as exc:
