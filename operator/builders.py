@@ -14,7 +14,11 @@ plain dicts, so the handlers in ``main.py`` stay thin and these are tested alone
 ``spec.engine.apiKeySecretRef`` is the policy's, not the sidecar config's: the
 pod patch mounts that one Secret key read-only into the sidecar (the kubelet
 reads the Secret; the operator never does) and the config gets
-``engine.apiKeyFile`` pointing at the mounted file.
+``engine.apiKeyFile`` pointing at the mounted file.  ``spec.auth``'s Secrets likewise
+(``auth_refs``): the callers' tokens as a directory (``auth.callerTokensDir``), the
+admin token as a file (``auth.adminTokenFile``); ``spec.auth.callers`` is copied, and
+the operator's own public key and the policy's audience are added (``sidecar_config``'s
+``operator_key``), so the sidecars answer the operator's signed Admin calls.
 - ``model_ref`` / ``model_volume``: ``spec.predictor.model``, the trained length model the
   sidecar reads from a ConfigMap or Secret key mounted read-only at ``MODEL_PATH``; with
   ``spec.predictor.fleet`` (``fleet_settings``) the ConfigMap the operator publishes its
@@ -70,6 +74,13 @@ ENGINE_KEY_PATH = f"{ENGINE_KEY_DIR}/api-key"
 # to set: it would re-own the model server's volumes).
 ENGINE_KEY_MODE_FSGROUP = 0o440
 ENGINE_KEY_MODE_NO_FSGROUP = 0o444
+# spec.auth's Secrets (the same mode rules as the engine key): the callers' tokens, a key a file, and the admin token
+CALLER_TOKENS_VOLUME = "binbatch-caller-tokens"
+CALLER_TOKENS_DIR = "/var/run/binbatch/caller-tokens"  # the config's auth.callerTokensDir
+ADMIN_TOKEN_VOLUME = "binbatch-admin-token"
+ADMIN_TOKEN_DIR = "/var/run/binbatch/admin-token"
+ADMIN_TOKEN_PATH = f"{ADMIN_TOKEN_DIR}/admin-token"  # the config's auth.adminTokenFile
+AUTH_FIELD = "spec.auth"
 MODEL_VOLUME = "binbatch-model"  # spec.predictor.model's ConfigMap or Secret key
 MODEL_DIR = "/etc/binbatch-model"
 MODEL_PATH = f"{MODEL_DIR}/model.npz"  # the key's file in that volume: the config's predictor.warmStart
@@ -160,13 +171,17 @@ def headless_enabled(spec: Mapping[str, Any]) -> bool:
     return bool(((spec.get("service") or {}).get("headless", SERVICE_DEFAULTS["headless"])))
 
 
-def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
+def sidecar_config(spec: Mapping[str, Any], *, audience: str = "", operator_key: str = "") -> dict[str, Any]:
     """The sidecar config document for ``spec``; raises ConfigError naming ``spec.<field>``.
 
     With the port take-over on, the engine (and a scrape of the loopback) is
-    vLLM at its new port, ``127.0.0.1:<enginePort>``.
+    vLLM at its new port, ``127.0.0.1:<enginePort>``.  ``operator_key`` (PEM) and
+    ``audience`` (``<namespace>/<policy>``): the operator's Admin credential the sidecars accept.
     """
     doc: dict[str, Any] = {name: dict(spec[name]) for name in CONFIG_SECTIONS if spec.get(name) is not None}
+    auth = auth_config(spec, audience, operator_key)
+    if auth:
+        doc["auth"] = auth
     if api_key_secret_ref(spec) is not None:
         doc["engine"].pop(API_KEY_SECRET_REF)
         doc["engine"]["apiKeyFile"] = ENGINE_KEY_PATH
@@ -205,7 +220,8 @@ def sidecar_config(spec: Mapping[str, Any]) -> dict[str, Any]:
     try:
         parse_config(doc)
     except ConfigError as exc:
-        problems = [(_spec_path(path), message) for path, message in exc.problems]
+        problems = [(_spec_path(path), message) for path, message in exc.problems if not path.startswith("auth.")]
+        problems += [(_auth_path(path), message) for path, message in exc.problems if path.startswith("auth.")]
         raise ConfigError(problems) from None
     return doc
 
@@ -314,6 +330,62 @@ def model_volume(spec: Mapping[str, Any], policy: str | None = None) -> dict[str
     return {"name": MODEL_VOLUME, "secret": {"secretName": name, "items": items, "optional": True}}
 
 
+def _auth_path(path: str) -> str:
+    """``auth.callers[0].name`` → ``spec.auth.callers[0].name``; the keys the operator renders name its fields."""
+    for key, field in (("auth.callerTokensDir", "callerTokensSecretRef"), ("auth.adminTokenFile", "adminTokenSecretRef")):
+        if path.startswith(key):
+            return f"{AUTH_FIELD}.{field}"
+    return "spec." + path
+
+
+def auth_refs(spec: Mapping[str, Any]) -> tuple[str | None, dict[str, str] | None]:
+    """``spec.auth``'s Secrets: the callers' Secret name and the admin token's ``{name, key}`` (None when not
+    set); ``ConfigError`` naming the field when one is malformed."""
+    auth = spec.get("auth") or {}
+    if not isinstance(auth, Mapping):
+        raise ConfigError([(AUTH_FIELD, "must be an object {callerTokensSecretRef, adminTokenSecretRef, callers}")])
+    problems = [(f"{AUTH_FIELD}.{k}", "unknown field (allowed: callerTokensSecretRef, adminTokenSecretRef, callers)")
+                for k in sorted(set(auth) - {"callerTokensSecretRef", "adminTokenSecretRef", "callers"})]  # fmt: skip
+    found: dict[str, dict[str, str] | None] = {}
+    for field, keys in (("callerTokensSecretRef", ("name",)), ("adminTokenSecretRef", ("name", "key"))):
+        ref, where = auth.get(field), f"{AUTH_FIELD}.{field}"
+        found[field] = None
+        if ref is None:
+            continue
+        if not isinstance(ref, Mapping):
+            problems.append((where, f"must be an object {{{', '.join(keys)}}}"))
+            continue
+        problems += [(f"{where}.{extra}", f"unknown field (allowed: {', '.join(keys)})") for extra in sorted(set(ref) - set(keys))]
+        checks = {"name": k8s_rules.dns1123_subdomain_problems, "key": k8s_rules.config_key_problems}
+        for key in keys:
+            value = ref.get(key)
+            if not isinstance(value, str) or not value:
+                problems.append((f"{where}.{key}", "is required (a non-empty string)"))
+            else:
+                problems += [(f"{where}.{key}", p) for p in checks[key](value)]
+        found[field] = {key: ref.get(key) for key in keys}
+    if problems:
+        raise ConfigError(problems)
+    callers = found["callerTokensSecretRef"]
+    return (callers["name"] if callers else None), found["adminTokenSecretRef"]
+
+
+def auth_config(spec: Mapping[str, Any], audience: str = "", operator_key: str = "") -> dict[str, Any]:
+    """The sidecar config's ``auth`` section for ``spec`` ({} when there is nothing to say)."""
+    callers_secret, admin_ref = auth_refs(spec)
+    out: dict[str, Any] = {}
+    if callers_secret is not None:
+        out["callerTokensDir"] = CALLER_TOKENS_DIR
+    callers = (spec.get("auth") or {}).get("callers")
+    if callers:
+        out["callers"] = [dict(c) if isinstance(c, Mapping) else c for c in callers]
+    if admin_ref is not None:
+        out["adminTokenFile"] = ADMIN_TOKEN_PATH
+    if operator_key and audience:
+        out["operatorPublicKeys"], out["audience"] = [operator_key], audience
+    return out
+
+
 def _spec_path(path: str) -> str:
     """``server.grpcPort`` → ``spec.sidecar.grpcPort``; ``batch.x`` → ``spec.batch.x``."""
     if path.startswith("server."):
@@ -325,9 +397,11 @@ def _labels(policy: str) -> dict[str, str]:
     return {**MANAGED_LABELS, POLICY_LABEL: policy_label(policy)}
 
 
-def build_configmap(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The owned ConfigMap the sidecars mount; its one key is the config file."""
-    text = config_text(json.dumps(spec, sort_keys=True, default=dict))  # default: kopf's view of the spec
+def build_configmap(name: str, namespace: str, spec: Mapping[str, Any], operator_key: str = "") -> dict[str, Any]:
+    """The owned ConfigMap the sidecars mount; its one key is the config file.  ``operator_key``: the
+    operator's Admin public key (PEM), with the audience ``<namespace>/<name>`` (``admin_audience``)."""
+    audience = admin_audience(namespace, name) if operator_key else ""
+    text = config_text(json.dumps(spec, sort_keys=True, default=dict), audience, operator_key)  # default: kopf's view
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -336,11 +410,17 @@ def build_configmap(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[
     }
 
 
+def admin_audience(namespace: str, policy: str) -> str:
+    """The ``aud`` of the operator's Admin tokens for a policy's sidecars (their ``auth.audience``)."""
+    return f"{namespace}/{policy}"
+
+
 @functools.lru_cache(maxsize=4096)
-def config_text(spec_json: str) -> str:
+def config_text(spec_json: str, audience: str = "", operator_key: str = "") -> str:
     """The config file for a spec given as JSON.  Cached: every policy's check (1,000 at once when a
     replica takes over, then each every 15 s) rebuilds it, and a spec seldom changes."""
-    return yaml.dump(sidecar_config(json.loads(spec_json)), Dumper=CONFIG_DUMPER, sort_keys=True)
+    doc = sidecar_config(json.loads(spec_json), audience=audience, operator_key=operator_key)
+    return yaml.dump(doc, Dumper=CONFIG_DUMPER, sort_keys=True)
 
 
 def _service_ports(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -533,6 +613,7 @@ def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: Ta
               if api_key_secret_ref(spec) is not None else []),
             *([{"name": MODEL_VOLUME, "mountPath": MODEL_DIR, "readOnly": True}]
               if model_volume(spec, policy="") else []),
+            *_auth_mounts(spec),
         ],
         "securityContext": {
             "runAsNonRoot": True, "runAsUser": SIDECAR_UID, "runAsGroup": SIDECAR_UID,
@@ -544,6 +625,37 @@ def sidecar_container(spec: Mapping[str, Any], default_image: str, take_over: Ta
     source = given if given else DEFAULT_RESOURCES
     container["resources"] = {key: dict(value) for key, value in source.items() if value is not None}
     return container
+
+
+def _auth_mounts(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    try:
+        callers, admin = auth_refs(spec)
+    except ConfigError:
+        return []
+    return [
+        *([{"name": CALLER_TOKENS_VOLUME, "mountPath": CALLER_TOKENS_DIR, "readOnly": True}] if callers else []),
+        *([{"name": ADMIN_TOKEN_VOLUME, "mountPath": ADMIN_TOKEN_DIR, "readOnly": True}] if admin else []),
+    ]
+
+
+def auth_volumes(spec: Mapping[str, Any], pod_spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The volumes of ``spec.auth``'s Secrets.  Not ``optional``, like the engine key's: a pod whose Secret is
+    missing waits with an Event naming it, rather than starting a sidecar that refuses its config.  Directory
+    mounts (no ``subPath``), so the kubelet swaps a rotated Secret in and the sidecar re-reads it."""
+    try:
+        callers, admin = auth_refs(spec)
+    except ConfigError:
+        return []
+    fs_group = (pod_spec.get("securityContext") or {}).get("fsGroup")
+    mode = ENGINE_KEY_MODE_FSGROUP if fs_group is not None else ENGINE_KEY_MODE_NO_FSGROUP
+    out = []
+    if callers:  # every key of the Secret: each a caller
+        out.append({"name": CALLER_TOKENS_VOLUME, "secret": {"secretName": callers, "defaultMode": mode}})
+    if admin:
+        out.append({"name": ADMIN_TOKEN_VOLUME, "secret": {
+            "secretName": admin["name"], "items": [{"key": admin["key"], "path": ADMIN_TOKEN_PATH.rsplit("/", 1)[1]}],
+            "defaultMode": mode}})  # fmt: skip
+    return out
 
 
 def _quantity(value: Any) -> Any:
@@ -600,6 +712,12 @@ def sidecar_hash(spec: Mapping[str, Any], default_image: str) -> str:
     bound = {key: settings[key] for key in BOUND_AT_START if settings[key] != SIDECAR_DEFAULTS[key]}
     if bound:
         described = [described, bound]
+    try:
+        auth = auth_refs(spec)
+    except ConfigError:
+        auth = (None, None)
+    if auth != (None, None):  # which Secrets are mounted reaches running pods only through a new pod
+        described = [described, {"auth": auth}]
     model = model_volume(spec, policy="")  # the fleet's ConfigMap is named for the policy, which never changes
     if model is not None:  # which ConfigMap or Secret is mounted reaches running pods only through a new pod
         described = [described, {"model": model}]
@@ -638,7 +756,7 @@ def build_pod_patch(
     plan = take_over_plan(pod, spec)
     if plan is not None:
         containers[plan.index] = plan.container
-    ours = (CONFIG_VOLUME, TMP_VOLUME, ENGINE_KEY_VOLUME, MODEL_VOLUME)
+    ours = (CONFIG_VOLUME, TMP_VOLUME, ENGINE_KEY_VOLUME, MODEL_VOLUME, CALLER_TOKENS_VOLUME, ADMIN_TOKEN_VOLUME)
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in ours]
     volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": child_name(policy), "optional": True}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
@@ -648,6 +766,7 @@ def build_pod_patch(
     model = model_volume(spec, policy)
     if model is not None:
         volumes.append(model)
+    volumes += auth_volumes(spec, pod_spec)
     drain = sidecar_settings(spec)["drainGraceSeconds"]
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds") or 30), drain + 5)
     sidecar = sidecar_container(spec, default_image, plan)

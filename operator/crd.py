@@ -26,6 +26,7 @@ from pydantic.alias_generators import to_camel
 
 from binbatch_sidecar.config import (
     GRPC_MAX_CONCURRENT_STREAMS_DEFAULT,
+    AuthConfig,
     GRPC_MAX_CONNECTION_AGE_SECONDS_DEFAULT,
     HTTP_REQUEST_READ_TIMEOUT_MILLISECONDS_DEFAULT,
     MAX_CONNECTIONS_DEFAULT,
@@ -292,6 +293,51 @@ def api_key_secret_ref_schema() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def auth_schema() -> dict[str, Any]:
+    """``spec.auth``: who may call the sidecars.  The operator mounts the Secrets and renders the sidecar
+    config's ``auth`` section (paths, callers, and its own public key and audience: see builders.py)."""
+    callers = _openapi(AuthConfig.model_json_schema(by_alias=True)["properties"]["callers"])
+    callers["items"]["properties"] = {k: _openapi(v) for k, v in callers["items"]["properties"].items()}
+    callers["default"] = []
+
+    def name() -> dict[str, Any]:
+        return _str("Name of the Secret, in the policy's namespace.", minLength=1,
+                    maxLength=k8s_rules.DNS1123_SUBDOMAIN_MAX, pattern=f"^{k8s_rules.DNS1123_SUBDOMAIN}$")
+    return {
+        "type": "object",
+        "description": "Who may call the sidecars. Caller authentication is off unless callerTokensSecretRef is "
+                       "set (a gateway in front usually authenticates, and the policy's NetworkPolicy limits who "
+                       "reaches the sidecars). The Admin service always answers only loopback and callers with a "
+                       "credential: the operator's own signed tokens, or adminTokenSecretRef's token.",
+        "default": {},
+        "properties": {
+            "callerTokensSecretRef": {
+                "type": "object", "required": ["name"],
+                "description": "Turns caller authentication on: a Secret of the policy's namespace whose every key "
+                               "is a caller and whose value is that caller's bearer token. Every request to the "
+                               "sidecars' HTTP door (Authorization: Bearer <token>) and gRPC Inference service "
+                               "(metadata authorization: Bearer <token>) must carry one of these tokens, else 401 / "
+                               "UNAUTHENTICATED; /health needs none. The operator mounts the Secret read-only into "
+                               "the sidecar (it never reads it); updating the Secret rotates the tokens without a "
+                               "restart.",
+                "properties": {"name": name()},
+            },
+            "adminTokenSecretRef": {
+                "type": "object", "required": ["name", "key"],
+                "description": "A token that lets a caller off the pod's loopback use the sidecars' Admin service "
+                               "(authorization: Bearer <token>), e.g. a dashboard; the operator itself needs none. "
+                               "Mounted read-only into the sidecar; updating the Secret rotates it.",
+                "properties": {
+                    "name": name(),
+                    "key": _str("Key within the Secret whose value is the token.", minLength=1,
+                                maxLength=k8s_rules.CONFIG_KEY_MAX, pattern=f"^{k8s_rules.CONFIG_KEY}$"),
+                },
+            },
+            "callers": callers,
+        },
+    }  # fmt: skip
+
+
 def model_schema() -> dict[str, Any]:
     """``spec.predictor.model``: a trained length model in a ConfigMap or Secret of the policy's namespace."""
 
@@ -523,7 +569,7 @@ def spec_schema() -> dict[str, Any]:
         "type": "object",
         "description": "How to batch for the selected vLLM pods; the batching sections are the sidecar's config.",
         "required": ["selector"],
-        "properties": {"selector": selector, "sidecar": sidecar, "service": service, **sections},
+        "properties": {"selector": selector, "sidecar": sidecar, "service": service, **sections, "auth": auth_schema()},
         "x-kubernetes-validations": SPEC_RULES,
     }
 

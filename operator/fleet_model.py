@@ -151,8 +151,10 @@ class FleetModels:
     def __init__(
         self, export: ExportFn = export_records, clock: Callable[[], float] = time.monotonic, seed: int | None = None,
         fit: Callable[[Sequence[Record], Sequence[Record]], tuple[bytes, int, float | None]] = fit_and_score,
+        signer: Callable[[str], str] | None = None,
     ) -> None:  # fmt: skip
         self._export, self._clock, self._fit = export, clock, fit
+        self.signer = signer  # audience -> the operator's signed Admin token for it (admin_signing.AdminSigner.token)
         self._rng = random.Random(seed)
         self._policies: dict[tuple[str, str], PolicyFleet] = {}
         self._fits: asyncio.Semaphore | None = None  # one fit at a time (made on the running loop)
@@ -214,14 +216,18 @@ class FleetModels:
             state.failure = f"{type(exc).__name__}: {exc}"
             args[-1].exception("spec.predictor.fleet: the round failed; keeping the last good model")
 
-    async def gather(self, state: PolicyFleet, settings: FleetSpec, addresses: Mapping[str, str]) -> list[str]:
-        """New records of every pod into the reservoirs; the pods that could not be asked, with why."""
+    async def gather(self, state: PolicyFleet, settings: FleetSpec, addresses: Mapping[str, str],
+                     audience: str = "") -> list[str]:  # fmt: skip
+        """New records of every pod into the reservoirs; the pods that could not be asked, with why.  Each
+        page carries a token signed for ``audience`` (the policy's ``<namespace>/<policy>``)."""
+        signer = self.signer
+        signed = {"token": lambda: signer(audience)} if signer is not None and audience else {}
         per_pod = min(MAX_PER_POD, max(MIN_PER_POD, math.ceil(settings.max_records / max(1, len(addresses)))))
         failed = []
         for pod, address in sorted(addresses.items()):
             epoch, since = state.cursors.get(pod, ("", 0))
             try:
-                got = await self._export(address, since=since, epoch=epoch, limit=per_pod)
+                got = await self._export(address, since=since, epoch=epoch, limit=per_pod, **signed)
             except Exception as exc:  # noqa: BLE001 - one pod's failure is reported, the others still count
                 failed.append(f"{pod.rpartition('/')[2]}: {describe_error(exc)}")
                 continue
@@ -244,7 +250,7 @@ class FleetModels:
         name, namespace = meta["name"], meta["namespace"]
         state = self._state(namespace, name, settings)
         state.rounds += 1
-        failed = await self.gather(state, settings, addresses)
+        failed = await self.gather(state, settings, addresses, f"{namespace}/{name}")  # builders.admin_audience
         unreached = f" ({len(failed)} sidecar(s) not asked: {'; '.join(failed[:5])})" if failed else ""
         state.note = unreached.strip(" ()")
         if len(state.train.items) < MIN_FIT_RECORDS:

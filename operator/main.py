@@ -17,6 +17,8 @@ environment the Helm chart sets:
   BINBATCH_WEBHOOK_CONFIG          the install's MutatingWebhookConfiguration: its namespaceSelector tells a policy
                                    whether its namespace is opted in; the built-in certificate's CA goes into it
   BINBATCH_WEBHOOK_CERT_DIR        cert-manager: the mounted Secret (tls.crt, tls.key, ca.crt); no CA patching
+  BINBATCH_ADMIN_SIGNING_SECRET    the Secret of the operator's namespace holding its Admin signing key (Ed25519;
+                                   made when absent, shared by every replica: admin_signing.py); unset: one per start
   POD_NAMESPACE                    the operator's namespace (the Service's)
   BINBATCH_ALLOWED_IMAGES          comma-separated images a policy's spec.sidecar.image may name (allowlist.py;
                                    unset: the sidecar image's repository)
@@ -59,9 +61,11 @@ from typing import Any
 
 import kopf
 
+from .admin_signing import AdminSigner, shared_signer
 from .allowlist import Allowlist
 from .builders import POLICY_LABEL, as_native_sidecar, child_name, fleet_model_name, headless_name, policy_label
 from .crd import GROUP, PLURAL, VERSION
+from .fleet_model import FleetModels
 from .indexes import Seen, Watched
 from .k8s_rules import allow_from_problems
 from .kube import KubeApi
@@ -108,7 +112,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
         memo.elector = elector(kube, settings, logger, namespaces)
         memo.elector.start()
     image = os.environ.get("BINBATCH_SIDECAR_IMAGE") or DEFAULT_IMAGE
-    memo.ctx = Context(kube=kube, sidecar_image=image, stats=SidecarStats(), stats_max_age=STATS_INTERVAL / 2,
+    signer = await admin_signer(kube, logger)
+    memo.ctx = Context(kube=kube, sidecar_image=image, stats=SidecarStats(signer=signer.token),
+                       stats_max_age=STATS_INTERVAL / 2, admin_signer=signer, fleet=FleetModels(signer=signer.token),
                        webhook_config=os.environ.get("BINBATCH_WEBHOOK_CONFIG", ""),
                        allowlist=Allowlist.from_environment(image),
                        network_policy=os.environ.get("BINBATCH_NETWORK_POLICY", "true").lower() == "true",
@@ -126,6 +132,15 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
         return
     settings.admission.server = await webhook_server(kube, service, logger)
     settings.admission.managed = None  # the install owns the configuration (service-based)
+
+
+async def admin_signer(kube: KubeApi, logger: Any) -> AdminSigner:
+    """The operator's Admin signing key (admin_signing.py): the shared Secret's, or one of this start's own."""
+    secret = os.environ.get("BINBATCH_ADMIN_SIGNING_SECRET", "")
+    if not secret:
+        logger.info("BINBATCH_ADMIN_SIGNING_SECRET is unset: an Admin signing key of this start's own")
+        return AdminSigner.generate()
+    return await shared_signer(kube, secret, os.environ.get("POD_NAMESPACE", "default"))
 
 
 def metrics_peers(text: str) -> list[dict[str, Any]]:

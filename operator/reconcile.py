@@ -28,6 +28,7 @@ from kubernetes.client.exceptions import ApiException
 from binbatch_sidecar.config import ConfigError
 
 from . import fleet_model, opt_in, takeover, vllm_args
+from .admin_signing import AdminSigner
 from .allowlist import Allowlist
 from .builders import (
     CONFLICT_ANNOTATION,
@@ -36,6 +37,7 @@ from .builders import (
     REFUSED_ANNOTATION,
     SIDECAR_CONTAINER,
     SIDECAR_HASH_ANNOTATION,
+    admin_audience,
     build_configmap,
     build_headless_service,
     build_network_policy,
@@ -80,6 +82,9 @@ class Context:
     allowlist: Allowlist | None = None  # the install's bounds on images and URLs; None: its default (allowlist.py)
     network_policy: bool = False  # a NetworkPolicy per policy (the chart's networkPolicy.enabled)
     metrics_from: list[dict[str, Any]] = field(default_factory=list)  # peers reaching the metrics port (its metricsFrom)
+    # the operator's Admin credential (admin_signing.py): its public key goes into every ConfigMap and its signed
+    # tokens on every Admin call; None: the ConfigMaps name no operator key (the sidecars then answer it on loopback only)
+    admin_signer: AdminSigner | None = None
 
     def __post_init__(self) -> None:
         if self.allowlist is None:
@@ -161,7 +166,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], seen: Seen, logger: A
             logger.warning("invalid spec, keeping the last good config: %s", text)
         children_ready = all((kind, child_name(name)) in seen.children for kind in CHILD_KINDS)
     else:
-        children = [build_configmap(name, namespace, spec), build_service(name, namespace, spec)]
+        operator_key = ctx.admin_signer.public_pem if ctx.admin_signer is not None else ""
+        children = [build_configmap(name, namespace, spec, operator_key), build_service(name, namespace, spec)]
         if headless_enabled(spec):
             children.append(build_headless_service(name, namespace, spec))
         if ctx.network_policy:
@@ -294,7 +300,8 @@ async def observe(
             asked[f"{namespace}/{pod_meta['name']}"] = (report, f"{state['podIP']}:{port}")
         else:
             report.error = f"pod is {state.get('phase') or 'Pending'}"
-    answers = await ctx.stats.ask({key: address for key, (_, address) in asked.items()}, ctx.stats_max_age)
+    answers = await ctx.stats.ask({key: address for key, (_, address) in asked.items()}, ctx.stats_max_age,
+                                  audience=admin_audience(namespace, name))  # fmt: skip
     for key, (report, _) in asked.items():
         report.stats, report.error = answers[key].stats, answers[key].error
     unreached = await _not_reached(ctx, namespace) if any(r.missing for r in reports) else ""

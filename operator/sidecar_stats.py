@@ -31,10 +31,12 @@ KEPT_AGES = 4  # an answer not renewed for this many max_ages belongs to a pod t
 StatsFn = Callable[[str], Awaitable[pb.Stats]]
 
 
-async def get_stats(address: str, timeout: float = TIMEOUT_SECONDS) -> pb.Stats:
-    """``address`` is ``host:port``; raises grpc.aio.AioRpcError on failure or timeout."""
+async def get_stats(address: str, timeout: float = TIMEOUT_SECONDS, *, token: str = "") -> pb.Stats:
+    """``address`` is ``host:port``; ``token`` the operator's signed Admin token (``authorization: Bearer``:
+    the sidecar answers Admin off loopback only with one); raises grpc.aio.AioRpcError on failure or timeout."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     async with grpc.aio.insecure_channel(address) as channel:
-        return await pb_grpc.AdminStub(channel).GetStats(pb.GetStatsRequest(), timeout=timeout)
+        return await pb_grpc.AdminStub(channel).GetStats(pb.GetStatsRequest(), timeout=timeout, metadata=metadata)
 
 
 def describe_error(exc: BaseException) -> str:
@@ -55,25 +57,27 @@ class Answer:
 class SidecarStats:
     def __init__(
         self, fetch: StatsFn = get_stats, concurrency: int = CONCURRENCY, rate: float = RATE,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, signer: Callable[[str], str] | None = None,
     ) -> None:  # fmt: skip
         self._fetch, self._clock, self._rate = fetch, clock, rate
+        self.signer = signer  # audience -> the operator's signed Admin token for it (admin_signing.AdminSigner.token)
         self._slots = asyncio.Semaphore(concurrency)
         self._answers: dict[str, Answer] = {}
         self._asking: dict[str, asyncio.Task[Answer]] = {}
         self._pruned = clock()
         self.calls = 0  # GetStats calls made
 
-    async def ask(self, addresses: Mapping[str, str], max_age: float) -> dict[str, Answer]:
+    async def ask(self, addresses: Mapping[str, str], max_age: float, audience: str = "") -> dict[str, Answer]:
         """Answers for ``{pod: "ip:port"}`` (pods as "namespace/name"); only those older than ``max_age`` seconds (or, in a
-        large fleet, than it takes to renew every known answer at ``rate``) are asked again."""
+        large fleet, than it takes to renew every known answer at ``rate``) are asked again.  ``audience``: the
+        policy's (``<namespace>/<policy>``), which the signed token of each call names."""
         now = self._clock()
         max_age = max(max_age, len(self._answers) / self._rate)
         self._prune(now, max_age)
         for key, address in addresses.items():
             known = self._answers.get(key)
             if (known is None or now - known.at >= max_age) and key not in self._asking:
-                self._asking[key] = asyncio.ensure_future(self._call(key, address))
+                self._asking[key] = asyncio.ensure_future(self._call(key, address, audience))
         pending = [self._asking[key] for key in addresses if key in self._asking]
         if pending:  # shielded: an asker that gives up (cancelled) leaves the calls others share
             await asyncio.shield(asyncio.gather(*pending))
@@ -85,12 +89,13 @@ class SidecarStats:
             self._pruned = now
             self._answers = {k: a for k, a in self._answers.items() if now - a.at < KEPT_AGES * max_age}
 
-    async def _call(self, key: str, address: str) -> Answer:
+    async def _call(self, key: str, address: str, audience: str = "") -> Answer:
         try:
             async with self._slots:
                 self.calls += 1
                 try:
-                    answer = Answer(await self._fetch(address), "", self._clock())
+                    signed = {"token": self.signer(audience)} if self.signer is not None and audience else {}
+                    answer = Answer(await self._fetch(address, **signed), "", self._clock())
                 except Exception as exc:  # noqa: BLE001 - any failure is reported in status, never raised
                     answer = Answer(None, describe_error(exc), self._clock())
             self._answers[key] = answer

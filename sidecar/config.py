@@ -35,6 +35,8 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
     logging:   {level: Debug|Info|Warning|Error, format: Json|Text, logPrompts}
     classes:   {classes: [{name, priority, allowHints, allowPriority, allowSloHeaders}],
                 default: {allowHints, allowPriority, allowSloHeaders}}
+    auth:      {callerTokensDir, callers: [{name, allowHints, allowPriority, allowSloHeaders}],
+                adminTokenFile, operatorPublicKeys, audience}
 
 An absent file means the defaults (``binbatch sidecar`` without ``--config``), but
 a file that exists and holds no document (empty, whitespace or comments only) is
@@ -457,6 +459,90 @@ class ClassesConfig(_Section):
         return None
 
 
+# auth.callers[].name: a caller is a file of the callerTokensDir Secret, so its name is a Secret key
+CALLER_NAME_PATTERN = r"^[-._a-zA-Z0-9]+$"
+CALLERS_LIMIT = 256
+OPERATOR_KEYS_LIMIT = 4  # the operator's current key and those it rotates through
+_CALLER_INPUT = "What an authenticated caller may send to steer its place in the queue: honoured only if both the caller and the request's class allow it."  # fmt: skip
+
+
+class AuthCaller(_CallerInputs):
+    name: str = Field(min_length=1, max_length=253, pattern=CALLER_NAME_PATTERN, description="The caller: the name of its token's file in auth.callerTokensDir (a key of the callers' Secret).")  # fmt: skip
+    allow_hints: bool = Field(True, description="Honour this caller's length hints (expected_output_tokens, header x-expected-output-tokens) where its request's class allows them too; false: ignore them. " + _CALLER_INPUT)  # fmt: skip
+    allow_priority: bool = Field(True, description="Honour this caller's priority (priority, header x-request-priority) where its request's class allows it too; false: ignore it. " + _CALLER_INPUT)  # fmt: skip
+    allow_slo_headers: bool = Field(True, description="Honour this caller's SLO headers (x-slo-ttft-ms, x-slo-tpot-ms) where its request's class allows them too; false: ignore them. " + _CALLER_INPUT)  # fmt: skip
+
+
+ALL_INPUTS_ALLOWED = AuthCaller(name="-")  # a caller auth.callers does not list: its class decides
+
+
+def _caller_list_schema() -> dict[str, Any]:
+    """The list inlined (the CRD generator takes no $ref), keyed by name as a list-map."""
+    item = AuthCaller.model_json_schema(by_alias=True)
+    item.pop("title", None)
+    for prop in item["properties"].values():
+        prop.pop("title", None)
+    item["required"] = ["name"]
+    return {
+        "type": "array", "maxItems": CALLERS_LIMIT, "items": item,
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+        "description": "What each authenticated caller may send to steer its place in the queue (length hint, priority, SLO headers); a caller not listed may send all three, and its request's class decides. A listed caller with no token is only warned about (its Secret may be rotating).",
+    }  # fmt: skip
+
+
+class AuthConfig(_Section):
+    caller_tokens_dir: str = Field("", max_length=4096, description="Caller authentication. A directory (in Kubernetes a mounted Secret): each file's name is a caller and its content (surrounding whitespace stripped) that caller's bearer token. Set: every request of the HTTP door (Authorization: Bearer <token>; /health excepted) and of the gRPC Inference service (metadata authorization: Bearer <token>) must carry a known token, else 401 / UNAUTHENTICATED and it is never queued. Read at start, at every reload and whenever its files change; a directory that cannot be read, holds no token, an empty token or one token twice refuses the config. Empty: off (a gateway in front authenticates, and a NetworkPolicy limits who reaches the sidecar). In a BatchingPolicy use auth.callerTokensSecretRef instead.")  # fmt: skip
+    callers: Annotated[list[AuthCaller], WithJsonSchema(_caller_list_schema())] = Field(default_factory=list, max_length=CALLERS_LIMIT)  # fmt: skip
+    admin_token_file: str = Field("", max_length=4096, description="Path of a file holding a token (surrounding whitespace stripped) that lets a caller off loopback use the Admin service (authorization: Bearer <token>). Admin always answers loopback; off loopback it needs this token or a token signed by the operator (operatorPublicKeys). Read at start, at every reload and whenever the file changes; a file that cannot be read or is empty refuses the config. In a BatchingPolicy use auth.adminTokenSecretRef instead.")  # fmt: skip
+    operator_public_keys: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(default_factory=list, max_length=OPERATOR_KEYS_LIMIT, description="PEM Ed25519 public keys of the operator: an Admin call off loopback carrying a JWT (EdDSA) signed by one of them, for audience, expiring within 10 minutes, is answered. The operator sets it; public, not a secret.")  # fmt: skip
+    audience: str = Field("", max_length=512, description="The aud an operator-signed Admin token must name (the operator sets <namespace>/<policy>, so a token for one policy opens no other). Required with operatorPublicKeys.")  # fmt: skip
+
+    @field_validator("caller_tokens_dir", "admin_token_file")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if value and not value.strip():
+            raise ValueError("must be a path or empty, got only whitespace")
+        return value
+
+    @field_validator("operator_public_keys")
+    @classmethod
+    def _ed25519(cls, value: list[str]) -> list[str]:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+        from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+        for i, pem in enumerate(value):
+            try:
+                key = load_pem_public_key(pem.encode())
+            except (ValueError, TypeError, UnicodeEncodeError):
+                raise ValueError(f"entry {i} is not a PEM public key") from None
+            if not isinstance(key, Ed25519PublicKey):
+                raise ValueError(f"entry {i} is not an Ed25519 public key (the operator signs with EdDSA only)")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AuthConfig:
+        seen: set[str] = set()
+        for i, c in enumerate(self.callers):
+            if c.name in seen:
+                _broken([(f"callers[{i}].name", f"duplicate caller {c.name!r}")])
+            seen.add(c.name)
+        if self.operator_public_keys and not self.audience:
+            _broken([("audience", "must be set with operatorPublicKeys: a signed token must name the sidecar it is for")])  # fmt: skip
+        return self
+
+    @property
+    def callers_on(self) -> bool:
+        """Caller authentication is on."""
+        return bool(self.caller_tokens_dir)
+
+    def inputs_of(self, caller: str) -> AuthCaller:
+        """What ``caller`` may send (all three for a caller not listed, or with authentication off)."""
+        for c in self.callers:
+            if c.name == caller:
+                return c
+        return ALL_INPUTS_ALLOWED
+
+
 class SidecarConfig(_Section):
     """The whole file; every section defaults."""
 
@@ -470,6 +556,7 @@ class SidecarConfig(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig, description="The sidecar's own ports and lifecycle.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     classes: ClassesConfig = Field(default_factory=ClassesConfig, description="Request classes, their priorities and what their callers may send.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Who may call the sidecar: caller tokens for both doors, and the Admin service's credentials.")  # fmt: skip
 
     @model_validator(mode="after")
     def _sla_needs_target(self) -> SidecarConfig:
@@ -658,3 +745,28 @@ def dump_config(cfg: SidecarConfig) -> dict[str, Any]:
 
 def config_json(cfg: SidecarConfig) -> str:
     return json.dumps(dump_config(cfg), sort_keys=True)
+
+
+_USERINFO = re.compile(r"(?<=://)[^/?#\s]*@")  # scheme://user:pass@host: the user:pass@
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with the user information of every URL in it replaced (``https://u:p@h`` -> ``https://***@h``)."""
+    return _USERINFO.sub("***@", text)
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact_urls(value) if "://" in value else value
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    return value
+
+
+def shown_config_json(cfg: SidecarConfig) -> str:
+    """``config_json`` as the Admin service shows it: no credential in it.  Paths of the files that hold
+    keys and tokens (engine.apiKeyFile, auth.callerTokensDir, auth.adminTokenFile) show, never what the
+    files hold (the config never holds it); the user information of every URL is replaced by ``***``."""
+    return json.dumps(_redacted(dump_config(cfg)), sort_keys=True)

@@ -43,11 +43,20 @@ def _predictor_export(args: argparse.Namespace) -> int:
 
     import grpc
 
+    from ..config import ConfigError
+    from ..engine.engine_key import read_api_key
     from ..engine.record_export import export_records
     from ..engine.training_records import write_records
 
+    token = ""
+    if args.token_file:
+        try:
+            token = read_api_key(args.token_file, "--token-file")
+        except ConfigError as exc:
+            print(f"binbatch predictor export: {exc}", file=sys.stderr)
+            return EXIT_CANNOT_START
     try:
-        got = asyncio.run(export_records(args.target, limit=args.max_records))
+        got = asyncio.run(export_records(args.target, limit=args.max_records, token=token))
     except grpc.aio.AioRpcError as exc:
         print(f"binbatch predictor export: --target {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return EXIT_CANNOT_START
@@ -108,6 +117,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--out", required=True, metavar="FILE.jsonl", help="the records file to write")
     ex.add_argument("--max-records", type=positive_int, default=100_000, metavar="N",
                     help="at most this many records, oldest first (default 100000)")
+    ex.add_argument("--token-file", default="", metavar="FILE",
+                    help="a file holding the sidecar's admin token (auth.adminTokenFile), sent as "
+                         "'authorization: Bearer'; needed off the sidecar's loopback, not through a port-forward")
     ex.set_defaults(func=_predictor_export)
     rc = pr_sub.add_parser(
         "records", help="write a ShareGPT split as training records",

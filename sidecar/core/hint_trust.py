@@ -3,8 +3,10 @@
 A hint places its request as a known length: ShortestFirst admits a short hint first,
 and the KV plan counts on it.  A hint that runs long therefore jumps the queue and,
 when the answer outruns it, takes the KV headroom everyone else was planned with.
-There is no caller identity yet, so trust is kept per request class ("" for requests
-naming none).
+Trust is kept per request class ("" for requests naming none) and, with caller
+authentication on (``auth.callerTokensDir``), per caller within it: a caller whose hints
+run long loses them without taking an honest caller's of the same class away.  Callers
+are those of the config's token directory, so the keys stay bounded.
 
 Per class, the ratio of actual output tokens to hinted tokens (the hint as used:
 capped at ``max_tokens``) of the latest ``window`` hinted completions is kept, each
@@ -36,13 +38,14 @@ HORIZON_SECONDS = 600.0  # a completion counts this long
 
 @dataclass(frozen=True, slots=True)
 class TrustChange:
-    """A class lost (``trusted`` False) or regained its hints."""
+    """A class (of one caller, with caller authentication on) lost (``trusted`` False) or regained its hints."""
 
     request_class: str
     trusted: bool
     median_ratio: float | None  # None: the evidence aged out
     samples: int
     at: float
+    caller: str = ""
 
 
 @dataclass(slots=True)
@@ -67,39 +70,41 @@ class HintTrust:
         self.clock = clock
         self.window, self.lose_ratio, self.regain_ratio = window, lose_ratio, regain_ratio
         self.min_samples, self.horizon = min_samples, horizon
-        self._classes: dict[str, _ClassRecord] = {}
+        self._classes: dict[tuple[str, str], _ClassRecord] = {}  # by (caller, request class)
         self._changes: list[TrustChange] = []
 
-    def trusted(self, request_class: str) -> bool:
-        """Whether ``request_class``'s hints place its requests now."""
-        rec = self._classes.get(request_class)
+    def trusted(self, request_class: str, caller: str = "") -> bool:
+        """Whether ``request_class``'s hints (sent by ``caller``) place its requests now."""
+        key = (caller, request_class)
+        rec = self._classes.get(key)
         if rec is None:
             return True
-        self._judge(request_class, rec)  # evidence may have aged out
+        self._judge(key, rec)  # evidence may have aged out
         return rec.trusted
 
-    def record(self, request_class: str, hinted: float, actual: float) -> None:
-        """A completion of ``request_class`` that carried a hint (``hinted`` >= 1 tokens, as
-        used) produced ``actual`` output tokens."""
+    def record(self, request_class: str, hinted: float, actual: float, caller: str = "") -> None:
+        """A completion of ``request_class`` (sent by ``caller``) that carried a hint (``hinted`` >= 1
+        tokens, as used) produced ``actual`` output tokens."""
         if not hinted >= 1:
             raise ValueError(f"hinted must be >= 1 tokens, got {hinted}")
-        rec = self._classes.get(request_class)
+        key = (caller, request_class)
+        rec = self._classes.get(key)
         if rec is None:
-            rec = self._classes[request_class] = _ClassRecord(deque(maxlen=self.window))
+            rec = self._classes[key] = _ClassRecord(deque(maxlen=self.window))
         rec.samples.append((self.clock.now(), max(0.0, float(actual)) / float(hinted)))
-        self._judge(request_class, rec)
+        self._judge(key, rec)
 
-    def median_ratio(self, request_class: str) -> float | None:
+    def median_ratio(self, request_class: str, caller: str = "") -> float | None:
         """The median actual/hinted of the class's recent hinted completions (None: none held)."""
-        rec = self._classes.get(request_class)
+        rec = self._classes.get((caller, request_class))
         if rec is None:
             return None
         self._expire(rec)
         return statistics.median(r for _, r in rec.samples) if rec.samples else None
 
-    def distrusted(self) -> list[str]:
-        """The classes whose hints are ignored now."""
-        return [name for name in list(self._classes) if not self.trusted(name)]
+    def distrusted(self, caller: str = "") -> list[str]:
+        """The classes whose hints (sent by ``caller``) are ignored now."""
+        return [name for who, name in list(self._classes) if who == caller and not self.trusted(name, who)]
 
     def take_changes(self) -> list[TrustChange]:
         """The flips since the last call, oldest first (the driver logs and counts them)."""
@@ -111,7 +116,7 @@ class HintTrust:
         while rec.samples and rec.samples[0][0] <= cutoff:
             rec.samples.popleft()
 
-    def _judge(self, request_class: str, rec: _ClassRecord) -> None:
+    def _judge(self, key: tuple[str, str], rec: _ClassRecord) -> None:
         self._expire(rec)
         n = len(rec.samples)
         median = statistics.median(r for _, r in rec.samples) if n else None
@@ -122,4 +127,4 @@ class HintTrust:
         if flip:
             rec.trusted = not rec.trusted
             shown = median if n >= self.min_samples else None
-            self._changes.append(TrustChange(request_class, rec.trusted, shown, n, self.clock.now()))
+            self._changes.append(TrustChange(key[1], rec.trusted, shown, n, self.clock.now(), caller=key[0]))

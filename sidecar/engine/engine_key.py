@@ -7,11 +7,14 @@ the file's content changes (a rotated Secret: the kubelet swaps the mounted file
 in place), and the engine client puts it on every call it makes.
 
 The key itself is in no message, log line, ``repr`` or reply: errors name the
-setting and the path only.
+setting and the path only.  ``auth.adminTokenFile`` (the Admin service's token) is
+read and watched the same way: an ``EngineKey`` made with that ``field``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 from pathlib import Path
 
@@ -23,26 +26,30 @@ FIELD = "engine.apiKeyFile"
 _VISIBLE_ASCII = frozenset(chr(c) for c in range(0x21, 0x7F))
 
 
-def read_api_key(path: str) -> str:
+def read_api_key(path: str, field: str = FIELD) -> str:
     """The key in ``path``, stripped of surrounding whitespace; raises ``ConfigError``
-    naming ``engine.apiKeyFile`` (with the path, never the contents) when the file
+    naming ``field`` (``engine.apiKeyFile``; with the path, never the contents) when the file
     cannot be read, is empty, or holds what cannot be sent in an HTTP header."""
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
         why = exc.strerror or type(exc).__name__
-        raise ConfigError([(FIELD, f"cannot read the key file {path}: {why}")]) from None
+        raise ConfigError([(field, f"cannot read the key file {path}: {why}")]) from None
     try:
         key = raw.decode("ascii").strip()
     except UnicodeDecodeError:
-        raise ConfigError([(FIELD, f"the key file {path} holds non-ASCII bytes; an API key is one token "
+        raise ConfigError([(field, f"the key file {path} holds non-ASCII bytes; an API key is one token "
                                    "of visible ASCII characters")]) from None  # fmt: skip
     if not key:
-        raise ConfigError([(FIELD, f"the key file {path} is empty (or only whitespace)")])
+        raise ConfigError([(field, f"the key file {path} is empty (or only whitespace)")])
     if not set(key) <= _VISIBLE_ASCII:
-        raise ConfigError([(FIELD, f"the key in {path} has a space or control character inside it; an API key "
+        raise ConfigError([(field, f"the key in {path} has a space or control character inside it; an API key "
                                    "is one token of visible ASCII characters")])  # fmt: skip
     return key
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
 class EngineKey:
@@ -53,13 +60,14 @@ class EngineKey:
     file: a failure keeps the key in use and is logged once), ``headers()`` is what
     a call adds."""
 
-    def __init__(self, path: str = "", key: str = "") -> None:
+    def __init__(self, path: str = "", key: str = "", *, field: str = FIELD) -> None:
+        self.field = field  # the setting errors and log lines name
         self.path = path
         self._key = key
         self._failed: str | None = None  # the last refresh error, logged once
 
     def __repr__(self) -> str:
-        return f"EngineKey(path={self.path!r}, key={'<set>' if self._key else '<none>'})"
+        return f"{type(self).__name__}(field={self.field!r}, path={self.path!r}, key={'<set>' if self._key else '<none>'})"
 
     @property
     def is_set(self) -> bool:
@@ -67,7 +75,7 @@ class EngineKey:
 
     def load(self, path: str) -> None:
         """Use the key in ``path`` ("": none); raises ``ConfigError`` and keeps the old key."""
-        key = read_api_key(path) if path else ""
+        key = read_api_key(path, self.field) if path else ""
         self.path, self._key, self._failed = path, key, None
 
     def take(self, other: EngineKey) -> None:
@@ -80,7 +88,7 @@ class EngineKey:
         if not self.path:
             return False
         try:
-            key = read_api_key(self.path)
+            key = read_api_key(self.path, self.field)
         except ConfigError as exc:
             message = str(exc)
             if message != self._failed:
@@ -91,8 +99,12 @@ class EngineKey:
         if key == self._key:
             return False
         self._key = key
-        log.info("%s: the key in %s changed; new engine calls use it", FIELD, self.path)
+        log.info("%s: the key in %s changed; it is used from now on", self.field, self.path)
         return True
+
+    def matches(self, presented: str) -> bool:
+        """Whether ``presented`` is the key (compared in constant time; False without a key)."""
+        return bool(self._key) and hmac.compare_digest(_digest(presented), _digest(self._key))
 
     def headers(self) -> dict[str, str]:
         """``{"Authorization": "Bearer <key>"}``, or nothing without a key."""

@@ -9,6 +9,7 @@ that keeps them fetches only what is new.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -36,17 +37,22 @@ def as_record(msg: pb.TrainingRecord) -> Record:
 
 
 async def export_records(
-    address: str, *, since: int = 0, epoch: str = "", limit: int = 100_000, timeout: float = TIMEOUT_SECONDS
+    address: str, *, since: int = 0, epoch: str = "", limit: int = 100_000, timeout: float = TIMEOUT_SECONDS,
+    token: str | Callable[[], str] = "",
 ) -> Exported:
     """At most ``limit`` records of the sidecar at ``host:port`` after the cursor (``since`` in ``epoch``);
-    raises ``grpc.aio.AioRpcError`` when a page fails (FAILED_PRECONDITION: its predictor is not Learned)."""
+    raises ``grpc.aio.AioRpcError`` when a page fails (FAILED_PRECONDITION: its predictor is not Learned,
+    UNAUTHENTICATED: off the sidecar's loopback without a credential).  ``token``: sent as
+    ``authorization: Bearer`` (the admin token, or a callable giving a fresh operator-signed one per page)."""
     out = Exported(next=since, epoch=epoch)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.AdminStub(channel)
         while True:
             ask = min(PAGE_RECORDS, limit - len(out.records))
+            bearer = token() if callable(token) else token
             reply = await stub.ExportTrainingRecords(
-                pb.ExportTrainingRecordsRequest(since=out.next, epoch=out.epoch, max_records=ask), timeout=timeout
+                pb.ExportTrainingRecordsRequest(since=out.next, epoch=out.epoch, max_records=ask), timeout=timeout,
+                metadata=(("authorization", f"Bearer {bearer}"),) if bearer else None,
             )
             if reply.epoch != out.epoch:  # a new sidecar process (or the first ask): it answered from its start
                 out.next = 0

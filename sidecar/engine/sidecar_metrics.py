@@ -283,9 +283,18 @@ class SidecarMetrics:
         self.hints_distrusted = Gauge(
             "binbatch_hints_distrusted",
             "1 while a request class's length hints are ignored because its answers ran over twice its hints "
-            "(median of its latest hinted completions), else 0; request_class _default: requests naming no class",
-            ["request_class"], registry=r,
+            "(median of its latest hinted completions), else 0; request_class _default: requests naming no class; "
+            "with caller authentication on (auth.callerTokensDir) kept per caller and class, caller \"\" otherwise",
+            ["request_class", "caller"], registry=r,
         )  # fmt: skip
+        self.unauthenticated = Counter(
+            "binbatch_unauthenticated",
+            "Calls refused for want of a valid credential, by door (http|grpc: a generation or passthrough call "
+            "without a known caller token, auth.callerTokensDir; admin: an Admin call off loopback without the "
+            "admin token or an operator-signed token)", ["door"], registry=r,
+        )  # fmt: skip
+        for door in ("http", "grpc", "admin"):
+            self.unauthenticated.labels(door)
         for what in CALLER_INPUTS:
             self.ignored_inputs.labels(what)
         for outcome in OUTCOMES:

@@ -24,7 +24,7 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..config import ConfigError, LoadedConfig, SidecarConfig, restart_required
+from ..config import ConfigError, LoadedConfig, SidecarConfig, redact_urls, restart_required
 from ..core.autok import ArrivalWindow
 from ..core.clock import Clock, MonotonicClock
 from ..core.smdp_policy import ServiceTimeFit, solve_bucket
@@ -46,6 +46,7 @@ from .assembly import (
     model_file_changed,
     model_stamp,
 )
+from .caller_auth import ADMIN_FIELD, AdminGate, CallerAuth, CallerTokens, warn_unlisted
 from .config_watcher import ConfigWatcher
 from .connection_limits import cap_connections, grpc_server_options, http_runner_options
 from .metrics_endpoint import metrics_app
@@ -111,6 +112,9 @@ class Sidecar:
         self.engine_key = EngineKey()  # engine.apiKeyFile's key, shared by every engine client and the scrape
         self._warned_unauthorized = False
         self.key_changed = asyncio.Event()  # set when the key loop picked up a rotated key file (tests await it)
+        self.caller_tokens = CallerTokens()  # auth.callerTokensDir's tokens, re-read by the key loop too
+        self.admin_token = EngineKey(field=ADMIN_FIELD)  # auth.adminTokenFile's token, likewise
+        self.auth_changed = asyncio.Event()  # set when the key loop picked up rotated caller or admin tokens
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -136,6 +140,9 @@ class Sidecar:
         # cannot be read) raises ConfigError before anything opens
         core = build_core(cfg, self.clock, k=self.bin_count and self.bin_count.k, policy=self.smdp)
         self.engine_key.load(cfg.engine.api_key_file)
+        self.caller_tokens.load(cfg.auth.caller_tokens_dir)
+        self.admin_token.load(cfg.auth.admin_token_file)
+        warn_unlisted(cfg, self.caller_tokens)
         self.client = EngineClient(cfg.engine.url, timeout_seconds=cfg.engine.request_timeout_seconds,
                                    max_body_bytes=cfg.engine.max_request_body_bytes, api_key=self.engine_key)  # fmt: skip
         self.dispatcher = Dispatcher(
@@ -163,18 +170,20 @@ class Sidecar:
             reload_error=lambda: self.watcher.last_error if self.watcher else None, started_at=self.started_at,
             throughput=self.throughput,
         )  # fmt: skip
+        self.caller_auth = CallerAuth(lambda: self.config, self.caller_tokens, self.metrics)
+        self.admin_gate = AdminGate(lambda: self.config, self.admin_token, self.metrics)
         inference = InferenceServicer(
             self.dispatcher, self.clock, config=lambda: self.config, default_model=self.default_model,
             context_length=lambda model: self.client.context_lengths.get(model), on_completion=self.on_completion,
-            external=self.external, metrics=self.metrics,
+            external=self.external, metrics=self.metrics, auth=self.caller_auth,
         )  # fmt: skip
         self.health = health.aio.HealthServicer()
         # message size, streams per connection, keepalive enforcement, connection age (connection_limits)
         self.server = grpc.aio.server(options=grpc_server_options(cfg.server))
-        add_servicers(self.server, inference, AdminServicer(self.replies))
+        add_servicers(self.server, inference, AdminServicer(self.replies, self.admin_gate))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
-        door = OpenAIDoor(inference.front, engine=lambda: self.client, ready=self.ready)
+        door = OpenAIDoor(inference.front, engine=lambda: self.client, ready=self.ready, auth=self.caller_auth)
         self._http_runner = web.AppRunner(door.app(), access_log=None, handler_cancellation=True,
                                           **http_runner_options(cfg.server))  # fmt: skip
         self._runner = web.AppRunner(metrics_app(self.metrics.render, lambda: self.engine_serving), access_log=None)
@@ -206,7 +215,8 @@ class Sidecar:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         also = f" and :{self.take_over_port} (taken over)" if self.take_over_port is not None else ""
         log.info("sidecar serving gRPC on %s:%d, HTTP on :%d%s, metrics on :%d, engine %s, mode %s",
-                 self.host, self.grpc_port, self.http_port, also, self.metrics_port, cfg.engine.url, dispatch_mode(cfg))  # fmt: skip
+                 self.host, self.grpc_port, self.http_port, also, self.metrics_port, redact_urls(cfg.engine.url),
+                 dispatch_mode(cfg))  # fmt: skip
 
     async def _abort_start(self) -> None:
         """A failed start (a port in use): close what was opened, so the process
@@ -335,13 +345,18 @@ class Sidecar:
             log.warning("%s", exc.message)
 
     async def _key_loop(self) -> None:
-        """Re-read ``engine.apiKeyFile`` at the config poll interval: a rotated Secret
-        is swapped into the mounted file without the config changing."""
+        """Re-read ``engine.apiKeyFile``, ``auth.callerTokensDir`` and ``auth.adminTokenFile`` at the config
+        poll interval: a rotated Secret is swapped into the mounted files without the config changing."""
         while True:
             await asyncio.sleep(self.config.server.config_poll_milliseconds / 1000)
             if self.engine_key.refresh():
                 self._warned_unauthorized = False
                 self.key_changed.set()
+            if self.caller_tokens.refresh():
+                warn_unlisted(self.config, self.caller_tokens)
+                self.auth_changed.set()
+            if self.admin_token.refresh():
+                self.auth_changed.set()
 
     async def _health_loop(self) -> None:
         while True:
@@ -403,6 +418,9 @@ class Sidecar:
         # read before anything changes: a key file that cannot be read refuses the whole file
         new_key = EngineKey()
         new_key.load(cfg.engine.api_key_file)
+        new_tokens, new_admin = CallerTokens(), EngineKey(field=ADMIN_FIELD)
+        new_tokens.load(cfg.auth.caller_tokens_dir)
+        new_admin.load(cfg.auth.admin_token_file)
         self.bin_count = build_bin_count(cfg, self.bin_count)
         self.smdp = build_smdp(cfg, self.smdp)
         core = build_core(cfg, self.clock, previous=self.dispatcher.core, k=self.bin_count and self.bin_count.k,
@@ -412,6 +430,9 @@ class Sidecar:
             engine_timeout=cfg.engine.request_timeout_seconds,
         )  # fmt: skip
         self.engine_key.take(new_key)  # before a new engine is asked for its models: shared by every client
+        self.caller_tokens.take(new_tokens)
+        self.admin_token.take(new_admin)
+        warn_unlisted(cfg, self.caller_tokens)
         self._warned_unauthorized = False
         if (cfg.engine.url, cfg.engine.request_timeout_seconds) != (running.engine.url, running.engine.request_timeout_seconds):  # fmt: skip
             await self._swap_client(cfg, new_engine=cfg.engine.url != running.engine.url)

@@ -22,7 +22,16 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..config import CALLER_INPUTS, CLASS_PRIORITY_LIMIT, CallerInput, DefaultClass, RequestClass, SidecarConfig
+from ..config import (
+    ALL_INPUTS_ALLOWED,
+    CALLER_INPUTS,
+    CLASS_PRIORITY_LIMIT,
+    AuthCaller,
+    CallerInput,
+    DefaultClass,
+    RequestClass,
+    SidecarConfig,
+)
 from ..core.clock import Clock
 from ..core.hint_trust import HintTrust, TrustChange
 from ..core.request import Request, chat_text
@@ -86,6 +95,7 @@ class Fields:
     timeout: float | None = None  # seconds the caller waits at most, from acceptance
     trace: TraceContext | None = None
     body_bytes: int = 0  # the request's size as it came (batch.maxQueuedBytes counts it while it is queued)
+    caller: str = ""  # the authenticated caller (auth.callerTokensDir); "" with caller authentication off
 
 
 @dataclass(slots=True)
@@ -112,6 +122,7 @@ class Ticket:
     # it did or its class had lost its hints: what the class's hint trust is judged on
     judged_hint: int | None = None
     ignored: tuple[CallerInput, ...] = ()  # what the caller sent and its class may not steer with
+    caller: str = ""  # the authenticated caller (Fields.caller): whose hint trust a completion feeds
 
     @property
     def log_extra(self) -> dict[str, str]:
@@ -266,7 +277,7 @@ class Front:
         text = f.prompt if f.prompt is not None else chat_text(f.messages or ())
         # never unset: bins.maxOutputTokens is the cap the docs promise, within the engine's context
         engine_max_tokens = max_tokens or unset_max_tokens(cap, self.context_length(model), text)
-        steer = self.admit_inputs(f, inputs, engine_max_tokens)
+        steer = self.admit_inputs(f, inputs, engine_max_tokens, cfg.auth.inputs_of(f.caller))
         if steer.contradiction:
             raise bad("expected_output_tokens", steer.contradiction)
         hint, slo = steer.hint, steer.slo
@@ -300,24 +311,27 @@ class Front:
         )
         call = Call(engine_request, asyncio.get_running_loop().create_future(), asyncio.Queue() if stream else None)
         ticket = Ticket(req, call, f.trace.trace_id if f.trace else "", judged_hint=steer.judged_hint,
-                        ignored=steer.ignored)  # fmt: skip
+                        ignored=steer.ignored, caller=f.caller)  # fmt: skip
         if cfg.logging.log_prompts:
             prompt_log.info("request %s prompt: %s", req.id, text, extra=ticket.log_extra)
         return ticket
 
-    def admit_inputs(self, f: Fields, inputs: RequestClass | DefaultClass, engine_max_tokens: int) -> Steering:
-        """What of ``f``'s hint, priority and SLO headers steers the request: each its class may send
-        (``inputs``), and the hint only if the request does not contradict it (``Steering.contradiction``)
-        and its class has not lost its hints (``HintTrust``)."""
+    def admit_inputs(self, f: Fields, inputs: RequestClass | DefaultClass, engine_max_tokens: int,
+                     caller_inputs: AuthCaller = ALL_INPUTS_ALLOWED) -> Steering:  # fmt: skip
+        """What of ``f``'s hint, priority and SLO headers steers the request: each both its class (``inputs``)
+        and its caller (``caller_inputs``, ``auth.callers``) may send, and the hint only if the request does not
+        contradict it (``Steering.contradiction``) and its class, from this caller, has not lost its hints
+        (``HintTrust``)."""
         sent: dict[CallerInput, bool] = {"hint": f.expected_output_tokens is not None, "priority": f.priority != 0,
                                          "slo": bool(f.slo)}  # fmt: skip
-        ignored = [what for what in CALLER_INPUTS if sent[what] and not inputs.allows(what)]
+        ignored = [what for what in CALLER_INPUTS
+                   if sent[what] and not (inputs.allows(what) and caller_inputs.allows(what))]  # fmt: skip
         steer = Steering(priority=0 if "priority" in ignored else f.priority, slo={} if "slo" in ignored else f.slo)
         hint = f.expected_output_tokens
         if hint is not None and "hint" not in ignored:
             steer.contradiction = contradicted_hint(hint, f.min_tokens, f.ignore_eos, f.stop, engine_max_tokens)
             steer.judged_hint = min(hint, engine_max_tokens)
-            if self.hint_trust.trusted(f.request_class):
+            if self.hint_trust.trusted(f.request_class, f.caller):
                 steer.hint = hint
             else:
                 ignored.append("hint")
@@ -364,7 +378,8 @@ class Front:
         batch-time fit; log the text only with ``logging.logPrompts``."""
         self.on_completion(completion.engine_seconds, completion.batch_size, completion.result.completion_tokens)
         if ticket.judged_hint is not None:
-            self.hint_trust.record(ticket.req.request_class, ticket.judged_hint, completion.result.completion_tokens)
+            self.hint_trust.record(ticket.req.request_class, ticket.judged_hint, completion.result.completion_tokens,
+                                   ticket.caller)  # fmt: skip
             self._trust_changed()
         if ticket.asked_external and self.external is not None:
             self.external.completed(ticket.req.id, completion.result.completion_tokens)
@@ -376,7 +391,8 @@ class Front:
         for change in self.hint_trust.take_changes():
             _log_trust(change)
             if self.metrics is not None:
-                self.metrics.hints_distrusted.labels(class_label(change.request_class)).set(0 if change.trusted else 1)
+                self.metrics.hints_distrusted.labels(class_label(change.request_class), change.caller).set(
+                    0 if change.trusted else 1)  # fmt: skip
 
 
 NO_CLASS_LABEL = "_default"  # requests naming no class (no class name can hold "_")
@@ -388,6 +404,8 @@ def class_label(request_class: str) -> str:
 
 def _log_trust(change: TrustChange) -> None:
     who = f"request class {change.request_class!r}" if change.request_class else "requests naming no class"
+    if change.caller:
+        who += f" from caller {change.caller!r}"
     if not change.trusted:
         log.warning("%s: length hints ignored, the predictor places these requests: their answers ran %.1fx the "
                     "hint (median of the latest %d hinted completions)", who, change.median_ratio, change.samples)  # fmt: skip

@@ -47,6 +47,11 @@ field (``param``), 429 with ``Retry-After`` on a full queue (RESOURCE_EXHAUSTED)
 own 4xx, 500 for an engine reply the sidecar cannot read.  An error after a
 stream began is an ``error`` event, then ``[DONE]``.
 
+Caller authentication (``auth.callerTokensDir``, ``caller_auth``): when on, every path but
+``/health`` needs ``Authorization: Bearer <token>`` of a known caller, else 401 in OpenAI's error
+shape with ``WWW-Authenticate: Bearer`` (the ``openai`` package's ``AuthenticationError``), before
+the body is read; the caller's token is never forwarded to the engine (``EngineClient.forward``).
+
 A client that disconnects is gone for good: the runner cancels its handler
 (``handler_cancellation``) and the request is withdrawn -- out of its bin, or
 its engine call aborted.
@@ -69,6 +74,7 @@ from aiohttp import web
 from ..config import DEFAULT_PASSTHROUGH_PATHS
 from ..engine.dispatcher import Completion, Rejected
 from ..engine.engine_client import EngineClient, EngineError
+from .caller_auth import CallerAuth, Unauthenticated
 from .connection_limits import StreamedBody, read_body
 from .front import DIGITS, REQUEST_ID_LIMIT, Fields, Front, InvalidRequest, Ticket, read_slo
 from .openai_bodies import ChatBody, CompletionBody, include_usage, parse_body, read_json, to_fields
@@ -76,6 +82,7 @@ from .trace_context import read_trace_context
 
 log = logging.getLogger("binbatch.http")
 
+CALLER_KEY = web.RequestKey("caller", str)  # the authenticated caller, set by OpenAIDoor._authenticate
 REQUEST_ID = "x-request-id"
 TIMEOUT = "x-request-timeout-ms"
 TIMEOUT_LIMIT_MS = 3_600_000
@@ -248,7 +255,9 @@ class OpenAIDoor:
     """Given what it calls: the shared ``front``, the engine client in use (a
     reload may replace it), and the sidecar's readiness."""
 
-    def __init__(self, front: Front, *, engine: Callable[[], EngineClient], ready: Callable[[], bool]) -> None:
+    def __init__(self, front: Front, *, engine: Callable[[], EngineClient], ready: Callable[[], bool],
+                 auth: CallerAuth | None = None) -> None:  # fmt: skip
+        self.auth = auth  # auth.callerTokensDir: who the caller is (None: nobody is asked)
         self.front = front
         self.engine = engine
         self.ready = ready
@@ -261,12 +270,30 @@ class OpenAIDoor:
         server = self.front.config().server
         self.max_request_bytes = limit = server.max_request_bytes
         self.read_timeout = server.http_request_read_timeout_milliseconds / 1000
-        app = web.Application(client_max_size=limit, middlewares=[_http_errors])
+        app = web.Application(client_max_size=limit, middlewares=[_http_errors, self._authenticate])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
         app.router.add_route("*", "/{tail:.*}", self.passthrough)  # the allowlist, else 404
         return app
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+        """With caller authentication on, every path but ``/health`` (probes) needs a known caller's token:
+        else 401 before anything else is read.  The caller's name is ``request[CALLER_KEY]``."""
+        request[CALLER_KEY] = ""
+        if self.auth is None or request.path == "/health":
+            return await handler(request)
+        try:
+            request[CALLER_KEY] = self.auth.authenticate("http", request.headers.getall("Authorization", []),
+                                                       "Authorization")  # fmt: skip
+        except Unauthenticated as exc:
+            sent = "Authorization" in request.headers
+            challenge = 'Bearer realm="binbatch"' + (', error="invalid_token"' if sent else "")
+            code = "invalid_api_key" if sent else "missing_api_key"
+            return web.json_response(error_body(str(exc), "invalid_request_error", None, code), status=401,
+                                     headers={"WWW-Authenticate": challenge})  # fmt: skip
+        return await handler(request)
 
     def passthrough_methods(self, path: str) -> tuple[str, ...]:
         """The methods ``path`` passes to the engine with: GET/HEAD for the default paths, also POST
@@ -306,6 +333,7 @@ class OpenAIDoor:
             f, names = to_fields(body)
             f.request_id = request_id
             f.body_bytes = len(raw)
+            f.caller = request[CALLER_KEY]
             read_headers(request, f)
             ticket = await self.front.submit(f, body.stream, HEADER_NAMES | names)
         except (InvalidRequest, Rejected) as exc:

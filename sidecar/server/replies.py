@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 
-from ..config import LoadedConfig, config_json
+from ..config import LoadedConfig, redact_urls, shown_config_json
 from ..core.clock import Clock
 from ..core.sizer import INITIAL_REASON
 from ..core.throughput import ThroughputWindow
@@ -165,9 +165,9 @@ class Replies:
     def config_view(self) -> pb.ConfigView:
         lc = self.loaded()
         return pb.ConfigView(
-            config_json=config_json(lc.config), generation=lc.generation, sha256=lc.sha256,
+            config_json=shown_config_json(lc.config), generation=lc.generation, sha256=lc.sha256,
             loaded_at_unix_seconds=lc.loaded_at, source=lc.source,
-            last_reload_error=self.reload_error() or "",
+            last_reload_error=redact_urls(self.reload_error() or ""),
         )  # fmt: skip
 
 

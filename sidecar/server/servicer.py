@@ -64,6 +64,7 @@ from .front import (  # noqa: F401 - the bounds and helpers are re-exported: bin
     read_slo,
     unset_max_tokens,
 )
+from .caller_auth import AdminGate, CallerAuth, Unauthenticated
 from .trace_context import read_trace_context
 
 log = logging.getLogger("binbatch.api")
@@ -148,6 +149,8 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place where errors become gRPC statuses."""
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, Rejected):
         return _REJECTED_CODES.get(exc.kind, grpc.StatusCode.INTERNAL), exc.message
     if isinstance(exc, EngineError):
@@ -176,7 +179,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         default_model: Callable[[], str], context_length: Callable[[str], int | None] = lambda model: None,
         on_completion: Callable[[float, int, int], None] = lambda engine_seconds, batch_size, output_tokens: None,
         external: ExternalPredictor | None = None, metrics: SidecarMetrics | None = None,
+        auth: CallerAuth | None = None,
     ) -> None:  # fmt: skip
+        self.auth = auth  # auth.callerTokensDir: who the caller is (None: nobody is asked)
         self.front = Front(dispatcher, clock, config=config, default_model=default_model,
                            context_length=context_length, on_completion=on_completion, external=external,
                            metrics=metrics)  # fmt: skip
@@ -229,11 +234,22 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         ticket = self.front.build(self._fields(msg, context), stream, GRPC_NAMES)
         return ticket.req, ticket.call
 
+    def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        """The authenticated caller ("" with caller authentication off); raises ``Unauthenticated``."""
+        if self.auth is None:
+            return ""
+        values = [v for k, v in (context.invocation_metadata() or ()) if k == "authorization" and isinstance(v, str)]
+        return self.auth.authenticate("grpc", values, "authorization")
+
     async def _accept(self, msg, context, stream: bool) -> Ticket | None:
-        """Submit the request; None if it was refused (the RPC is aborted then)."""
+        """Submit the request; None if it was refused (the RPC is aborted then).  The caller is
+        authenticated first: an unknown one is refused before its request is even read."""
         try:
-            ticket = await self.front.submit(self._fields(msg, context), stream, GRPC_NAMES)
-        except (InvalidRequest, Rejected) as exc:
+            caller = self._caller(context)
+            f = self._fields(msg, context)
+            f.caller = caller
+            ticket = await self.front.submit(f, stream, GRPC_NAMES)
+        except (InvalidRequest, Rejected, Unauthenticated) as exc:
             await _abort(context, exc)
             return None
         context.add_done_callback(lambda _: self.front.withdraw(ticket))
@@ -326,15 +342,29 @@ def _response(req: Request, c: Completion) -> pb.GenerateResponse:
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, replies: AdminReplies) -> None:
+    """Every RPC asks ``gate`` first (``caller_auth.AdminGate``: loopback, or a credential) and
+    answers nothing to a caller it refuses (UNAUTHENTICATED)."""
+
+    def __init__(self, replies: AdminReplies, gate: AdminGate | None = None) -> None:
         self.replies = replies
+        self.gate = gate
+
+    async def _admit(self, context: Any) -> None:
+        if self.gate is None:
+            return
+        try:
+            self.gate.check(context.peer(), tuple(context.invocation_metadata() or ()))
+        except Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
 
     async def GetStats(self, request: pb.GetStatsRequest | Undecodable, context: Any) -> pb.Stats:
+        await self._admit(context)
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return self.replies.stats()
 
     async def GetConfig(self, request: pb.GetConfigRequest | Undecodable, context: Any) -> pb.ConfigView:
+        await self._admit(context)
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return self.replies.config_view()
@@ -342,6 +372,7 @@ class AdminServicer(pb_grpc.AdminServicer):
     async def ExportTrainingRecords(
         self, request: pb.ExportTrainingRecordsRequest | Undecodable, context: Any
     ) -> pb.TrainingRecords:
+        await self._admit(context)
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         reply = self.replies.training_records(request.since, request.epoch, request.max_records)

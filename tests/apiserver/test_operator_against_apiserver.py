@@ -536,3 +536,44 @@ def test_the_quickstart_sample_runs_with_the_sidecar(
     made = wait_for("the sample Deployment's pod", pod, timeout=60, every=0.2,
                     diagnose=lambda: f"{cluster.diagnostics()}\n{operator.tail()}")  # fmt: skip
     assert SIDECAR_CONTAINER in containers(made), f"{containers(made)}\n{operator.tail()}"
+
+
+# -- the Admin credential ------------------------------------------------------------------
+
+
+def test_the_operator_keeps_its_admin_key_in_its_secret_and_every_config_names_it(
+    cluster: Cluster, operator: Operator, policy_namespace: Any
+) -> None:
+    """Made at start under the chart's Role (create, then get by name), the same after a restart (loaded,
+    not made again); each policy's config trusts its public key for that policy's audience; spec.auth's
+    Secrets are mounted into the pod the API server stores."""
+    import base64
+
+    from binbatch_sidecar.engine.admin_token import load_private_pem, public_pem
+
+    name, home = operator.env["BINBATCH_ADMIN_SIGNING_SECRET"], operator.env["POD_NAMESPACE"]
+    stored = cluster.core.read_namespaced_secret(name, home)
+    public = public_pem(load_private_pem(base64.b64decode(stored.data["ed25519.pem"])))
+    ns = policy_namespace(INJECT)
+    auth = {"callerTokensSecretRef": {"name": "callers"}, "adminTokenSecretRef": {"name": "dash", "key": "token"}}
+    create_policy(cluster, ns, {"selector": SELECTOR, "auth": auth})
+    config = reconciled(cluster, ns, operator)
+    assert config["auth"]["operatorPublicKeys"] == [public] and config["auth"]["audience"] == f"{ns}/{POLICY}"
+    assert config["auth"]["callerTokensDir"] == "/var/run/binbatch/caller-tokens"
+    pod = create_pod(cluster, ns, "locked", {"app": "vllm"})
+    volumes = {v.name: v for v in pod.spec.volumes}
+    assert volumes["binbatch-caller-tokens"].secret.secret_name == "callers"
+    assert volumes["binbatch-admin-token"].secret.items[0].key == "token"
+    operator.stop()
+    operator.start()
+    assert cluster.core.read_namespaced_secret(name, home).metadata.resource_version == stored.metadata.resource_version
+    cluster.custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, ns, crd.PLURAL, POLICY,
+                                                  {"spec": {"batch": {"staticSize": 12}}})  # fmt: skip
+
+    def rewritten() -> dict[str, Any] | None:
+        config = reconciled(cluster, ns, operator)
+        return config if config.get("batch", {}).get("staticSize") == 12 else None
+
+    config = wait_for("the ConfigMap after the restart", rewritten, timeout=60, every=0.2,
+                      diagnose=lambda: f"{cluster.diagnostics()}\n{operator.tail()}")  # fmt: skip
+    assert config["auth"]["operatorPublicKeys"] == [public]  # the restarted operator signs with the same key

@@ -666,3 +666,74 @@ async def test_each_policy_gets_its_own_network_policy_named_in_its_status(
     monkeypatch.setattr(binbatch_operator.main, "reconcile_once", counted)
     await until(lambda: seen_checks >= 3, "three more re-checks")
     assert len(api["patch", kmock.resource("networking.k8s.io/v1/networkpolicies")]) == patches
+
+
+@pytest.fixture
+def admin_signing_secret(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The chart's BINBATCH_ADMIN_SIGNING_SECRET (requested before ``operator``, which reads it at start)."""
+    monkeypatch.setenv("BINBATCH_ADMIN_SIGNING_SECRET", "binbatch-admin-signing")
+    return "binbatch-admin-signing"
+
+
+def operator_public_key(api: Any, secret: str) -> str | None:
+    from binbatch_sidecar.engine.admin_token import load_private_pem, public_pem
+
+    stored = obj(api, "secrets", secret, "binbatch-system")
+    if not stored:
+        return None
+    return public_pem(load_private_pem(base64.b64decode(stored["data"]["ed25519.pem"])))
+
+
+async def test_spec_auth_mounts_its_secrets_and_every_configmap_names_the_operators_key(
+    admin_signing_secret: str, cluster: Any, operator: int
+) -> None:
+    api = cluster
+    public = await until(lambda: operator_public_key(api, admin_signing_secret), "the operator's signing Secret")
+    auth = {"callerTokensSecretRef": {"name": "callers"}, "adminTokenSecretRef": {"name": "dash", "key": "token"},
+            "callers": [{"name": "team-a", "allowHints": False}]}  # fmt: skip
+    await api.post(POLICIES, json=policy_doc("locked", auth=auth))
+    cm = await until(lambda: obj(api, "configmaps", "locked-binbatch"), "the ConfigMap")
+    assert yaml.safe_load(cm["data"]["sidecar.yaml"])["auth"] == {
+        "callerTokensDir": "/var/run/binbatch/caller-tokens", "adminTokenFile": "/var/run/binbatch/admin-token/admin-token",
+        "callers": [{"name": "team-a", "allowHints": False}], "operatorPublicKeys": [public], "audience": f"{NS}/locked",
+    }  # fmt: skip
+    ca_pem = await until(lambda: ca_bundle(api), "the CA bundle in the webhook configuration")
+    pod = controller_pod()
+    response = await admission(operator, ca_pem, pod)
+    patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(response["patch"])))
+    volumes = {v["name"]: v for v in patched["spec"]["volumes"]}
+    assert volumes["binbatch-caller-tokens"]["secret"]["secretName"] == "callers"
+    assert volumes["binbatch-admin-token"]["secret"]["items"] == [{"key": "token", "path": "admin-token"}]
+    mounts = {m["name"]: m for m in patched["spec"]["containers"][1]["volumeMounts"]}
+    assert mounts["binbatch-caller-tokens"]["readOnly"] and mounts["binbatch-admin-token"]["readOnly"]
+
+
+async def test_the_operator_reaches_a_sidecars_admin_off_loopback_with_its_signed_token(
+    admin_signing_secret: str, cluster: Any, operator: int, tmp_path: Path
+) -> None:
+    """The sidecar trusts the operator's key (from its signing Secret) for the policy's audience, as the
+    ConfigMap the operator renders says, and its Admin gate is told no peer is on loopback: the status
+    still gets its stats, through the operator's signed token."""
+    api = cluster
+    public = await until(lambda: operator_public_key(api, admin_signing_secret), "the operator's signing Secret")
+    auth = {"operatorPublicKeys": [public], "audience": f"{NS}/signed"}
+    async with running_emulator() as engine, running_sidecar(sidecar_config(engine, auth=auth), tmp_path) as sc:
+        sc.sidecar.admin_gate.is_loopback = lambda peer: False
+        refused = sc.sidecar.metrics.registry.get_sample_value
+        await api.post(POLICIES, json=policy_doc("signed", grpc_port=sc.sidecar.grpc_port))
+        pod = controller_pod() | {}
+        pod["metadata"] = {**pod["metadata"], "name": "vllm-signed", "namespace": NS,
+                           "labels": {"app": "vllm", POLICY_LABEL: "signed"}}  # fmt: skip
+        pod["status"] = {"phase": "Running", "podIP": "127.0.0.1"}
+        await api.post(f"/api/v1/namespaces/{NS}/pods", json=pod)
+
+        def reported() -> dict | None:
+            status = (obj(api, PLURAL, "signed") or {}).get("status") or {}
+            return status if status.get("pods") == 1 and status.get("batchSize") is not None else None
+
+        status = await until(reported, "the sidecar's stats in status, asked with a signed token")
+        assert refused("binbatch_unauthenticated_total", {"door": "admin"}) == 0
+        cm = obj(api, "configmaps", "signed-binbatch")
+        assert yaml.safe_load(cm["data"]["sidecar.yaml"])["auth"] == auth  # what the sidecar was given
+        sc.sidecar.admin_gate.is_loopback = lambda peer: True
+        assert status["batchSize"] == (await sc.stats()).target_batch_size

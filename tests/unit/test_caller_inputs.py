@@ -172,7 +172,7 @@ async def test_a_lying_class_loses_its_hints_and_regains_them_after_honest_compl
     door = front(metrics=metrics)
 
     def distrusted(name: str) -> float | None:
-        return metrics.registry.get_sample_value("binbatch_hints_distrusted", {"request_class": name})
+        return metrics.registry.get_sample_value("binbatch_hints_distrusted", {"request_class": name, "caller": ""})
 
     async def served(hint: int, actual: int, request_class: str = "batch"):
         ticket = await door.submit(Fields(prompt="p", request_class=request_class, expected_output_tokens=hint),

@@ -470,22 +470,27 @@ def test_rbac_rules_have_no_wildcard():
 
 PEERING_RULES = {r for r in EXPECTED_RULES if r[0] == "kopf.dev"}
 CA_PATCH_RULES = {r for r in EXPECTED_RULES if r[1] == "mutatingwebhookconfigurations"}
-SECRET_RULES = {("", "secrets", ("create",), ()), ("", "secrets", ("get", "update"), (f"{RELEASE}-webhook-cert",))}
+SECRET_RULES = {("", "secrets", ("create",), ()),
+                ("", "secrets", ("get", "update"), (f"{RELEASE}-admin-signing", f"{RELEASE}-webhook-cert"))}  # fmt: skip
 LEASE_RULES = {("coordination.k8s.io", "leases", ("create",), ()),
                ("coordination.k8s.io", "leases", ("get", "patch"), (RELEASE,))}  # fmt: skip
 
 
 def test_rbac_grants_exactly_what_the_operator_needs():
     assert _grants(one(objects(), "ClusterRole")) == EXPECTED_RULES
-    assert _grants(one(objects(), "Role", RELEASE)) == SECRET_RULES  # the shared built-in certificate
+    assert _grants(one(objects(), "Role", RELEASE)) == SECRET_RULES  # the Admin signing key, the built-in certificate
     assert _grants(one(objects(), "Role", f"{RELEASE}-leader")) == LEASE_RULES  # the leader's Lease
-    # One replica: no peering, no Lease. cert-manager: no CA patching and no Secret writing.
+    # One replica: no peering, no Lease. cert-manager: no CA patching, and only the Admin signing key's Secret.
     assert _grants(one(objects(SINGLE), "ClusterRole")) == EXPECTED_RULES - PEERING_RULES
     assert [o["metadata"]["name"] for o in objects(SINGLE) if o["kind"] == "Role"] == [RELEASE]
     cert_manager = objects(CERT_MANAGER)
     read_only = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ("get",), (RELEASE,))}
     assert _grants(one(cert_manager, "ClusterRole")) == EXPECTED_RULES - CA_PATCH_RULES | read_only
-    assert [o["metadata"]["name"] for o in cert_manager if o["kind"] in ("Role", "RoleBinding")] == [f"{RELEASE}-leader"] * 2
+    assert sorted(o["metadata"]["name"] for o in cert_manager if o["kind"] in ("Role", "RoleBinding")) == \
+        [RELEASE, RELEASE, f"{RELEASE}-leader", f"{RELEASE}-leader"]
+    assert _grants(one(cert_manager, "Role", RELEASE)) == {
+        ("", "secrets", ("create",), ()), ("", "secrets", ("get", "update"), (f"{RELEASE}-admin-signing",))}
+    assert env(operator_container())["BINBATCH_ADMIN_SIGNING_SECRET"] == f"{RELEASE}-admin-signing"
 
 
 def test_a_namespaced_install_writes_only_through_roles_in_the_namespaces_it_watches():
@@ -679,6 +684,7 @@ def test_operator_command_and_environment():
         "BINBATCH_WEBHOOK_HOSTNAMES": f"{service}.{NAMESPACE}.svc,{service}.{NAMESPACE}.svc.cluster.local,"
                                       f"{service}.{NAMESPACE},{service}",
         "BINBATCH_WEBHOOK_CERT_SECRET": f"{RELEASE}-webhook-cert",
+        "BINBATCH_ADMIN_SIGNING_SECRET": f"{RELEASE}-admin-signing",
         "BINBATCH_WEBHOOK_CONFIG": one(objs, "MutatingWebhookConfiguration")["metadata"]["name"],
         "BINBATCH_STATS_INTERVAL_SECONDS": "15",
     }  # fmt: skip

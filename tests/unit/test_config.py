@@ -118,6 +118,20 @@ classes:
     allowHints: true
     allowPriority: false
     allowSloHeaders: false
+auth:
+  callerTokensDir: /var/run/binbatch/caller-tokens
+  callers:
+  - name: team-a
+    allowHints: true
+    allowPriority: false
+    allowSloHeaders: true
+  adminTokenFile: /var/run/binbatch/admin-token/admin-token
+  operatorPublicKeys:
+  - |
+    -----BEGIN PUBLIC KEY-----
+    MCowBQYDK2VwAyEAgoXj97IHCOLi2QCpn/tUSSdL+DKfBJ3eYGLEKWVWZP4=
+    -----END PUBLIC KEY-----
+  audience: llm/chat
 """
 
 
@@ -166,6 +180,8 @@ def test_full_example_parses_every_key():
     assert cfg.queue_budget_seconds(None) == pytest.approx(2.0 * 0.25)  # the policy's SLO, 25% of it
     assert cfg.queue_budget_seconds(800) == pytest.approx(0.8 * 0.25)
     assert cfg.eps_m == pytest.approx(0.005) and cfg.kv_reserve_ratio == pytest.approx(0.10)
+    assert cfg.auth.callers_on and cfg.auth.inputs_of("team-a").allows("slo") and not cfg.auth.inputs_of("team-a").allows("priority")
+    assert cfg.auth.inputs_of("unlisted").allows("priority")  # a caller not listed: its class decides
     # the dump spells the file's keys back, and round-trips
     assert dump_config(cfg) == yaml.safe_load(FULL)
     assert parse_config(dump_config(cfg)) == cfg

@@ -96,6 +96,14 @@ cert-manager (CertManager).
 {{- end }}
 
 {{/*
+The Secret holding the operator's Admin signing key (Ed25519): made by the operator at its first
+start, read by every replica; its public key goes into every policy's sidecar config.
+*/}}
+{{- define "binbatch.adminSigningSecretName" -}}
+{{- printf "%s-admin-signing" (include "binbatch.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
 The DNS names the API server may use for the webhook Service (the certificate's SANs), then
 the extra ones from values.
 */}}
