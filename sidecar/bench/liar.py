@@ -13,13 +13,14 @@ steady-state capacity is measured first, as ``bench e2e`` measures it; the chat 
 then arrives as a Poisson process at ``load`` of it.  Every ``liar_every``-th request is
 the liar's (request class ``liar``); the rest are honest callers' (no class), which send
 their answer's true length as the hint.  Two runs on the same workload (same seed), each
-on a fresh sidecar, repeated ``repeats`` times alternately:
+on a fresh sidecar, repeated ``repeats`` times, ``without`` first and then, in every
+second repeat, ``with`` first (ABBA: a drift of the machine moves both alike):
 
 * ``without``: the liar sends no hint (the predictor places its requests);
 * ``with``: the liar sends ``expected_output_tokens`` = true length / 8 (at least 1).
 
 Reported: the honest callers' p50 / p99 E2E with lies over without (target: p99 within
-1.1x), the liar's own, how many of the liar's hinted completions it took before its hints
+1.1x), the liar's own, the engine's preemptions in each run, how many of the liar's hinted completions it took before its hints
 were ignored (from the sidecar's log line), and how many of its hints were ignored in all
 (``binbatch_ignored_inputs_total{input="hint"}`` on the sidecar's metrics port).
 
@@ -50,7 +51,8 @@ from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 from . import workloads
 from .bench_clients import (CALL_TIMEOUT_S, RunResult, Sample, closed_loop, direct_caller, length_fields, replay,
                             steady_rate)  # fmt: skip
-from .bench_processes import EngineProcess, EngineShape, served_model, sidecar_doc, start_sidecar
+from .bench_processes import (EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar,
+                              write_answer_lengths)  # fmt: skip
 from .chaos_load import percentile
 from .chaos_processes import SidecarProcess, run_to_end
 from .e2e import KV_LIMITED, policy_default
@@ -59,6 +61,8 @@ from .overhead import metrics_port
 LIAR_CLASS = "liar"
 LIE_FACTOR = 8
 TARGET_P99 = 1.1
+# the pair's order, alternated by repeat (ABBA): a drift of the machine over the run moves both alike
+ORDER = (("without", "with"), ("with", "without"))
 _DISTRUSTED = re.compile(r"request class 'liar': length hints ignored.*median of the latest (\d+) hinted")
 
 
@@ -79,6 +83,15 @@ def quick(cfg: LiarConfig) -> LiarConfig:
     """The seconds-long version (the test suite's): few short requests, one repeat, a liar
     in every second request so its hints are judged (hint_trust.MIN_SAMPLES completions)."""
     return replace(cfg, requests=48, liar_every=2, repeats=1, scale=0.25, capacity_concurrency=16, capacity_requests=48)
+
+
+def capped(requests: list[workloads.BenchRequest], cfg: LiarConfig) -> list[workloads.BenchRequest]:
+    """The requests as a client sends them, with its usual cap (the chat workload's longest
+    answer) as ``max_tokens``; the engine ends each answer at its true length (its
+    ``--answer-lengths`` file).  A request sent as ``max_tokens`` = its length with
+    ``ignore_eos`` would give the length away, and the sidecar refuses a hint below it."""
+    cap = workloads.longest("chat", cfg.scale)
+    return [replace(r, max_tokens=cap) for r in requests]
 
 
 def is_liar(index: int, cfg: LiarConfig) -> bool:
@@ -125,10 +138,18 @@ class _Split:
         self.call, self.liars = call, liars
         self.honest: list[float] = []
         self.liar: list[float] = []
+        self.liar_ends: list[float] = []  # when each of the liar's answers ended, seconds from the first send
+        self._t0: float | None = None
 
     async def __call__(self, req: workloads.BenchRequest) -> Sample:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
         sample = await self.call(req)
-        (self.liar if id(req) in self.liars else self.honest).append(sample.e2e_s)
+        if id(req) in self.liars:
+            self.liar.append(sample.e2e_s)
+            self.liar_ends.append(time.perf_counter() - self._t0)
+        else:
+            self.honest.append(sample.e2e_s)
         return sample
 
 
@@ -152,6 +173,7 @@ def liar_sidecar_doc(engine_url: str, model: str) -> dict[str, Any]:
 
 async def _one_run(requests: list[workloads.BenchRequest], liars: set[int], lies: bool, engine_url: str, model: str,
                    tmp: Path, session: aiohttp.ClientSession) -> dict[str, Any]:  # fmt: skip
+    before = await preemptions(session, engine_url)
     sidecar: SidecarProcess = await start_sidecar(liar_sidecar_doc(engine_url, model), tmp / "sidecar.yaml", tmp)
     try:
         async with grpc.aio.insecure_channel(sidecar.target) as channel:
@@ -163,10 +185,14 @@ async def _one_run(requests: list[workloads.BenchRequest], liars: set[int], lies
         distrusted_now = await _metric(session, port, "binbatch_hints_distrusted", {"request_class": LIAR_CLASS})
     finally:
         await sidecar.signal_and_wait(signal.SIGTERM, 30)
+    end = await preemptions(session, engine_url)
     after = [int(m.group(1)) for line in sidecar.lines if (m := _DISTRUSTED.search(line))]
+    # trust is judged as each hinted answer is recorded: the N-th of the liar's answers to end
+    at = split.liar_ends[after[0] - 1] if after and len(split.liar_ends) >= after[0] else None
     return {"result": result, "honest": split.honest, "liar": split.liar, "hints_ignored": ignored,
             "distrusted_at_end": distrusted_now == 1, "distrusted_after": after[0] if after else None,
-            "distrust_events": len(after)}  # fmt: skip
+            "distrusted_at_s": at, "distrust_events": len(after),
+            "preemptions": None if before is None or end is None else end - before}  # fmt: skip
 
 
 def _pooled(runs: list[dict[str, Any]], who: str) -> dict[str, float | None]:
@@ -182,36 +208,45 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 async def run_async(cfg: LiarConfig, say: Callable[[str], None]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="binbatch-bench-liar-") as tmp_name:
         tmp = Path(tmp_name)
-        engine = EngineProcess(cfg.engine, tmp)
+        chat = capped(workloads.build("chat", cfg.requests, rate=None, seed=cfg.seed, scale=cfg.scale), cfg)
+        loop_requests = capped(workloads.repeated(chat, cfg.capacity_requests), cfg)
+        answers = tmp / "answer-lengths.jsonl"
+        write_answer_lengths(answers, [(r.prompt, r.output_tokens) for r in (*chat, *loop_requests)])
+        engine = EngineProcess(replace(cfg.engine, answer_lengths=str(answers)), tmp)
         await engine.start()
         try:
             async with aiohttp.ClientSession() as session:
                 model, _ = await served_model(session, engine.url)
-                chat = workloads.build("chat", cfg.requests, rate=None, seed=cfg.seed, scale=cfg.scale)
-                loop, spans = await closed_loop(workloads.repeated(chat, cfg.capacity_requests),
-                                                direct_caller(session, engine.url, model), cfg.capacity_concurrency)  # fmt: skip
+                loop, spans = await closed_loop(loop_requests, direct_caller(session, engine.url, model),
+                                                cfg.capacity_concurrency)  # fmt: skip
                 if loop.failures:
                     raise RuntimeError(f"capacity: {len(loop.failures)} direct requests failed: {loop.failures[0]}")
                 capacity = steady_rate(spans, cfg.capacity_concurrency, statistics.fmean(r.output_tokens for r in chat))
                 say(f"engine {cfg.engine.describe()}; direct capacity {capacity:.2f} requests/s; offered "
-                    f"{cfg.load:g} of it, {cfg.requests} requests a run, the liar's every {cfg.liar_every}th")  # fmt: skip
-                requests = workloads.build("chat", cfg.requests, rate=cfg.load * capacity, seed=cfg.seed, scale=cfg.scale)
+                    f"{cfg.load:g} of it, {cfg.requests} requests a run, one in {cfg.liar_every} the liar's")  # fmt: skip
+                requests = capped(workloads.build("chat", cfg.requests, rate=cfg.load * capacity, seed=cfg.seed,
+                                                  scale=cfg.scale), cfg)  # fmt: skip
                 liars = {id(r) for i, r in enumerate(requests) if is_liar(i, cfg)}
                 runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
                 for rep in range(cfg.repeats):
-                    for key in ("without", "with"):
+                    for key in ORDER[rep % 2]:
                         got = await _one_run(requests, liars, key == "with", engine.url, model, tmp, session)
                         runs[key].append(got)
                         res = got["result"]
                         say(f"repeat {rep + 1}/{cfg.repeats}, liar {key} lies: {len(res.samples)} answered, "
+                            f"{got['preemptions']} preemptions, "
                             f"{len(res.failures)} failed in {res.elapsed_s:.1f} s; honest p99 "
                             f"{percentile(got['honest'], 0.99) or 0:.2f} s; liar's hints ignored {got['hints_ignored']:g}"
-                            f" (distrusted after {got['distrusted_after']} hinted completions)")  # fmt: skip
+                            f" (distrusted after {got['distrusted_after']} hinted completions, "
+                            f"{got['distrusted_at_s'] or 0:.1f} s into the run)")  # fmt: skip
         finally:
             await engine.stop()
     pooled = {key: {who: _pooled(rs, who) for who in ("honest", "liar")} for key, rs in runs.items()}
     ratios = {who: {f"e2e_{q}": _ratio(pooled["with"][who][f"e2e_{q}_s"], pooled["without"][who][f"e2e_{q}_s"])
                     for q in ("mean", "p50", "p99")} for who in ("honest", "liar")}  # fmt: skip
+    # each repeat's own honest p99 ratio: a run slowed by the shared machine shows as one outlier here
+    per_repeat = [_ratio(percentile(w["honest"], 0.99), percentile(wo["honest"], 0.99))
+                  for w, wo in zip(runs["with"], runs["without"], strict=True)]  # fmt: skip
     failures = [f for rs in runs.values() for r in rs for f in r["result"].failures]
     liar_count = len(liars)
     return {
@@ -225,7 +260,10 @@ async def run_async(cfg: LiarConfig, say: Callable[[str], None]) -> dict[str, An
         "ratios": ratios,
         "target_honest_p99": TARGET_P99,
         "met": ratios["honest"]["e2e_p99"] is not None and ratios["honest"]["e2e_p99"] <= TARGET_P99,
+        "honest_p99_ratio_by_repeat": per_repeat,
         "distrusted_after": [r["distrusted_after"] for r in runs["with"]],
+        "distrusted_at_s": [r["distrusted_at_s"] for r in runs["with"]],
+        "preemptions": {key: [r["preemptions"] for r in rs] for key, rs in runs.items()},
         "hints_ignored": [r["hints_ignored"] for r in runs["with"]],
         "hints_ignored_without": [r["hints_ignored"] for r in runs["without"]],
         "distrusted_at_end": [r["distrusted_at_end"] for r in runs["with"]],
@@ -257,5 +295,7 @@ def print_table(doc: dict[str, Any]) -> None:
     for who in ("honest", "liar"):
         r = doc["ratios"][who]
         print(f"{who} with lies / without: p50 {_s(r['e2e_p50'])}, p99 {_s(r['e2e_p99'])}, mean {_s(r['e2e_mean'])}")
+    print(f"honest p99 with lies / without, each repeat: {', '.join(_s(r) for r in doc['honest_p99_ratio_by_repeat'])}")
     print(f"honest p99 target <= {doc['target_honest_p99']:g}: {'met' if doc['met'] else 'MISSED'}; the liar's hints "
-          f"ignored after {doc['distrusted_after']} of its hinted completions, {doc['hints_ignored']} ignored in all")  # fmt: skip
+          f"ignored after {doc['distrusted_after']} of its hinted completions "
+          f"({', '.join(_s(t, 1) for t in doc['distrusted_at_s'])} s into the run), {doc['hints_ignored']} ignored in all")  # fmt: skip

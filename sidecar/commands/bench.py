@@ -317,7 +317,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sl.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     sl.set_defaults(func=_bench_slowloris)
     mem = bench_sub.add_parser(
-        "memory", help="the sidecar's RSS under many ~4 MiB POSTs at once",
+        "memory", help="the sidecar's memory under many ~4 MiB POSTs at once",
         description="The sidecar's resident memory while many clients POST bodies of about server.maxRequestBytes "
                     "at once (a slow embedded engine and one sidecar on this machine), against the memory the "
                     "operator gives it; every request must get one answer (200, 413 or 429).",
@@ -331,7 +331,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     mem.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     mem.set_defaults(func=_bench_memory)
     li = bench_sub.add_parser(
-        "liar", help="honest callers' latency beside a caller whose hints are 8x too short",
+        "liar", help="honest callers' latency beside one whose hints lie",
         description="Honest callers (true length hints) beside one request class whose hints are an eighth of its "
                     "answers, on the embedded engine at a fraction of its capacity: the honest callers' E2E with the "
                     "lies over the same run without them, and when the liar's hints were distrusted.",
