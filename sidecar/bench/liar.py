@@ -30,7 +30,6 @@ lies inside the honest callers' class would take that class's hints away with it
 
 from __future__ import annotations
 
-import asyncio
 import re
 import signal
 import statistics
