@@ -96,10 +96,10 @@ MANAGED_LABELS = {"app.kubernetes.io/name": "binbatch-sidecar", "app.kubernetes.
 
 
 # The injected sidecar's resources unless spec.sidecar.resources says otherwise (docs/operator-security.md):
-# about 150 MiB is the process with its libraries loaded; the queue holds at most batch.maxQueuedBytes
-# (256 MiB by default) of request bodies, plus the bodies being read (server.maxRequestBytes each, 4 MiB)
-# and the predictor's training buffer (about 20 MiB): 768Mi bounds a full queue with room for the copies
-# parsing makes; 384Mi is what an ordinary queue uses.  One CPU serves the request path at the rates vLLM
+# about 150 MiB is the process with its libraries loaded; the request bodies being read and those queued
+# hold at most batch.maxQueuedBytes together (256 MiB by default), the predictor's training buffer about
+# 20 MiB: 768Mi bounds a full queue with room for the copies parsing makes and the requests at the engine
+# (bench memory: 200 clients posting ~4 MiB at once peaked at 523 MiB); 384Mi is what an ordinary queue uses.  One CPU serves the request path at the rates vLLM
 # on one pod reaches; 250m is its share when idle.
 DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "384Mi"}, "limits": {"cpu": "1", "memory": "768Mi"}}
 QOS_RESOURCES = ("cpu", "memory")  # what decides a pod's QoS class

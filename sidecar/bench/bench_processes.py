@@ -49,6 +49,7 @@ class EngineShape:
     prefill_per_token: float = 0.0
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy
     answer_lengths: str = ""  # --answer-lengths: recorded answer lengths by prompt (write_answer_lengths)
+    max_request_body_bytes: int = 0  # --max-request-body-bytes (0: the emulator's own, 1 MiB as vLLM's)
 
     def describe(self) -> str:
         policy = "" if self.scheduling_policy == "fcfs" else f", {self.scheduling_policy} scheduling"
@@ -65,7 +66,8 @@ def emulator_args(shape: EngineShape) -> list[str]:
             "--num-gpu-blocks", str(shape.num_gpu_blocks), "--block-size", str(shape.block_size),
             "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len),
             "--scheduling-policy", shape.scheduling_policy,
-            *(("--answer-lengths", shape.answer_lengths) if shape.answer_lengths else ())]  # fmt: skip
+            *(("--answer-lengths", shape.answer_lengths) if shape.answer_lengths else ()),
+            *(("--max-request-body-bytes", str(shape.max_request_body_bytes)) if shape.max_request_body_bytes else ())]  # fmt: skip
 
 
 def write_answer_lengths(path: Path, answers: Iterable[tuple[str, int]]) -> None:

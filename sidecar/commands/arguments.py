@@ -77,3 +77,18 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
         return v
 
     return parse
+
+
+_UNITS = {"": 1, "B": 1, "KiB": 1024, "MiB": 1024**2}
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes: ``4194304``, ``4MiB``, ``256KiB`` (64 KiB to 64 MiB, as server.maxRequestBytes)."""
+    number = text.rstrip("KMiB")
+    unit = text[len(number):]
+    if unit not in _UNITS or not number.isdigit():
+        raise argparse.ArgumentTypeError(f"expected bytes, or a whole number with KiB or MiB, got {text!r}")
+    v = int(number) * _UNITS[unit]
+    if not 65_536 <= v <= 67_108_864:
+        raise argparse.ArgumentTypeError(f"must be 64KiB to 64MiB (server.maxRequestBytes' range), got {text}")
+    return v

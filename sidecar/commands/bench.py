@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from dataclasses import replace
 
-from .arguments import EXIT_CANNOT_START, int_in, load_fraction, positive_float, positive_int, share
+from .arguments import EXIT_CANNOT_START, byte_size, int_in, load_fraction, positive_float, positive_int, share
 from .reporting import progress, report
 
 _CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
@@ -104,6 +105,32 @@ def _bench_slowloris(args: argparse.Namespace) -> int:
     doc = slowloris.run(cfg, progress(args, "bench slowloris"))
     report(args, doc, lambda: slowloris.print_table(doc))
     return 0
+
+
+def _bench_memory(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("psutil") is None:
+        print(f"binbatch bench memory: needs psutil (not installed): pip install psutil, or {OPERATOR_BENCH_EXTRA}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_CANNOT_START
+    from ..bench import big_posts
+
+    cfg = big_posts.MemoryConfig(posts=args.posts, body_bytes=args.bytes, max_request_bytes=args.bytes)
+    cfg = big_posts.quick(cfg) if args.quick else cfg
+    doc = big_posts.run(cfg, progress(args, "bench memory"))
+    report(args, doc, lambda: big_posts.print_table(doc))
+    return 0 if doc["unanswered"] == 0 and doc["all_alive"] else 1
+
+
+def _bench_liar(args: argparse.Namespace) -> int:
+    from ..bench import liar
+
+    cfg = liar.LiarConfig(seed=args.seed, load=args.load)
+    cfg = liar.quick(cfg) if args.quick else cfg
+    cfg = replace(cfg, requests=args.requests) if args.requests else cfg
+    cfg = replace(cfg, repeats=args.repeats) if args.repeats else cfg
+    doc = liar.run(cfg, progress(args, "bench liar"))
+    report(args, doc, lambda: liar.print_table(doc))
+    return 0 if doc["failures"] == 0 else 1
 
 
 def _bench_predictor(args: argparse.Namespace) -> int:
@@ -289,6 +316,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     sl.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     sl.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     sl.set_defaults(func=_bench_slowloris)
+    mem = bench_sub.add_parser(
+        "memory", help="the sidecar's memory under many ~4 MiB POSTs at once",
+        description="The sidecar's resident memory while many clients POST bodies of about server.maxRequestBytes "
+                    "at once (a slow embedded engine and one sidecar on this machine), against the memory the "
+                    "operator gives it; every request must get one answer (200, 413 or 429).",
+    )  # fmt: skip
+    mem.add_argument("--posts", type=int_in(1, 5000), default=200, help="concurrent POSTs (default 200)")
+    mem.add_argument("--bytes", type=byte_size, default=4 * 1024 * 1024, metavar="SIZE",
+                     help="body size, also the sidecar's server.maxRequestBytes: half the posts just under it, "
+                          "half just over (bytes, or with KiB / MiB; default 4MiB)")  # fmt: skip
+    mem.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
+    mem.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    mem.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    mem.set_defaults(func=_bench_memory)
+    li = bench_sub.add_parser(
+        "liar", help="honest callers' latency beside one whose hints lie",
+        description="Honest callers (true length hints) beside one request class whose hints are an eighth of its "
+                    "answers, on the embedded engine at a fraction of its capacity: the honest callers' E2E with the "
+                    "lies over the same run without them, and when the liar's hints were distrusted.",
+    )  # fmt: skip
+    li.add_argument("--load", type=load_fraction, default=0.9, help="fraction of direct's capacity (default 0.9)")
+    li.add_argument("--requests", type=int_in(8, 100_000), help="requests per run (default 400)")
+    li.add_argument("--repeats", type=int_in(1, 100), help="repeats of the pair of runs (default 2)")
+    li.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+    li.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
+    li.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    li.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    li.set_defaults(func=_bench_liar)
     op = bench_sub.add_parser(
         "operator", help="what the operator costs while it holds a fleet",
         description="What the operator costs while it holds a fleet: idle API requests per policy, spec change to "

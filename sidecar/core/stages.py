@@ -188,6 +188,10 @@ class RequestDispatcher(Protocol):
         """The caller left: drop ``req`` from its bin or abort its engine call."""
         ...
 
+    def byte_room(self) -> int | None:
+        """Bytes of request bodies batch.maxQueuedBytes leaves room for now (None: no bound)."""
+        ...
+
     def on_snapshot(self, snapshot: EngineSnapshot | None) -> SizeDecision:
         """A new reading of the engine's load: resize, rebalance the bins."""
         ...

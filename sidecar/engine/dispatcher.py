@@ -193,6 +193,11 @@ class Dispatcher:
 
     # -- the scheduler's state, read by the server and tests -------------------------
 
+    def byte_room(self) -> int | None:
+        """Bytes of request bodies batch.maxQueuedBytes leaves room for now (None: no bound)."""
+        limit = self.scheduler.core.max_queued_bytes
+        return None if limit is None else limit - self.scheduler.queued_bytes
+
     @property
     def core(self) -> Core:
         return self.scheduler.core

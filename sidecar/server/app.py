@@ -183,6 +183,7 @@ class Sidecar:
         add_servicers(self.server, inference, AdminServicer(self.replies, self.admin_gate))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
+        self.front = inference.front  # both doors' intake (read by tests: the bodies being read)
         door = OpenAIDoor(inference.front, engine=lambda: self.client, ready=self.ready, auth=self.caller_auth)
         self._http_runner = web.AppRunner(door.app(), access_log=None, handler_cancellation=True,
                                           **http_runner_options(cfg.server))  # fmt: skip

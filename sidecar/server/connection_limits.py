@@ -74,14 +74,25 @@ def http_runner_options(server: ServerConfig) -> dict[str, Any]:
     return {"keepalive_timeout": seconds, "lingering_time": min(seconds, 10.0)}
 
 
-async def read_body(request: web.Request, seconds: float) -> bytes | None:
-    """The request's body, or None if it did not arrive within ``seconds``.
-    Raises what ``request.read()`` raises (a body over the size limit)."""
+class BodyTooLarge(Exception):
+    """A body passed the size limit while it was read (chunked, or a Content-Length that lied)."""
+
+
+async def read_body(request: web.Request, seconds: float, limit: int) -> bytearray | None:
+    """The request's body, or None if it did not arrive within ``seconds``; ``BodyTooLarge``
+    as soon as more than ``limit`` bytes arrived.  Read into one buffer the caller owns and
+    drops once it is parsed (``request.read()`` would keep a copy on the request until its
+    answer: twice a queued request's bytes)."""
+    body = bytearray()
     try:
         async with asyncio.timeout(seconds):
-            return await request.read()
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise BodyTooLarge
     except TimeoutError:
         return None
+    return body
 
 
 class StreamedBody:

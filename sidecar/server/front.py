@@ -16,10 +16,11 @@ the HTTP door's hint is the header ``x-expected-output-tokens``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ..config import (
@@ -36,7 +37,7 @@ from ..core.clock import Clock
 from ..core.hint_trust import HintTrust, TrustChange
 from ..core.request import Request, chat_text
 from ..core.stages import RequestDispatcher
-from ..engine.dispatcher import Call, Completion
+from ..engine.dispatcher import Call, Completion, Rejected
 from ..engine.engine_client import EngineRequest, SamplingParams
 from ..engine.external_predictor import ExternalPredictor
 from ..engine.sidecar_metrics import SidecarMetrics
@@ -222,6 +223,31 @@ class Front:
         self.external = external
         self.metrics = metrics  # binbatch_ignored_inputs_total, binbatch_hints_distrusted
         self.hint_trust = hint_trust if hint_trust is not None else HintTrust(clock)
+        self.reading_bytes = 0  # bodies a door is reading (body_room), counted against batch.maxQueuedBytes
+
+    @contextlib.contextmanager
+    def body_room(self, size: int) -> Iterator[None]:
+        """Room for a body of up to ``size`` bytes a door is about to read: from now until the
+        request is queued or refused, it counts against batch.maxQueuedBytes beside the queued
+        bodies, so the bodies being read and those queued together stay within it (without this,
+        many clients sending at once held every body in memory before the queue refused any).
+        ``Rejected`` (resource_exhausted: 429 with Retry-After) when they would not fit; the
+        door then passes ``size`` to ``submit`` as its ``reading``."""
+        self._fits(size, 0)
+        self.reading_bytes += size
+        try:
+            yield
+        finally:
+            self.reading_bytes -= size
+
+    def _fits(self, size: int, reading: int) -> None:
+        """``Rejected`` unless ``size`` more bytes fit batch.maxQueuedBytes beside the queued bodies and
+        those being read by others (all of ``reading_bytes`` but the caller's own ``reading``)."""
+        room = self.dispatcher.byte_room()
+        others = self.reading_bytes - reading
+        if room is not None and size + others > room:
+            raise Rejected("resource_exhausted", f"queue full: batch.maxQueuedBytes reached by the bodies queued and "
+                                                 f"the {others} bytes of bodies being read; retry later")  # fmt: skip
 
     def build(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
         """Check ``f`` against the bounds both doors share and make the core request
@@ -339,13 +365,17 @@ class Front:
         steer.ignored = tuple(ignored)
         return steer
 
-    async def submit(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None) -> Ticket:
+    async def submit(self, f: Fields, stream: bool, names: Mapping[str, str] | None = None, *,
+                     reading: int = 0) -> Ticket:  # fmt: skip
         """Build the request, ask the external predictor about it (no hint given), and
         queue it; raises ``InvalidRequest`` or ``Rejected`` (draining, full queue,
-        engine down) -- logged at DEBUG only, so no client can flood the logs with its input."""
+        engine down) -- logged at DEBUG only, so no client can flood the logs with its input.
+        ``reading``: the bytes the door reserved for this body (``body_room``)."""
         try:
             ticket = self.build(f, stream, names)
             await self._ask_external(ticket, f.timeout)
+            if f.body_bytes:
+                self._fits(f.body_bytes, reading)  # the bodies others are reading count too
             self.dispatcher.submit(ticket.req, ticket.call)
         except Exception as exc:
             log.debug("refused: %s", exc, extra=log_extra(f))

@@ -75,7 +75,7 @@ from ..config import DEFAULT_PASSTHROUGH_PATHS
 from ..engine.dispatcher import Completion, Rejected
 from ..engine.engine_client import EngineClient, EngineError
 from .caller_auth import CallerAuth, Unauthenticated
-from .connection_limits import StreamedBody, read_body
+from .connection_limits import BodyTooLarge, StreamedBody, read_body
 from .front import DIGITS, REQUEST_ID_LIMIT, Fields, Front, InvalidRequest, Ticket, read_slo
 from .openai_bodies import ChatBody, CompletionBody, include_usage, parse_body, read_json, to_fields
 from .trace_context import read_trace_context
@@ -323,19 +323,25 @@ class OpenAIDoor:
         if request.content_length is not None and request.content_length > limit:
             return too_large(limit, request_id)  # refused before a byte of it is read
         try:
-            raw = await read_body(request, self.read_timeout)
-        except web.HTTPRequestEntityTooLarge:  # chunked, or a Content-Length that lied: stopped at the limit
-            return too_large(limit, request_id)
-        if raw is None:  # a slow or stalled body: what arrived is dropped, and so is the connection
-            return body_too_slow(self.read_timeout, request_id)
-        try:
-            body = parse_body(read_json(raw), chat)
-            f, names = to_fields(body)
-            f.request_id = request_id
-            f.body_bytes = len(raw)
-            f.caller = request[CALLER_KEY]
-            read_headers(request, f)
-            ticket = await self.front.submit(f, body.stream, HEADER_NAMES | names)
+            # the body counts against batch.maxQueuedBytes while it is read (the most a chunked one may be)
+            reserved = limit if request.content_length is None else request.content_length
+            with self.front.body_room(reserved):
+                try:
+                    raw = await read_body(request, self.read_timeout, limit)
+                except BodyTooLarge:  # chunked, or a Content-Length that lied: stopped at the limit
+                    return too_large(limit, request_id)
+                if raw is None:  # a slow or stalled body: what arrived is dropped, and so is the connection
+                    return body_too_slow(self.read_timeout, request_id)
+                size = len(raw)
+                parsed = read_json(raw)
+                del raw  # the parsed body holds the text now: the bytes go before the request waits
+                body = parse_body(parsed, chat)
+                f, names = to_fields(body)
+                f.request_id = request_id
+                f.body_bytes = size
+                f.caller = request[CALLER_KEY]
+                read_headers(request, f)
+                ticket = await self.front.submit(f, body.stream, HEADER_NAMES | names, reading=reserved)
         except (InvalidRequest, Rejected) as exc:
             return error_response(exc, request_id)
         model = ticket.call.engine_request.params.model

@@ -252,6 +252,38 @@ async def test_max_queued_bytes_is_429_with_retry_after_and_the_gauge_returns_to
         assert queued_bytes_gauge(await d.sc.scrape()) == 0
 
 
+async def test_a_body_being_read_holds_its_room_in_max_queued_bytes_so_others_are_429_before_being_read(tmp_path):
+    """Many clients sending large bodies at once: the bodies being read count against
+    batch.maxQueuedBytes with the queued ones, so a body that would not fit beside them is
+    refused before it is read (not read whole and then refused)."""
+    sections = holding(maxQueuedBytes=MIB)
+    sections["server"] = {"maxRequestBytes": MIB}
+    async with door(tmp_path, **sections) as d:
+        front = d.sc.sidecar.front
+        body = json.dumps({"model": d.model, "prompt": "x" * (700 * 1024), "max_tokens": 2}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", d.sc.sidecar.http_port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:1024])  # fmt: skip
+        await writer.drain()
+        await until(d.sc, lambda: front.reading_bytes == len(body))  # its whole announced size, from the start
+        other = json.dumps({"model": d.model, "prompt": "y" * (600 * 1024), "max_tokens": 2}).encode()
+        async with aiohttp.ClientSession() as http, http.post(f"{d.base}/v1/completions", data=other) as resp:
+            assert resp.status == 429 and resp.headers["Retry-After"] == "1"
+            assert "batch.maxQueuedBytes" in (await resp.json())["error"]["message"]
+        grpc_refused = d.sc.inference.Generate(pb.GenerateRequest(prompt="y" * (600 * 1024), max_tokens=2), timeout=WAIT)
+        with pytest.raises(grpc.aio.AioRpcError) as full:  # the other door counts the bodies being read too
+            await grpc_refused
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        scheduler = d.sc.sidecar.dispatcher.scheduler
+        assert scheduler.totals["accepted"] == 0 and "/v1/completions" not in d.engine_paths()
+        writer.write(body[1024:])  # the rest arrives: the request is queued, its room now the queue's
+        await writer.drain()
+        await until(d.sc, lambda: scheduler.totals["accepted"] == 1)
+        assert front.reading_bytes == 0 and scheduler.queued_bytes == len(body)
+        writer.close()  # the caller leaves: its request leaves the queue
+        await until(d.sc, lambda: scheduler.queued_bytes == 0 and scheduler.totals["cancelled"] == 1)
+
+
 async def test_a_served_request_frees_its_queued_bytes_when_it_is_sent(tmp_path):
     async with door(tmp_path) as d:
         out = await d.client.completions.create(model=d.model, prompt="hello " * 100, max_tokens=3,

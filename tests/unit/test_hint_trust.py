@@ -33,7 +33,8 @@ def test_a_class_whose_answers_run_past_twice_the_hint_loses_its_hints_once():
     assert not trust.trusted("batch")
     assert trust.trusted("interactive")  # per class: the others keep theirs
     [change] = trust.take_changes()
-    assert (change.request_class, change.trusted, change.samples, change.at) == ("batch", False, MIN_SAMPLES, 8.0)
+    assert (change.request_class, change.trusted, change.samples, change.at) == ("batch", False, MIN_SAMPLES,
+                                                                                float(MIN_SAMPLES))  # fmt: skip
     assert change.median_ratio == 2000.0
     for _ in range(5):  # further lies: no further flips
         trust.record("batch", hinted=1, actual=2000)
