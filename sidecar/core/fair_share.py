@@ -13,10 +13,14 @@ Between tenants, start-time fair queuing over predicted tokens: a tenant's tag
 ``served`` grows by each admitted request's expected tokens over its weight, and
 the next request comes from the waiting tenant of the lowest tag -- the one
 furthest below its weighted share of what was admitted.  A tenant that starts
-waiting again takes the tag the last admitted request started at if its own is
-below (start-time fair queuing's virtual time), so idle time banks no credit --
-shares are of recent admission -- and a tenant sending less than its share finds
-its next request first in line.
+waiting takes the tag the last admitted request started at (start-time fair
+queuing's virtual time) less a credit of at most ``BURST_REQUESTS`` mean
+requests of the share it left unused while it did not wait (none for a tenant
+new or forgotten): shares are of recent admission, and a tenant sending less than
+its share finds its next requests first in line.  Without that credit a steady
+tenant at 90% of its share queued as if it had a server of its own at 0.9 load
+(in a model of the flood bench: mean wait 2.2 s, p99 8.1 s for 2 s answers; with
+32 requests of credit 0.8 s and 1.7 s); a flood, always waiting, never has any.
 The unit is the one the queue ranks by (predicted output tokens, what an answer
 holds the engine for), so a tenant of long answers gets fewer requests, not more
 engine.  A request's ``max_wait`` and priority hold within its tenant only:
@@ -51,6 +55,9 @@ T = TypeVar("T")
 SHARED_TENANT = ""  # requests that name no tenant
 MAX_TENANTS = 10_000  # distinct tenants with state kept at once
 OVERFLOW_TENANT = "\x00overflow"  # past MAX_TENANTS (no header can hold a NUL)
+# A tenant that starts waiting keeps up to this many (mean) requests of the share it left unused (module docstring)
+BURST_REQUESTS = 32
+COST_EWMA = 0.05  # weight of each admitted request in the mean cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +100,7 @@ class _Tenant(Generic[T]):
     def __init__(self, name: str, queue: AdmissionQueue[T]) -> None:
         self.name = name
         self.queue = queue
-        self.served = 0.0  # admitted cost over weight: the start-time fair queuing tag
+        self.served: float | None = None  # admitted cost over weight: the start-time fair queuing tag (None: new)
         self.version = 0  # its entry in ``_waiting`` is current only at this version
 
 
@@ -110,6 +117,7 @@ class FairAdmissionQueue(Generic[T]):
         self._seq = itertools.count()
         self._len = 0
         self._vtime = 0.0  # the tag of the tenant admitted last
+        self._mean_cost = 0.0  # of the requests admitted (EWMA): the unit of the credit a returning tenant keeps
         self._tenant_of: dict[Request, _Tenant[T]] = {}
         self._deadlines: list[tuple[float, int, Request]] = []  # every tenant's, so expiry is O(log n)
 
@@ -146,7 +154,7 @@ class FairAdmissionQueue(Generic[T]):
 
     def _mark_waiting(self, t: _Tenant[T]) -> None:
         t.version += 1
-        heapq.heappush(self._waiting, (t.served, next(self._seq), t.version, t))
+        heapq.heappush(self._waiting, (t.served or 0.0, next(self._seq), t.version, t))
 
     def _chosen(self) -> _Tenant[T] | None:
         """The waiting tenant of the lowest tag (the one furthest below its share)."""
@@ -157,8 +165,10 @@ class FairAdmissionQueue(Generic[T]):
 
     def _charge(self, t: _Tenant[T], req: Request) -> None:
         """``req`` of ``t`` was taken: its cost over ``t``'s weight moves ``t``'s tag."""
-        self._vtime = t.served
-        t.served += cost(req) / max(1, self.weight(t.name))
+        self._vtime = t.served = t.served or 0.0
+        c = cost(req)
+        self._mean_cost += COST_EWMA * (c - self._mean_cost) if self._mean_cost else c
+        t.served += c / max(1, self.weight(t.name))
         if t.queue:
             self._mark_waiting(t)
 
@@ -175,8 +185,9 @@ class FairAdmissionQueue(Generic[T]):
 
     def push(self, item: T, req: Request) -> None:
         t = self._tenant(req.tenant)
-        if not t.queue:  # it starts waiting: no credit banked while it did not (start-time fair queuing's v(t))
-            t.served = max(t.served, self._vtime)
+        if not t.queue:  # it starts waiting: at most BURST_REQUESTS of credit banked while it did not (none if new)
+            credit = BURST_REQUESTS * self._mean_cost / max(1, self.weight(t.name)) if t.served is not None else 0.0
+            t.served = max(t.served or 0.0, self._vtime - credit)
             t.queue.push(item, req)
             self._mark_waiting(t)
         else:

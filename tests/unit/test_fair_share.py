@@ -63,15 +63,29 @@ def test_a_tenant_under_its_share_goes_next_past_a_flood():
     assert q.pop(0.0)[1].id == "999"
 
 
-def test_a_tenant_that_waited_for_nothing_banks_no_credit():
+def test_a_new_tenant_banks_no_credit():
     q: FairAdmissionQueue[None] = FairAdmissionQueue(SHORTEST)
     for i in range(100):
         q.push(None, r(i, "a"))
-    drain(q, 60)  # b was idle meanwhile: it gets no 60 requests in a row for it
+    drain(q, 60)  # b, new, gets no credit for the time before it came
     for i in range(40):
         q.push(None, r(1000 + i, "b"))
     got = drain(q, 20)
     assert 9 <= sum(x.tenant == "b" for x in got) <= 11
+
+
+def test_a_returning_tenant_keeps_at_most_a_burst_of_the_share_it_left_unused():
+    q: FairAdmissionQueue[None] = FairAdmissionQueue(SHORTEST)
+    q.push(None, r(0, "b"))
+    drain(q, 1)  # b is known now
+    for i in range(200):
+        q.push(None, r(1 + i, "a"))
+    drain(q, 100)  # b idle meanwhile: it left 50 requests of its share unused
+    for i in range(100):
+        q.push(None, r(1000 + i, "b"))
+    got = drain(q, fair_share.BURST_REQUESTS + 20)
+    assert [x.tenant for x in got[: fair_share.BURST_REQUESTS]] == ["b"] * fair_share.BURST_REQUESTS
+    assert 9 <= sum(x.tenant == "b" for x in got[fair_share.BURST_REQUESTS:]) <= 11  # then the shares again
 
 
 def test_within_a_tenant_the_queue_order_holds():
