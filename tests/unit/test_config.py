@@ -118,6 +118,14 @@ classes:
     allowHints: true
     allowPriority: false
     allowSloHeaders: false
+tenants:
+  tenants:
+  - name: team-a
+    weight: 3
+  - name: "llm-d flow/7"
+    weight: 1
+  defaultWeight: 2
+  maxQueuedSharePercent: 25
 """
 
 
@@ -488,3 +496,37 @@ def test_max_request_bytes_needs_a_restart_and_passthrough_paths_do_not():
     bigger = parse_config({"server": {"maxRequestBytes": 8 * 1024 * 1024}})
     assert [p for p, _ in restart_required(running, bigger)] == ["server.maxRequestBytes"]
     assert restart_required(running, parse_config({"server": {"passthroughPaths": ["/tokenize"]}})) == []
+
+
+@pytest.mark.parametrize(
+    ("tenants", "path", "words"),
+    [
+        ({"tenants": [{"name": "a"}, {"name": "a", "weight": 2}]}, "tenants.tenants[1].name", "duplicate tenant 'a'"),
+        ({"tenants": [{"name": "_other"}]}, "tenants.tenants[0].name", "should match pattern"),
+        ({"tenants": [{"name": " a"}]}, "tenants.tenants[0].name", "should match pattern"),
+        ({"tenants": [{"name": "caf\u00e9"}]}, "tenants.tenants[0].name", "should match pattern"),
+        ({"tenants": [{"name": "x" * 257}]}, "tenants.tenants[0].name", "at most 256 characters"),
+        ({"tenants": [{"name": "a", "weight": 1001}]}, "tenants.tenants[0].weight", "less than or equal to 1000"),
+        ({"tenants": [{"name": "a", "weight": 0}]}, "tenants.tenants[0].weight", "greater than or equal to 1"),
+        ({"tenants": [{"name": "a", "weight": 1.5}]}, "tenants.tenants[0].weight", "valid integer"),
+        ({"tenants": [{"weight": 2}]}, "tenants.tenants[0].name", "Field required"),
+        ({"defaultWeight": 0}, "tenants.defaultWeight", "greater than or equal to 1"),
+        ({"maxQueuedSharePercent": 101}, "tenants.maxQueuedSharePercent", "less than or equal to 100"),
+        ({"weights": {}}, "tenants.weights", "Extra inputs are not permitted"),
+    ],
+)
+def test_bad_tenants_name_the_field(tenants, path, words):
+    with pytest.raises(ConfigError) as err:
+        parse_config({"tenants": tenants})
+    assert err.value.problems[0][0] == path and words in err.value.problems[0][1]
+
+
+def test_tenants_weights_reach_the_scheduler_core():
+    from binbatch_sidecar.core.clock import ManualClock
+    from binbatch_sidecar.server.assembly import build_core
+
+    cfg = parse_config(yaml.safe_load(FULL))
+    core = build_core(cfg, ManualClock())
+    assert core.tenants.weight("team-a") == 3 and core.tenants.weight("llm-d flow/7") == 1
+    assert core.tenants.weight("someone") == 2 and core.tenants.floor_percent == 25
+    assert core.max_queued_requests == cfg.batch.max_queued_requests
