@@ -74,6 +74,7 @@ class Call:
     tenant: str
     status: int = 0  # HTTP status; 0: no answer (connection error)
     e2e: float | None = None  # seconds, for a completed call
+    queue: float | None = None  # seconds it waited in the sidecar (x-binbatch-queue-ms), for a completed call
 
 
 @dataclass
@@ -86,7 +87,9 @@ class Phase:
 
     def latency(self, tenant: str) -> dict[str, float | None]:
         e2e = [c.e2e for c in self.calls if c.tenant == tenant and c.e2e is not None]
-        return {"p50_ms": _ms(percentile(e2e, 0.5)), "p99_ms": _ms(percentile(e2e, 0.99)), "completed": len(e2e)}
+        queue = [c.queue for c in self.calls if c.tenant == tenant and c.queue is not None]
+        return {"p50_ms": _ms(percentile(e2e, 0.5)), "p99_ms": _ms(percentile(e2e, 0.99)), "completed": len(e2e),
+                "queue_p50_ms": _ms(percentile(queue, 0.5)), "queue_p99_ms": _ms(percentile(queue, 0.99))}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -113,6 +116,8 @@ class Client:
                                          timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_seconds)) as resp:  # fmt: skip
                 await resp.read()
                 out.status = resp.status
+                if (waited := resp.headers.get("x-binbatch-queue-ms")) is not None:
+                    out.queue = float(waited) / 1000
         except (aiohttp.ClientError, TimeoutError):
             out.status = 0
         if out.status == 200:
@@ -243,7 +248,8 @@ def print_tables(doc: dict[str, Any], out=sys.stdout) -> None:
     print(f"engine: {s['engine']}", file=out)
     print(f"capacity {s['capacity_per_second']}/s; steady {s['steady_per_second']}/s, flood {s['flood_per_second']}/s "
           f"(offered {s['offered_over_capacity']}x capacity); {s['phase_seconds']:g} s a phase", file=out)  # fmt: skip
-    print(f"{'phase':<8} {'tenant':<7} {'p50 ms':>8} {'p99 ms':>8} {'done':>6}  statuses", file=out)
+    print(f"{'phase':<8} {'tenant':<7} {'p50 ms':>8} {'p99 ms':>8} {'queued p50/p99 ms':>18} {'done':>6}  statuses",
+          file=out)  # fmt: skip
     for name, row in doc["phases"].items():
         for tenant in (STEADY, FLOOD):
             r = row[tenant]
@@ -251,7 +257,9 @@ def print_tables(doc: dict[str, Any], out=sys.stdout) -> None:
                 continue
             p50 = "-" if r["p50_ms"] is None else f"{r['p50_ms']:.0f}"
             p99 = "-" if r["p99_ms"] is None else f"{r['p99_ms']:.0f}"
-            print(f"{name:<8} {tenant:<7} {p50:>8} {p99:>8} {r['completed']:>6}  {r['statuses']}", file=out)
+            queued = "-" if r["queue_p50_ms"] is None else f"{r['queue_p50_ms']:.0f}/{r['queue_p99_ms']:.0f}"
+            print(f"{name:<8} {tenant:<7} {p50:>8} {p99:>8} {queued:>18} {r['completed']:>6}  {r['statuses']}",
+                  file=out)  # fmt: skip
     for key, value in doc["ratios"].items():
         print(f"{key}: {'-' if value is None else f'{value:.2f}x'}", file=out)
     print(f"flood's 429s: {doc['flood_429']}; steady calls not answered 200 in the flood: "

@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
-from .admission import AdmissionOrder, AdmissionQueue, Backlog, engine_cap, kv_area
+from .admission import AdmissionOrder, Backlog, engine_cap, kv_area
 from .fair_share import FairAdmissionQueue, TenantPolicy, queue_share
 from .binner import AdaptiveBinner, Binner, n_max_from_memory
 from .breaker import EngineBreaker
@@ -236,8 +236,10 @@ class Scheduler:
         queued = len(self._held_bytes)  # in the bins and taken from them, not yet sent (the former counts only the bins)
         if (count := self.core.max_queued_requests) is not None and queued >= count:
             self.totals["rejected"] += 1
-            raise Rejected("resource_exhausted", f"queue full: batch.maxQueuedRequests ({count}) reached, {queued} "
-                                                 "requests queued; retry later")  # fmt: skip
+            full = f"queue full: batch.maxQueuedRequests ({count}) reached, {queued} requests queued"
+            if self.breaker.state == "open":  # as the former's own bound: the engine's outage is the news
+                raise Rejected("unavailable", f"{self.breaker.describe(self.clock.now())}; {full}")
+            raise Rejected("resource_exhausted", f"{full}; retry later")
         limit = self.core.max_queued_bytes
         if limit is not None and self.queued_bytes + req.body_bytes > limit:
             self.totals["rejected"] += 1
@@ -405,7 +407,7 @@ class Scheduler:
             out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now), batch, (req,)))
 
     @staticmethod
-    def _take(pending: AdmissionQueue, req: Request, packed: bool, now: float, backlog: Backlog | None) -> None:
+    def _take(pending: FairAdmissionQueue, req: Request, packed: bool, now: float, backlog: Backlog | None) -> None:
         """Remove ``req``, the head ``pending.packed`` or ``pending.peek`` gave, from the queue."""
         if packed:
             pending.remove(req)
@@ -463,7 +465,7 @@ class Scheduler:
         return self.core.kv_plan.held(req.prompt_tokens, predicted_length(req), 0.0)
 
     def _backfill(
-        self, pending: AdmissionQueue, head: Request, now: float, left: list[Seq] | None, sizes: tuple[int, ...]
+        self, pending: FairAdmissionQueue, head: Request, now: float, left: list[Seq] | None, sizes: tuple[int, ...]
     ) -> tuple[Batch, Request] | None:  # fmt: skip
         """A request to send past ``head``, which the KV cache does not hold yet:
         of the ``BACKFILL_LOOKAHEAD`` next by rank, the first the cache holds now
@@ -490,7 +492,7 @@ class Scheduler:
                 return batch, req
         return None
 
-    def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
+    def _take_continuous(self, pending: FairAdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than
         the largest target size and nothing waits here -- a partial one at once
         ("room"): a continuous engine batches by itself, so maxWait would only add

@@ -192,7 +192,8 @@ def test_queue_share_is_the_weighted_share_floored():
 # -- the per-tenant bound of the queue, in the scheduler ------------------------------------------
 
 
-def scheduler(mode: str = "continuous", max_queued: int = 10, floor: int = 10, weights=None) -> tuple[Scheduler, ManualClock]:
+def scheduler(mode: str = "continuous", max_queued: int = 10, floor: int = 10,
+              weights=None) -> tuple[Scheduler, ManualClock]:  # fmt: skip
     clock = ManualClock()
     binner = FixedBinner(())
     former = BatchFormer(binner, clock, target_size=1, max_wait=0.0, max_queue=1000)
