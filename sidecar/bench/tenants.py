@@ -3,7 +3,8 @@
 The embedded engine and one sidecar run as child processes on 127.0.0.1; the
 bench calls the sidecar's OpenAI-compatible HTTP door, each call naming its
 tenant in ``x-llm-d-inference-fairness-id``.  Every request asks the same
-answer length (``ignore_eos``), so the engine's capacity is a rate:
+answer length distribution (``ignore_eos``, ``answer_tokens``), so the engine's
+capacity is a rate:
 
 1. ``capacity`` -- closed-loop calls through the sidecar: completions a second.
 2. ``alone`` -- the steady tenant alone, Poisson at ``steady_load`` of that
@@ -54,7 +55,7 @@ ENGINE = EngineShape(step_a=0.024, step_c=0.0008, num_gpu_blocks=48, block_size=
 class TenantsConfig:
     """The run's sizes; ``quick()`` is the seconds-long version the test suite runs."""
 
-    max_tokens: int = 64
+    max_tokens: int = 64  # the mean answer (answer_tokens)
     phase_seconds: float = 30.0
     total_load: float = 0.9  # of the measured capacity, both tenants at their fair shares
     flood_factor: float = 10.0  # the flood's rate over its fair share's (= the steady tenant's)
@@ -103,13 +104,13 @@ class Client:
         self.session, self.url, self.model, self.cfg = session, url, model, cfg
         self._n = 0
 
-    async def call(self, tenant: str, header: str, phase: Phase) -> Call:
+    async def call(self, tenant: str, header: str, phase: Phase, tokens: int) -> Call:
         self._n += 1
         out = Call(tenant)
         phase.calls.append(out)
         body = {"model": self.model, "prompt": f"{tenant} {self._n} please write something", "ignore_eos": True,
-                "max_tokens": self.cfg.max_tokens}  # fmt: skip
-        headers = {TENANT_HEADER: header, "x-expected-output-tokens": str(self.cfg.max_tokens)}
+                "max_tokens": tokens}  # fmt: skip
+        headers = {TENANT_HEADER: header, "x-expected-output-tokens": str(tokens)}
         start = time.monotonic()
         try:
             async with self.session.post(f"{self.url}/v1/completions", json=body, headers=headers,
@@ -135,21 +136,29 @@ async def poisson(client: Client, tenant: str, header: str, rate: float, seconds
         if due - start >= seconds:
             return
         await asyncio.sleep(max(0.0, due - time.monotonic()))  # ok-sleep: the pace of an open-loop generator
-        task = asyncio.get_running_loop().create_task(client.call(tenant, header, phase))
+        task = asyncio.get_running_loop().create_task(client.call(tenant, header, phase, answer_tokens(client.cfg, rng)))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+
+
+def answer_tokens(cfg: TenantsConfig, rng: random.Random) -> int:
+    """An answer's length: uniform over half to one and a half ``max_tokens`` (all of one length, the
+    engine's batch runs in lockstep: its requests end together, and an arrival waits for the next such
+    end, ~half an answer's time, whatever the order)."""
+    return rng.randint(cfg.max_tokens // 2, cfg.max_tokens * 3 // 2)
 
 
 async def capacity(client: Client, cfg: TenantsConfig) -> float:
     """Completions a second through the sidecar with ``capacity_concurrency`` calls outstanding."""
     phase = Phase("capacity")
     left = cfg.capacity_calls
+    rng = random.Random(cfg.seed - 1)
 
     async def worker() -> None:
         nonlocal left
         while left > 0:
             left -= 1
-            await client.call(STEADY, STEADY, phase)
+            await client.call(STEADY, STEADY, phase, answer_tokens(cfg, rng))
 
     start = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(cfg.capacity_concurrency)))
@@ -161,7 +170,9 @@ async def capacity(client: Client, cfg: TenantsConfig) -> float:
 
 async def run_phase(client: Client, name: str, steady_rate: float, flood_rate: float, cfg: TenantsConfig,
                     seed: int) -> Phase:  # fmt: skip
-    """One phase: the steady stream, and the flood's unless ``flood_rate`` is 0 (``unfair``: both one tenant)."""
+    """One phase: the steady stream, and the flood's unless ``flood_rate`` is 0 (``unfair``: both one tenant).
+    The same ``seed`` gives every phase the same steady arrivals and answer lengths: the phases differ only
+    by what runs beside them."""
     phase = Phase(name)
     tasks: set[asyncio.Task[Call]] = set()
     flood_header = STEADY if name == "unfair" else FLOOD
@@ -204,10 +215,10 @@ async def run_async(cfg: TenantsConfig, say: Callable[[str], None]) -> dict[str,
         flood_rate = steady_rate * cfg.flood_factor
         say(f"capacity {cap:.1f} completions/s; steady {steady_rate:.1f}/s, flood {flood_rate:.1f}/s")
         phases: dict[str, Phase] = {}
-        for i, name in enumerate(cfg.phases):
+        for name in cfg.phases:
             say(f"phase {name} ({cfg.phase_seconds:g} s)")
             phases[name] = await run_phase(client, name, steady_rate, 0.0 if name == "alone" else flood_rate, cfg,
-                                           cfg.seed + i)  # fmt: skip
+                                           cfg.seed)  # fmt: skip
         return report(cfg, cap, steady_rate, flood_rate, phases)
 
 

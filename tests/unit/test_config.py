@@ -530,3 +530,19 @@ def test_tenants_weights_reach_the_scheduler_core():
     assert core.tenants.weight("team-a") == 3 and core.tenants.weight("llm-d flow/7") == 1
     assert core.tenants.weight("someone") == 2 and core.tenants.floor_percent == 25
     assert core.max_queued_requests == cfg.batch.max_queued_requests
+
+
+def test_a_policy_with_tenants_renders_a_config_the_sidecar_enforces():
+    from binbatch_operator import crd
+    from binbatch_operator.builders import sidecar_config
+
+    spec = {"selector": {"matchLabels": {"app": "vllm"}},
+            "tenants": {"tenants": [{"name": "team-a", "weight": 5}], "maxQueuedSharePercent": 20}}  # fmt: skip
+    tenants = parse_config(sidecar_config(spec)).tenants
+    assert tenants.weights() == {"team-a": 5} and tenants.default_weight == 1
+    assert tenants.max_queued_share_percent == 20
+    schema = crd.spec_schema()["properties"]["tenants"]["properties"]
+    assert schema["tenants"]["x-kubernetes-list-map-keys"] == ["name"] and schema["tenants"]["maxItems"] == 256
+    name, weight = schema["tenants"]["items"]["properties"]["name"], schema["tenants"]["items"]["properties"]["weight"]
+    assert name["maxLength"] == 256 and name["pattern"].startswith("^[!-^`-~]")
+    assert (weight["minimum"], weight["maximum"], weight["type"]) == (1, 1000, "integer")
