@@ -211,6 +211,17 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
         {"classes": {"default": {"allowHints": False, "allowPriority": False, "allowSloHeaders": False}}},
         lambda s: [s.config.classes.inputs_of("").allows(w) for w in CALLER_INPUTS], [False, False, False],
     ),  # read per request; see test_caller_inputs  # fmt: skip
+    # the scheduler reads the weights at each admission and refusal (test_fair_share); the metrics' labels too
+    ("tenants", "tenants"): (
+        {"tenants": {"tenants": [{"name": "team-x", "weight": 7}]}},
+        lambda s: (s.dispatcher.scheduler._weight("team-x"), s.metrics.tenant_label("team-x")), (7, "team-x"),
+    ),  # fmt: skip
+    ("tenants", "default_weight"): (
+        {"tenants": {"defaultWeight": 4}}, lambda s: s.dispatcher.scheduler._weight("anyone"), 4,
+    ),  # fmt: skip
+    ("tenants", "max_queued_share_percent"): (
+        {"tenants": {"maxQueuedSharePercent": 30}}, lambda s: _core(s).tenants.floor_percent, 30,
+    ),  # fmt: skip
 }
 REFUSED: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("server", "grpc_port"): {"server": {"grpcPort": 12345}},
