@@ -257,3 +257,17 @@ def test_weights_and_the_floor_set_the_share_and_idle_tenants_are_forgotten():
     s.release(d.slot, clock.now())
     assert "big" not in s.queued_by_tenant()  # nothing open: forgotten, and "small" is alone now
     s.submit(sreq(100, clock, "small"))
+
+
+def test_the_scheduler_admits_a_steady_tenant_past_a_flood_in_continuous_mode():
+    s, clock = scheduler(max_queued=100)
+    flood = [sreq(i, clock, "flood") for i in range(6)]
+    for x in flood:
+        s.submit(x)
+    first = s.step(clock.now()).dispatches  # one place in the engine (size 1)
+    assert [d.requests[0].id for d in first] == ["0"]
+    steady = sreq(99, clock, "steady")
+    s.submit(steady)
+    s.complete(flood[0], Outcome(completion_tokens=8.0), clock.now())
+    s.release(first[0].slot, clock.now())
+    assert [d.requests[0].id for d in s.step(clock.now()).dispatches] == ["99"]
