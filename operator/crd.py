@@ -45,7 +45,8 @@ CRD_PATH = Path("manifests/crd/batchingpolicies.binbatch.io.yaml")
 
 # Sections of the sidecar config a policy sets; ``server`` is the operator's to
 # render (ports come from spec.sidecar).
-CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging", "classes")
+CONFIG_SECTIONS = ("engine", "bins", "batch", "memory", "latency", "predictor", "metrics", "logging", "classes",
+                   "tenants")
 
 # Fields of a config section that only the operator reads (the sidecar's config has no such key).
 CRD_ONLY = {"predictor": ("model", "fleet"), "engine": ("apiKeySecretRef",)}
@@ -225,6 +226,7 @@ SECTION_DESCRIPTIONS = {
     "metrics": "Where the sidecar reads the engine's metrics.",
     "logging": "The sidecar's logs.",
     "classes": "Request classes clients name in request_class, each with a priority and what its callers may send to steer their place in the queue.",
+    "tenants": "Tenants (the x-llm-d-inference-fairness-id a request sends, else one shared tenant) and their weights: each gets its weighted fair share of admission and of the queue, so one tenant's flood cannot starve another's.",
 }
 
 _DROP = {"title", "additionalProperties"}

@@ -37,6 +37,7 @@ at once, one per line, as ``<dotted.camelCase.path>: <message>`` (``ConfigError`
                 default: {allowHints, allowPriority, allowSloHeaders}}
     auth:      {callerTokensDir, callers: [{name, allowHints, allowPriority, allowSloHeaders}],
                 adminTokenFile, operatorPublicKeys, audience}
+    tenants:   {tenants: [{name, weight}], defaultWeight, maxQueuedSharePercent}
 
 An absent file means the defaults (``binbatch sidecar`` without ``--config``), but
 a file that exists and holds no document (empty, whitespace or comments only) is
@@ -543,6 +544,50 @@ class AuthConfig(_Section):
         return ALL_INPUTS_ALLOWED
 
 
+# A tenant's name as a request sends it (x-llm-d-inference-fairness-id): printable ASCII, no space at either end;
+# a name listed in the config does not start with "_" (the metrics' _shared and _other labels).
+TENANT_NAME_LIMIT = 256
+TENANT_WEIGHT_LIMIT = 1000
+TENANT_NAME_PATTERN = r"^[!-^`-~]([ -~]{0,254}[!-~])?$"
+
+
+class TenantWeight(_Section):
+    name: str = Field(min_length=1, max_length=TENANT_NAME_LIMIT, pattern=TENANT_NAME_PATTERN, description="The tenant as requests name it in the header x-llm-d-inference-fairness-id (or x-gateway-inference-fairness-id; gRPC metadata of the same name): 1 to 256 printable ASCII characters, no space at either end, not starting with '_'.")  # fmt: skip
+    weight: int = Field(1, ge=1, le=TENANT_WEIGHT_LIMIT, description="The tenant's weight: while tenants wait, each is admitted its weight's share of the predicted output tokens admitted, and may hold its weight's share of the queue (batch.maxQueuedRequests, batch.maxQueuedBytes).")  # fmt: skip
+
+
+def _tenant_list_schema() -> dict[str, Any]:
+    """The list inlined (the CRD generator takes no $ref), keyed by name as a list-map."""
+    item = TenantWeight.model_json_schema(by_alias=True)
+    item.pop("title", None)
+    for prop in item["properties"].values():
+        prop.pop("title", None)
+    item["required"] = ["name"]
+    return {
+        "type": "array", "maxItems": 256, "items": item,
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+        "description": "Tenants with a weight of their own (the rest have defaultWeight). The tenant of a request is its authenticated caller where auth.callerTokensDir is set, else the x-llm-d-inference-fairness-id header it sends (or x-gateway-inference-fairness-id); none: the one shared tenant. Their names label the binbatch_tenant_* metrics; other tenants are counted as _other.",
+    }  # fmt: skip
+
+
+class TenantsConfig(_Section):
+    tenants: Annotated[list[TenantWeight], WithJsonSchema(_tenant_list_schema())] = Field(default_factory=list, max_length=256)  # fmt: skip
+    default_weight: int = Field(1, ge=1, le=TENANT_WEIGHT_LIMIT, description="The weight of every tenant not listed in tenants, the shared tenant (requests naming none) included.")  # fmt: skip
+    max_queued_share_percent: int = Field(10, ge=1, le=100, description="The least share of batch.maxQueuedRequests and batch.maxQueuedBytes a tenant may hold whatever its weight, in percent. While other tenants have requests queued or running, a tenant may hold at most the larger of its weighted share (its weight over the weights of every tenant with requests queued or running, its own included) and this; beyond it its requests are refused (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED). A lone tenant may use the whole queue. 100: no per-tenant bound.")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _unique(self) -> TenantsConfig:
+        seen: set[str] = set()
+        for i, t in enumerate(self.tenants):
+            if t.name in seen:
+                _broken([(f"tenants[{i}].name", f"duplicate tenant {t.name!r}")])
+            seen.add(t.name)
+        return self
+
+    def weights(self) -> dict[str, int]:
+        return {t.name: t.weight for t in self.tenants}
+
+
 class SidecarConfig(_Section):
     """The whole file; every section defaults."""
 
@@ -557,6 +602,7 @@ class SidecarConfig(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     classes: ClassesConfig = Field(default_factory=ClassesConfig, description="Request classes, their priorities and what their callers may send.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Who may call the sidecar: caller tokens for both doors, and the Admin service's credentials.")  # fmt: skip
+    tenants: TenantsConfig = Field(default_factory=TenantsConfig, description="Tenants and their weights: each gets its weighted fair share of admission and of the queue.")  # fmt: skip
 
     @model_validator(mode="after")
     def _sla_needs_target(self) -> SidecarConfig:

@@ -45,6 +45,19 @@ def _bench_chaos(args: argparse.Namespace) -> int:
     return 0 if doc["lost"] == doc["duplicated"] == doc["hung"] == 0 else 1
 
 
+def _bench_tenants(args: argparse.Namespace) -> int:
+    from ..bench import tenants
+
+    cfg = tenants.TenantsConfig()
+    if args.quick:
+        cfg = cfg.quick()
+    if args.phase_seconds is not None:
+        cfg = replace(cfg, phase_seconds=args.phase_seconds)
+    doc = tenants.run(cfg, progress(args, "bench tenants"))
+    report(args, doc, lambda: tenants.print_tables(doc))
+    return 0
+
+
 def _bench_sim(args: argparse.Namespace) -> int:
     from ..bench import sim
 
@@ -236,6 +249,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help=f"run only this scenario (repeatable): {', '.join(_CHAOS_SCENARIOS)}")  # fmt: skip
     ch.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     ch.set_defaults(func=_bench_chaos)
+    tn = bench_sub.add_parser(
+        "tenants", help="one tenant's flood beside a steady tenant",
+        description="A steady tenant at its fair share of 0.9 load beside a tenant flooding at 10x its share, on "
+                    "the embedded engine through one sidecar: the steady tenant's p50/p99 E2E alone, in the flood, "
+                    "and in the same flood without fair share (one tenant name for both); the flood's 429s "
+                    "(~2 min; --quick < 30 s).",
+    )  # fmt: skip
+    tn.add_argument("--json", action="store_true", help="print one JSON document {setup, phases, ratios} instead of tables")
+    tn.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
+    tn.add_argument("--phase-seconds", type=positive_float, help="length of each phase (default 30)")
+    tn.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    tn.set_defaults(func=_bench_tenants)
     sm = bench_sub.add_parser(
         "sim", help="the scheduler in front of a simulated KV-limited engine",
         description="Put the sidecar's scheduler in front of a simulated KV-limited engine at a few Poisson loads: "

@@ -348,6 +348,13 @@ class AdmissionQueue(Generic[T]):
         self._aging = 1.0 / tpot
         self._rekey()
 
+    def adopt_aging(self, other: AdmissionQueue) -> None:
+        """Age at ``other``'s pace (a tenant's queue made after the engine's TPOT was
+        measured: fair_share.py); from then on each is told every ``set_tpot``."""
+        if self.order.aging is None and self._aging != other._aging:
+            self._aging = other._aging
+            self._rekey()
+
     def peek(self, now: float, backlog: Backlog | None = None) -> tuple[T, Request] | None:
         e = self._next(now, backlog)
         return None if e is None else (e.item, e.req)

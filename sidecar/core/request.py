@@ -35,6 +35,7 @@ class Request:
     send_by: float | None = None  # leave the bin by this clock time (a TTFT SLO's queue share)
     tpot_slo: float | None = None  # x-slo-tpot-ms in seconds; a tight one waits for the engine (TpotGate)
     request_class: str = ""
+    tenant: str = ""  # who it is served for (fair_share.py); "": the shared tenant
     # what the request asks, for a predictor that reads it; kept only while the request is in flight
     prompt_text: str = ""
     body_bytes: int = 0  # the size of the request as it came (HTTP body, gRPC message): batch.maxQueuedBytes counts it

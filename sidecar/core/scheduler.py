@@ -29,7 +29,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
-from .admission import AdmissionOrder, AdmissionQueue, Backlog, engine_cap, kv_area
+from .admission import AdmissionOrder, Backlog, engine_cap, kv_area
+from .fair_share import FairAdmissionQueue, TenantPolicy, queue_share
 from .binner import AdaptiveBinner, Binner, n_max_from_memory
 from .breaker import EngineBreaker
 from .clock import Clock
@@ -75,6 +76,19 @@ class Core:
     admission: AdmissionOrder = field(default_factory=AdmissionOrder)  # continuous mode: who goes in next
     kv_plan: KvPlan | None = None  # continuous mode: admit only what the KV cache holds to the end (kv_plan.py)
     max_queued_bytes: int | None = None  # batch.maxQueuedBytes: Request.body_bytes of every queued request; None: no bound
+    # batch.maxQueuedRequests as the per-tenant share bounds it (fair_share.py); None: no per-tenant bound by count
+    max_queued_requests: int | None = None
+    tenants: TenantPolicy = field(default_factory=TenantPolicy)  # the tenants' weights (tenants config section)
+
+
+class _TenantLoad:
+    """A tenant's requests accepted and not ended (``open``: queued or in flight), those queued and their bytes."""
+
+    __slots__ = ("open", "queued", "bytes", "weight")
+
+    def __init__(self, weight: int) -> None:
+        self.open = self.queued = self.bytes = 0
+        self.weight = weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +155,10 @@ class Scheduler:
         self.queued_bytes = 0  # their sum: what batch.maxQueuedBytes bounds (binbatch_queued_bytes)
         self._slot_of: dict[Request, Slot] = {}  # the engine call holding each request now
         # continuous: taken from the former, not yet admitted, in the admission order
-        self._pending: AdmissionQueue[Batch] = AdmissionQueue(core.admission)
+        self._pending: FairAdmissionQueue[Batch] = FairAdmissionQueue(core.admission, self._weight)
+        # per tenant, while it has requests open (fair_share.py); the sum of their weights
+        self._tenants: dict[str, _TenantLoad] = {}
+        self._active_weight = 0
         self.engine_cap: int | None = None  # continuous, core.admission.follow_engine: see admission.engine_cap
         self._engine_counts: tuple[int, int] | None = None  # the engine's (running, waiting) at the last fresh scrape
         self._binner_version = core.binner.version
@@ -156,6 +173,13 @@ class Scheduler:
     @property
     def inflight_batches(self) -> int:
         return self.ledger.batches
+
+    def _weight(self, tenant: str) -> int:
+        return self.core.tenants.weight(tenant)
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        """Requests queued (not yet sent) per tenant with any open ("": the shared tenant)."""
+        return {name: load.queued for name, load in self._tenants.items()}
 
     def is_open(self, req: Request) -> bool:
         """Accepted and not yet ended."""
@@ -205,6 +229,17 @@ class Scheduler:
         if refused is not None:
             self.totals["rejected"] += 1
             raise refused
+        refused = self._tenant_refusal(req)
+        if refused is not None:
+            self.totals["rejected"] += 1
+            raise refused
+        queued = len(self._held_bytes)  # in the bins and taken from them, not yet sent (the former counts only the bins)
+        if (count := self.core.max_queued_requests) is not None and queued >= count:
+            self.totals["rejected"] += 1
+            full = f"queue full: batch.maxQueuedRequests ({count}) reached, {queued} requests queued"
+            if self.breaker.state == "open":  # as the former's own bound: the engine's outage is the news
+                raise Rejected("unavailable", f"{self.breaker.describe(self.clock.now())}; {full}")
+            raise Rejected("resource_exhausted", f"{full}; retry later")
         limit = self.core.max_queued_bytes
         if limit is not None and self.queued_bytes + req.body_bytes > limit:
             self.totals["rejected"] += 1
@@ -221,18 +256,62 @@ class Scheduler:
             raise Rejected("resource_exhausted", f"queue full: {exc}") from None
         self.totals["accepted"] += 1
         self._open.add(req)
+        load = self._tenants.get(req.tenant)
+        if load is None:
+            load = self._tenants[req.tenant] = _TenantLoad(self._weight(req.tenant))
+            self._active_weight += load.weight
+        load.open += 1
         self._hold_bytes(req)
         return bin_
 
+    def _tenant_refusal(self, req: Request) -> Rejected | None:
+        """Refuse ``req`` if its tenant holds its share of the queue already: with other tenants'
+        requests queued or in flight, a tenant of weight w may hold at most max(w / W,
+        tenants.maxQueuedSharePercent) of batch.maxQueuedRequests and of batch.maxQueuedBytes, W the
+        weights of every tenant with requests open, its own included (fair_share.py).  A lone tenant is
+        not bounded here."""
+        core = self.core
+        load = self._tenants.get(req.tenant)
+        weight = load.weight if load is not None else self._weight(req.tenant)
+        active = self._active_weight + (0 if load is not None else weight)
+        share = queue_share(weight, active, core.tenants.floor_percent)
+        if active == weight or share >= 1.0:
+            return None
+        queued, held = (load.queued, load.bytes) if load is not None else (0, 0)
+        others = len(self._tenants) - (load is not None)
+        who = f"tenant {req.tenant!r}" if req.tenant else "the shared tenant (no x-llm-d-inference-fairness-id)"
+        why = (f"its share is {share:.0%} (weight {weight} of {active} for the {others + 1} tenants with requests "
+               f"queued or running, at least tenants.maxQueuedSharePercent {core.tenants.floor_percent}%)")  # fmt: skip
+        limit = core.max_queued_requests
+        if limit is not None and queued + 1 > max(1, int(limit * share)):
+            return Rejected("resource_exhausted", f"queue full for {who}: it holds {queued} queued requests, "
+                            f"{max(1, int(limit * share))} of batch.maxQueuedRequests ({limit}); {why}; retry later")  # fmt: skip
+        limit = core.max_queued_bytes
+        if limit is not None and held + req.body_bytes > int(limit * share):
+            return Rejected("resource_exhausted", f"queue full for {who}: it holds {held} bytes of queued requests, "
+                            f"{int(limit * share)} of batch.maxQueuedBytes ({limit}); {why}; retry later")  # fmt: skip
+        return None
+
     def _hold_bytes(self, req: Request) -> None:
-        """``req`` is queued: its bytes count against batch.maxQueuedBytes until it leaves."""
-        if req.body_bytes and req not in self._held_bytes:
+        """``req`` is queued: its bytes count against batch.maxQueuedBytes (and it against its
+        tenant's share) until it leaves."""
+        if req not in self._held_bytes:
             self._held_bytes[req] = req.body_bytes
             self.queued_bytes += req.body_bytes
+            load = self._tenants.get(req.tenant)
+            if load is not None:
+                load.queued += 1
+                load.bytes += req.body_bytes
 
     def _release_bytes(self, req: Request) -> None:
         """``req`` left the queue (sent to the engine, or ended): its bytes, once."""
-        self.queued_bytes -= self._held_bytes.pop(req, 0)
+        if req in self._held_bytes:
+            held = self._held_bytes.pop(req)
+            self.queued_bytes -= held
+            load = self._tenants.get(req.tenant)
+            if load is not None:
+                load.queued -= 1
+                load.bytes -= held
 
     def end(self, req: Request, outcome: str) -> bool:
         """End ``req`` with ``outcome``; True only the first time (the caller answers it then)."""
@@ -240,6 +319,12 @@ class Scheduler:
             return False
         self._open.discard(req)
         self._release_bytes(req)
+        load = self._tenants.get(req.tenant)
+        if load is not None:
+            load.open -= 1
+            if load.open <= 0:  # idle: forgotten (the tenants kept are those with requests open)
+                del self._tenants[req.tenant]
+                self._active_weight -= load.weight
         self.totals[outcome] += 1
         return True
 
@@ -322,7 +407,7 @@ class Scheduler:
             out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now), batch, (req,)))
 
     @staticmethod
-    def _take(pending: AdmissionQueue, req: Request, packed: bool, now: float, backlog: Backlog | None) -> None:
+    def _take(pending: FairAdmissionQueue, req: Request, packed: bool, now: float, backlog: Backlog | None) -> None:
         """Remove ``req``, the head ``pending.packed`` or ``pending.peek`` gave, from the queue."""
         if packed:
             pending.remove(req)
@@ -380,7 +465,7 @@ class Scheduler:
         return self.core.kv_plan.held(req.prompt_tokens, predicted_length(req), 0.0)
 
     def _backfill(
-        self, pending: AdmissionQueue, head: Request, now: float, left: list[Seq] | None, sizes: tuple[int, ...]
+        self, pending: FairAdmissionQueue, head: Request, now: float, left: list[Seq] | None, sizes: tuple[int, ...]
     ) -> tuple[Batch, Request] | None:  # fmt: skip
         """A request to send past ``head``, which the KV cache does not hold yet:
         of the ``BACKFILL_LOOKAHEAD`` next by rank, the first the cache holds now
@@ -407,7 +492,7 @@ class Scheduler:
                 return batch, req
         return None
 
-    def _take_continuous(self, pending: AdmissionQueue) -> Batch | None:
+    def _take_continuous(self, pending: FairAdmissionQueue) -> Batch | None:
         """The next batch the former releases, or -- while the engine holds fewer than
         the largest target size and nothing waits here -- a partial one at once
         ("room"): a continuous engine batches by itself, so maxWait would only add
@@ -579,8 +664,11 @@ class Scheduler:
         self.mode, self.max_inflight_batches = mode, max_inflight_batches
         self._binner_version = core.binner.version
         core.former.set_partial_waits_for_server(mode == "gang")
+        for name, load in self._tenants.items():  # the new weights apply at once, to the share and to admission
+            load.weight = self._weight(name)
+        self._active_weight = sum(load.weight for load in self._tenants.values())
         if core.admission != self._pending.order:  # taken requests keep their batch; the new order ranks them
-            old_pending, self._pending = self._pending, AdmissionQueue(core.admission)
+            old_pending, self._pending = self._pending, FairAdmissionQueue(core.admission, self._weight)
             for batch, req in sorted(old_pending, key=lambda e: e[1].arrival):
                 self._pending.push(batch, req)
         refused = []

@@ -180,6 +180,7 @@ class Dispatcher:
         metrics.inflight_batches.set_function(lambda: self.inflight_batches)
         metrics.pending_requests.set_function(self.pending_requests)
         metrics.queued_bytes.set_function(lambda: self.scheduler.queued_bytes)
+        metrics.tenant_queued.queued = lambda: self.scheduler.queued_by_tenant()
         metrics.predictor_model_version.set_function(lambda: self._learned_model("version", 0))
         metrics.predictor_model_records.set_function(lambda: self._learned_model("records", 0))
         metrics.predictor_model_age.set_function(self._model_age)
@@ -293,6 +294,7 @@ class Dispatcher:
         except Rejected:
             if self.accepting:
                 self._child(self.metrics.requests, "rejected").inc()
+            self._child(self.metrics.tenant_rejected, self.metrics.tenant_label(req.tenant)).inc()
             raise
         self._calls[req] = call
         self.metrics.accepted.inc()
@@ -357,6 +359,7 @@ class Dispatcher:
             model = call.engine_request.params.model
             self._sent[model] = self._sent.get(model, 0) + 1
             self.metrics.wait.observe(max(0.0, now - req.arrival))
+            self._child(self.metrics.tenant_admitted, self.metrics.tenant_label(req.tenant)).inc()
             if ordered_there:  # the engine orders its queue: tell it where this one goes
                 key = engine_priority(req, self._tpot, self._epoch)
                 call.engine_request.params = replace(call.engine_request.params, priority=key)

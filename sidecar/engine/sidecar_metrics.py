@@ -108,6 +108,62 @@ class RequestsWaiting:
         yield family
 
 
+SHARED_TENANT_LABEL = "_shared"  # tenant label of requests that name no tenant
+OTHER_TENANT_LABEL = "_other"  # tenant label of every tenant the config does not list (no listed name starts with "_")
+
+
+class TenantLabels:
+    """The ``tenant`` label of a tenant, with bounded cardinality: a tenant the
+    config lists (``tenants.tenants``, at most 256) keeps its name, the shared
+    tenant is ``_shared`` and every other is ``_other`` (a header may name any
+    tenant, so a label per name would let clients mint series).  ``watch`` points
+    it at the running config's names (a reload changes them)."""
+
+    def __init__(self) -> None:
+        self._names: Callable[[], Collection[str]] = tuple
+
+    def watch(self, names: Callable[[], Collection[str]]) -> None:
+        self._names = names
+
+    def known(self) -> list[str]:
+        return [SHARED_TENANT_LABEL, *self._names(), OTHER_TENANT_LABEL]
+
+    def __call__(self, tenant: str) -> str:
+        if not tenant:
+            return SHARED_TENANT_LABEL
+        return tenant if tenant in self._names() else OTHER_TENANT_LABEL
+
+
+class TenantsQueued:
+    """``binbatch_tenant_queued_requests{tenant}``, computed when /metrics is scraped
+    from ``queued`` (the scheduler's requests queued per tenant); every known label
+    is exported, at 0 when it has none queued."""
+
+    NAME = "binbatch_tenant_queued_requests"
+    DOC = ("Requests queued (accepted, not yet sent to the engine) by tenant: a tenant listed in tenants.tenants, "
+           "_shared (requests naming none) or _other (every other tenant)")  # fmt: skip
+
+    def __init__(self, labels: TenantLabels) -> None:
+        self.labels = labels
+        self.queued: Callable[[], Mapping[str, int]] = dict
+
+    def values(self) -> dict[str, float]:
+        totals = dict.fromkeys(self.labels.known(), 0.0)
+        for tenant, n in self.queued().items():
+            label = self.labels(tenant)
+            totals[label] = totals.get(label, 0.0) + n
+        return totals
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.NAME, self.DOC, labels=["tenant"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.NAME, self.DOC, labels=["tenant"])
+        for label, value in sorted(self.values().items()):
+            family.add_metric([label], value)
+        yield family
+
+
 class SidecarMetrics:
     """Every binbatch_* metric; one instance per sidecar."""
 
@@ -295,6 +351,17 @@ class SidecarMetrics:
         )  # fmt: skip
         for door in ("http", "grpc", "admin"):
             self.unauthenticated.labels(door)
+        self.tenant_label = TenantLabels()
+        self.tenant_admitted = Counter(
+            "binbatch_tenant_admitted", "Requests sent to the engine, by tenant (a tenant listed in tenants.tenants, "
+            "_shared: requests naming none, _other: every other tenant)", ["tenant"], registry=r,
+        )  # fmt: skip
+        self.tenant_rejected = Counter(
+            "binbatch_tenant_rejected", "Requests refused as they arrived (a full queue, the tenant's share of it, "
+            "draining, the engine down), by tenant (as binbatch_tenant_admitted)", ["tenant"], registry=r,
+        )  # fmt: skip
+        self.tenant_queued = TenantsQueued(self.tenant_label)
+        r.register(self.tenant_queued)
         for what in CALLER_INPUTS:
             self.ignored_inputs.labels(what)
         for outcome in OUTCOMES:

@@ -156,6 +156,7 @@ class Sidecar:
             clock=self.clock, on_snapshot=self._on_snapshot,
         )  # fmt: skip
         self.metrics.model_label.watch(served=lambda: self._models, default=self.default_model)
+        self.metrics.tenant_label.watch(lambda: self.config.tenants.weights())
         self.metrics.requests_waiting.engine = self.feed.engine_waiting
         self.feed.own = self.dispatcher  # the engine's waiting figure moves with the sidecar's requests, not a scrape later
         self.watcher = (

@@ -20,6 +20,7 @@ from ..core.admission import AdmissionOrder
 from ..core.autok import BinCountController
 from ..core.binner import AdaptiveBinner, AutoBinner, Binner, FixedBinner
 from ..core.clock import Clock
+from ..core.fair_share import TenantPolicy
 from ..core.former import BatchFormer
 from ..core.kv_plan import KvPlan
 from ..core.predictor import ExternalFirst, HintPredictor, LearnedPredictor, LengthPredictor, OnlinePredictor
@@ -179,7 +180,14 @@ def build_core(
         kept = previous.kv_plan if previous is not None else None
         plan = KvPlan(reserve=cfg.kv_reserve_ratio) if kept is None else replace(kept, reserve=cfg.kv_reserve_ratio)
     return Core(predictor=predictor, binner=binner, former=former, sizer=sizer, admission=build_admission(cfg),
-                kv_plan=plan, max_queued_bytes=bt.max_queued_bytes)  # fmt: skip
+                kv_plan=plan, max_queued_bytes=bt.max_queued_bytes, max_queued_requests=bt.max_queued_requests,
+                tenants=build_tenants(cfg))  # fmt: skip
+
+
+def build_tenants(cfg: SidecarConfig) -> TenantPolicy:
+    """The ``tenants`` section as the scheduler takes it (fair_share.py)."""
+    t = cfg.tenants
+    return TenantPolicy(t.weights(), t.default_weight, t.max_queued_share_percent)
 
 
 def build_admission(cfg: SidecarConfig) -> AdmissionOrder:

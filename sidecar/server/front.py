@@ -57,6 +57,11 @@ STOP_LENGTH_LIMIT = 1024
 PRIORITY_LIMIT = CLASS_PRIORITY_LIMIT
 PRIORITY_SPAN = 2 * PRIORITY_LIMIT + 1  # a class's priority ranks before the request's own
 DIGITS = re.compile(r"[0-9]{1,9}")  # plain ASCII digits; longer is beyond every bound anyway
+# The tenant a request is served for (core/fair_share.py), as the llm-d router reads it: its current name first,
+# then the Gateway API Inference Extension's (the router's deprecated alias).  HTTP header or gRPC metadata.
+TENANT_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+TENANT_LIMIT = 256  # bytes (= characters: printable ASCII only)
+TENANT_VALUE = re.compile(r"[ -~]*")
 
 # Tokens a chat template may add around the messages (roles, special tokens).
 TEMPLATE_TOKENS = 64
@@ -97,6 +102,7 @@ class Fields:
     trace: TraceContext | None = None
     body_bytes: int = 0  # the request's size as it came (batch.maxQueuedBytes counts it while it is queued)
     caller: str = ""  # the authenticated caller (auth.callerTokensDir); "" with caller authentication off
+    tenant: str = ""  # who it is served for (read_tenant); "": the shared tenant
 
 
 @dataclass(slots=True)
@@ -153,6 +159,25 @@ def read_slo(pairs: Iterable[tuple[str, str]]) -> dict[str, int]:
             raise InvalidRequest(f"{key}: must be a whole number of milliseconds in [1, {limit}], got {shown!r}")
         out[key] = int(value)
     return out
+
+
+def read_tenant(pairs: Iterable[tuple[str, str]]) -> str:
+    """The request's tenant from its headers or metadata (``TENANT_HEADERS``, keys
+    matched without case; the first name wins when both are given, as in the
+    llm-d router): at most ``TENANT_LIMIT`` printable ASCII characters, each name
+    at most once.  None given (or empty): "", the shared tenant."""
+    found: dict[str, str] = {}
+    for raw_key, value in pairs:
+        key = raw_key.lower()
+        if key not in TENANT_HEADERS:
+            continue
+        if key in found:
+            raise InvalidRequest(f"{key}: given more than once")
+        if not isinstance(value, str) or len(value) > TENANT_LIMIT or not TENANT_VALUE.fullmatch(value):
+            shown = repr(value[:32] + ("..." if len(value) > 32 else "")) if isinstance(value, str) else "binary"
+            raise InvalidRequest(f"{key}: must be at most {TENANT_LIMIT} printable ASCII characters, got {shown}")
+        found[key] = value
+    return next((found[k] for k in TENANT_HEADERS if k in found), "")
 
 
 def unset_max_tokens(cap: int, context_length: int | None, prompt: str) -> int:
@@ -332,6 +357,7 @@ class Front:
             send_by=None if budget is None else now + budget,
             tpot_slo=slo["x-slo-tpot-ms"] / 1000 if "x-slo-tpot-ms" in slo else None,  # TpotGate
             request_class=f.request_class,
+            tenant=f.caller or f.tenant,  # the authenticated caller, else the fairness header, else the shared one
             prompt_text=text,  # for predictor.kind Learned; min_tokens, stop and ignore_eos are never handed on
             body_bytes=f.body_bytes,
         )

@@ -76,7 +76,7 @@ from ..engine.dispatcher import Completion, Rejected
 from ..engine.engine_client import EngineClient, EngineError
 from .caller_auth import CallerAuth, Unauthenticated
 from .connection_limits import BodyTooLarge, StreamedBody, read_body
-from .front import DIGITS, REQUEST_ID_LIMIT, Fields, Front, InvalidRequest, Ticket, read_slo
+from .front import DIGITS, REQUEST_ID_LIMIT, Fields, Front, InvalidRequest, Ticket, read_slo, read_tenant
 from .openai_bodies import ChatBody, CompletionBody, include_usage, parse_body, read_json, to_fields
 from .trace_context import read_trace_context
 
@@ -181,6 +181,7 @@ def read_headers(request: web.Request, f: Fields) -> None:
     """The door's headers into ``f`` (the request id is read before, to echo it)."""
     pairs = tuple(request.headers.items())
     f.slo = read_slo(pairs)
+    f.tenant = read_tenant(pairs)
     f.trace = read_trace_context(pairs)
     if (hint := _header(request, HINT)) is not None:
         if not DIGITS.fullmatch(hint):

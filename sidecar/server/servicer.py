@@ -62,6 +62,7 @@ from .front import (  # noqa: F401 - the bounds and helpers are re-exported: bin
     Ticket,
     estimate_prompt_tokens,
     read_slo,
+    read_tenant,
     unset_max_tokens,
 )
 from .caller_auth import AdminGate, CallerAuth, Unauthenticated
@@ -223,6 +224,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             request_class=msg.request_class,
             request_id=msg.request_id,
             slo=read_slo(metadata),
+            tenant=read_tenant(metadata),
             timeout=context.time_remaining(),
             trace=read_trace_context(metadata),
         )

@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import tempfile
 import typing
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from prometheus_client.parser import text_string_to_metric_families
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
@@ -40,6 +43,9 @@ FAST = EmulatorConfig(step_a=0.001, step_c=0.0001, num_gpu_blocks=512, block_siz
 OTHER = "http://127.0.0.1:9"  # a second engine URL; rows that need it to answer use a second emulator
 WARM_START = os.path.join(tempfile.gettempdir(), f"binbatch-reload-warm-{os.getpid()}.npz")  # written by warm_start()
 KEY_FILE = os.path.join(tempfile.gettempdir(), f"binbatch-reload-key-{os.getpid()}")  # written by key_file()
+TOKENS_DIR = os.path.join(tempfile.gettempdir(), f"binbatch-reload-tokens-{os.getpid()}")  # written by auth_files()
+ADMIN_FILE = os.path.join(tempfile.gettempdir(), f"binbatch-reload-admin-{os.getpid()}")  # written by auth_files()
+OPERATOR_KEY = Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo).decode()
 NO_MODEL = os.path.join(tempfile.gettempdir(), f"binbatch-reload-none-{os.getpid()}.npz")  # never written
 
 
@@ -62,6 +68,19 @@ def warm_start():
                                             [400.0 if i % 2 else 3.0 for i in range(20)]))  # fmt: skip
     yield WARM_START
     os.unlink(WARM_START)
+
+
+@pytest.fixture
+def auth_files():
+    """A callers' token directory (one caller, team-a) and an admin token, for the auth rows."""
+    os.makedirs(TOKENS_DIR, exist_ok=True)
+    with open(os.path.join(TOKENS_DIR, "team-a"), "w", encoding="utf-8") as f:
+        f.write("reload-caller-token\n")
+    with open(ADMIN_FILE, "w", encoding="utf-8") as f:
+        f.write("reload-admin-token\n")
+    yield
+    shutil.rmtree(TOKENS_DIR)
+    os.unlink(ADMIN_FILE)
 
 
 @pytest.fixture
@@ -211,6 +230,36 @@ APPLIED: dict[tuple[str, str], tuple[dict[str, dict[str, Any]], Probe, Any]] = {
         {"classes": {"default": {"allowHints": False, "allowPriority": False, "allowSloHeaders": False}}},
         lambda s: [s.config.classes.inputs_of("").allows(w) for w in CALLER_INPUTS], [False, False, False],
     ),  # read per request; see test_caller_inputs  # fmt: skip
+    # the scheduler reads the weights at each admission and refusal (test_fair_share); the metrics' labels too
+    ("tenants", "tenants"): (
+        {"tenants": {"tenants": [{"name": "team-x", "weight": 7}]}},
+        lambda s: (s.dispatcher.scheduler._weight("team-x"), s.metrics.tenant_label("team-x")), (7, "team-x"),
+    ),  # fmt: skip
+    ("tenants", "default_weight"): (
+        {"tenants": {"defaultWeight": 4}}, lambda s: s.dispatcher.scheduler._weight("anyone"), 4,
+    ),  # fmt: skip
+    ("tenants", "max_queued_share_percent"): (
+        {"tenants": {"maxQueuedSharePercent": 30}}, lambda s: _core(s).tenants.floor_percent, 30,
+    ),  # fmt: skip
+    # read per request and per Admin call (test_caller_auth, test_caller_auth_doors); the files are re-read on change
+    ("auth", "caller_tokens_dir"): (
+        {"auth": {"callerTokensDir": TOKENS_DIR}},
+        lambda s: (s.caller_auth.on, s.caller_tokens.caller("reload-caller-token"), s.caller_tokens.caller("nope")),
+        (True, "team-a", None),
+    ),  # fmt: skip
+    ("auth", "callers"): (
+        {"auth": {"callers": [{"name": "team-a", "allowHints": False, "allowPriority": True, "allowSloHeaders": True}]}},
+        lambda s: [s.config.auth.inputs_of("team-a").allows(w) for w in CALLER_INPUTS], [False, True, True],
+    ),  # fmt: skip
+    ("auth", "admin_token_file"): (
+        {"auth": {"adminTokenFile": ADMIN_FILE}}, lambda s: s.admin_token.headers(),
+        {"Authorization": "Bearer reload-admin-token"},
+    ),  # fmt: skip
+    ("auth", "operator_public_keys"): (
+        {"auth": {"operatorPublicKeys": [OPERATOR_KEY], "audience": "llm/chat"}},
+        lambda s: s.admin_gate.config().auth.operator_public_keys, [OPERATOR_KEY],
+    ),  # fmt: skip
+    ("auth", "audience"): ({"auth": {"audience": "llm/other"}}, lambda s: s.admin_gate.config().auth.audience, "llm/other"),
 }
 REFUSED: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("server", "grpc_port"): {"server": {"grpcPort": 12345}},
@@ -243,7 +292,8 @@ def _merged(base: dict[str, Any], change: dict[str, dict[str, Any]]) -> dict[str
     return doc
 
 
-async def test_every_key_is_applied_live_or_refused_as_needing_a_restart(tmp_path, root_level, warm_start, key_file):
+async def test_every_key_is_applied_live_or_refused_as_needing_a_restart(tmp_path, root_level, warm_start, key_file,
+                                                                         auth_files):
     async with running_emulator(FAST) as url:
         base = sidecar_config(url)
         async with running_sidecar(base, tmp_path) as sc:

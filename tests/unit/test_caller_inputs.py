@@ -205,3 +205,13 @@ async def test_a_lying_class_loses_its_hints_and_regains_them_after_honest_compl
     lost_, back = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "request class 'batch': length hints honoured again" in back and "0.90x the hint" in back
     assert distrusted("batch") == 0.0
+
+
+@pytest.mark.parametrize(("caller", "header", "tenant"),
+                         [("team-a", "flow-7", "team-a"), ("", "flow-7", "flow-7"), ("", "", "")])  # fmt: skip
+async def test_the_authenticated_caller_is_the_tenant_else_the_fairness_header(caller, header, tenant):
+    """A caller who proved who it is cannot claim another tenant's share by a header; without
+    caller authentication the header (as the llm-d router sends it) names the tenant."""
+    fr = front()
+    await fr.submit(Fields(prompt="hello", max_tokens=8, caller=caller, tenant=header), stream=False)
+    assert fr.dispatcher.submitted[-1].tenant == tenant

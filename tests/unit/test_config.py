@@ -132,6 +132,14 @@ auth:
     MCowBQYDK2VwAyEAgoXj97IHCOLi2QCpn/tUSSdL+DKfBJ3eYGLEKWVWZP4=
     -----END PUBLIC KEY-----
   audience: llm/chat
+tenants:
+  tenants:
+  - name: team-a
+    weight: 3
+  - name: "llm-d flow/7"
+    weight: 1
+  defaultWeight: 2
+  maxQueuedSharePercent: 25
 """
 
 
@@ -504,3 +512,53 @@ def test_max_request_bytes_needs_a_restart_and_passthrough_paths_do_not():
     bigger = parse_config({"server": {"maxRequestBytes": 8 * 1024 * 1024}})
     assert [p for p, _ in restart_required(running, bigger)] == ["server.maxRequestBytes"]
     assert restart_required(running, parse_config({"server": {"passthroughPaths": ["/tokenize"]}})) == []
+
+
+@pytest.mark.parametrize(
+    ("tenants", "path", "words"),
+    [
+        ({"tenants": [{"name": "a"}, {"name": "a", "weight": 2}]}, "tenants.tenants[1].name", "duplicate tenant 'a'"),
+        ({"tenants": [{"name": "_other"}]}, "tenants.tenants[0].name", "should match pattern"),
+        ({"tenants": [{"name": " a"}]}, "tenants.tenants[0].name", "should match pattern"),
+        ({"tenants": [{"name": "caf\u00e9"}]}, "tenants.tenants[0].name", "should match pattern"),
+        ({"tenants": [{"name": "x" * 257}]}, "tenants.tenants[0].name", "at most 256 characters"),
+        ({"tenants": [{"name": "a", "weight": 1001}]}, "tenants.tenants[0].weight", "less than or equal to 1000"),
+        ({"tenants": [{"name": "a", "weight": 0}]}, "tenants.tenants[0].weight", "greater than or equal to 1"),
+        ({"tenants": [{"name": "a", "weight": 1.5}]}, "tenants.tenants[0].weight", "valid integer"),
+        ({"tenants": [{"weight": 2}]}, "tenants.tenants[0].name", "Field required"),
+        ({"defaultWeight": 0}, "tenants.defaultWeight", "greater than or equal to 1"),
+        ({"maxQueuedSharePercent": 101}, "tenants.maxQueuedSharePercent", "less than or equal to 100"),
+        ({"weights": {}}, "tenants.weights", "Extra inputs are not permitted"),
+    ],
+)
+def test_bad_tenants_name_the_field(tenants, path, words):
+    with pytest.raises(ConfigError) as err:
+        parse_config({"tenants": tenants})
+    assert err.value.problems[0][0] == path and words in err.value.problems[0][1]
+
+
+def test_tenants_weights_reach_the_scheduler_core():
+    from binbatch_sidecar.core.clock import ManualClock
+    from binbatch_sidecar.server.assembly import build_core
+
+    cfg = parse_config(yaml.safe_load(FULL))
+    core = build_core(cfg, ManualClock())
+    assert core.tenants.weight("team-a") == 3 and core.tenants.weight("llm-d flow/7") == 1
+    assert core.tenants.weight("someone") == 2 and core.tenants.floor_percent == 25
+    assert core.max_queued_requests == cfg.batch.max_queued_requests
+
+
+def test_a_policy_with_tenants_renders_a_config_the_sidecar_enforces():
+    from binbatch_operator import crd
+    from binbatch_operator.builders import sidecar_config
+
+    spec = {"selector": {"matchLabels": {"app": "vllm"}},
+            "tenants": {"tenants": [{"name": "team-a", "weight": 5}], "maxQueuedSharePercent": 20}}  # fmt: skip
+    tenants = parse_config(sidecar_config(spec)).tenants
+    assert tenants.weights() == {"team-a": 5} and tenants.default_weight == 1
+    assert tenants.max_queued_share_percent == 20
+    schema = crd.spec_schema()["properties"]["tenants"]["properties"]
+    assert schema["tenants"]["x-kubernetes-list-map-keys"] == ["name"] and schema["tenants"]["maxItems"] == 256
+    name, weight = schema["tenants"]["items"]["properties"]["name"], schema["tenants"]["items"]["properties"]["weight"]
+    assert name["maxLength"] == 256 and name["pattern"].startswith("^[!-^`-~]")
+    assert (weight["minimum"], weight["maximum"], weight["type"]) == (1, 1000, "integer")
