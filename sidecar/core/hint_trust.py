@@ -49,6 +49,15 @@ class TrustChange:
 class _ClassRecord:
     samples: deque[tuple[float, float]]  # (clock time, actual / hinted)
     trusted: bool = True
+    # the samples' median, kept until they change: every hinted request asks (trusted, then record)
+    median: float | None = None
+    changed: bool = True
+
+    def median_ratio(self) -> float | None:
+        if self.changed:
+            self.median = statistics.median(r for _, r in self.samples) if self.samples else None
+            self.changed = False
+        return self.median
 
 
 class HintTrust:
@@ -87,6 +96,7 @@ class HintTrust:
         if rec is None:
             rec = self._classes[request_class] = _ClassRecord(deque(maxlen=self.window))
         rec.samples.append((self.clock.now(), max(0.0, float(actual)) / float(hinted)))
+        rec.changed = True
         self._judge(request_class, rec)
 
     def median_ratio(self, request_class: str) -> float | None:
@@ -95,7 +105,7 @@ class HintTrust:
         if rec is None:
             return None
         self._expire(rec)
-        return statistics.median(r for _, r in rec.samples) if rec.samples else None
+        return rec.median_ratio()
 
     def distrusted(self) -> list[str]:
         """The classes whose hints are ignored now."""
@@ -110,11 +120,12 @@ class HintTrust:
         cutoff = self.clock.now() - self.horizon
         while rec.samples and rec.samples[0][0] <= cutoff:
             rec.samples.popleft()
+            rec.changed = True
 
     def _judge(self, request_class: str, rec: _ClassRecord) -> None:
         self._expire(rec)
         n = len(rec.samples)
-        median = statistics.median(r for _, r in rec.samples) if n else None
+        median = rec.median_ratio()
         if rec.trusted:
             flip = n >= self.min_samples and median is not None and median > self.lose_ratio
         else:
