@@ -290,6 +290,12 @@ ALPHA = 1.0  # the ridge's L2 penalty (of 0.5, 1, 2 and 4 on ShareGPT, 1 ranked 
 MIN_RECORDS = 2 * FOLDS
 
 
+def load_fit_libraries() -> None:
+    """Import what ``fit`` uses (scipy.sparse, sklearn's ridge), which ``fit`` otherwise imports at its first run."""
+    import scipy.sparse  # noqa: F401
+    import sklearn.linear_model  # noqa: F401
+
+
 def design(features: Sequence[Features]):
     """The sparse design matrix (CSR, ``N_FEATURES`` columns) of a list of feature vectors."""
     import scipy.sparse as sp
