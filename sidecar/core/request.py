@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .length_dist import LengthDist
 
@@ -51,6 +51,7 @@ class Request:
     # what the engine's stream said so far, while the request is in flight (the KV plan's exact progress)
     engine_generated: int | None = None  # tokens generated
     engine_prompt_tokens: int | None = None  # the prompt's tokens as the engine counted them
+    kv_held: tuple[tuple[Any, ...], Any] | None = None  # the KV plan's last Seq of it, and its inputs (scheduler._held)
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
