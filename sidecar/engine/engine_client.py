@@ -649,7 +649,8 @@ class _SSEReader:
                 self._eof = not chunk
                 continue
             if len(line) > self._limit:
-                raise EngineError("internal", 200, f"unreadable stream line: over {self._limit} bytes: {line[:100]!r}...")
+                shown = f"{line[:100]!r}..."
+                raise EngineError("internal", 200, f"unreadable stream line: over {self._limit} bytes: {shown}")
             return line
 
     async def next(self) -> str | None:
