@@ -57,6 +57,15 @@ class TrustChange:
 class _ClassRecord:
     samples: deque[tuple[float, float]]  # (clock time, actual / hinted)
     trusted: bool = True
+    # the samples' median, kept until they change: every hinted request asks (trusted, then record)
+    median: float | None = None
+    changed: bool = True
+
+    def median_ratio(self) -> float | None:
+        if self.changed:
+            self.median = statistics.median(r for _, r in self.samples) if self.samples else None
+            self.changed = False
+        return self.median
 
 
 class HintTrust:
@@ -97,6 +106,7 @@ class HintTrust:
         if rec is None:
             rec = self._classes[key] = _ClassRecord(deque(maxlen=self.window))
         rec.samples.append((self.clock.now(), max(0.0, float(actual)) / float(hinted)))
+        rec.changed = True
         self._judge(key, rec)
 
     def median_ratio(self, request_class: str, caller: str = "") -> float | None:
@@ -105,7 +115,7 @@ class HintTrust:
         if rec is None:
             return None
         self._expire(rec)
-        return statistics.median(r for _, r in rec.samples) if rec.samples else None
+        return rec.median_ratio()
 
     def distrusted(self, caller: str = "") -> list[str]:
         """The classes whose hints (sent by ``caller``) are ignored now."""
@@ -120,11 +130,12 @@ class HintTrust:
         cutoff = self.clock.now() - self.horizon
         while rec.samples and rec.samples[0][0] <= cutoff:
             rec.samples.popleft()
+            rec.changed = True
 
     def _judge(self, key: tuple[str, str], rec: _ClassRecord) -> None:
         self._expire(rec)
         n = len(rec.samples)
-        median = statistics.median(r for _, r in rec.samples) if n else None
+        median = rec.median_ratio()
         if rec.trusted:
             flip = n >= self.min_samples and median is not None and median > self.lose_ratio
         else:

@@ -90,22 +90,25 @@ def _slot(gram: str) -> int:
     return zlib.crc32(gram.encode("utf-8", "surrogatepass")) & (DIM - 1)
 
 
-_NO_SLOTS, _NO_VALUES = np.zeros(0, np.int32), np.zeros(0, np.float32)
-_META_SLOTS = np.arange(DIM, DIM + len(META), dtype=np.int32)
+_META_SLOTS = list(range(DIM, DIM + len(META)))
 
 
-def _block(grams: Sequence[str], weight: float) -> tuple[np.ndarray, np.ndarray]:
-    """Slots and values of one block: sublinear counts (1 + log c), scaled to L2 norm ``weight``."""
-    counts = Counter(grams)
-    n = len(counts)
+def _block(grams: Sequence[str], weight: float, slots: list[int], values: list[float]) -> None:
+    """Append one block's slots and values: sublinear counts (1 + log c), scaled to L2 norm ``weight``.
+
+    Plain lists, made into arrays once per request (``featurize``): a short prompt's blocks
+    hold a few grams each, where numpy's per-call cost outweighed the work."""
+    distinct = dict.fromkeys(grams)  # first-seen order, as Counter's
+    n = len(distinct)
     if not n:
-        return _NO_SLOTS, _NO_VALUES
+        return
     crc32, mask = zlib.crc32, DIM - 1  # _slot, inlined: this runs for every gram of every request
-    slots = np.array([crc32(g.encode("utf-8", "surrogatepass")) & mask for g in counts], np.int32)
+    slots += [crc32(g.encode("utf-8", "surrogatepass")) & mask for g in distinct]
     if len(grams) == n:  # every gram once (a short prompt's usual case): tf is all 1, its norm sqrt(n), exactly
-        return slots, np.full(n, np.float32(weight / math.sqrt(n)))
-    tf = 1.0 + np.log(np.fromiter(counts.values(), np.float64, n))
-    return slots, (tf * (weight / np.sqrt(tf @ tf))).astype(np.float32)
+        values += [weight / math.sqrt(n)] * n
+        return
+    tf = 1.0 + np.log(np.fromiter(Counter(grams).values(), np.float64, n))
+    values += (tf * (weight / np.sqrt(tf @ tf))).astype(np.float32).tolist()
 
 
 def read_span(text: str) -> str:
@@ -144,18 +147,20 @@ def featurize(text: str, request_class: str = "", max_tokens: int = 0) -> Featur
     words = _TOKEN.findall(span.lower())
     if len(words) > HEAD_WORDS + TAIL_WORDS:  # code, tables and CJK run to many words per character
         words = words[:HEAD_WORDS] + words[-TAIL_WORDS:]
-    grams_idx, grams_val = _block([*words, *map(" ".join, zip(words, words[1:]))], 1.0)
+    slots: list[int] = []
+    values: list[float] = []  # float32 in the end (each rounded once, as before)
+    _block([*words, *map(" ".join, zip(words, words[1:]))], 1.0, slots, values)
     head, tail = words[:EDGE_TOKENS], words[-EDGE_TOKENS:]
     edges = [*("^" + w for w in head), *("^" + a + " " + b for a, b in zip(head, head[1:])), *("$" + w for w in tail)]
-    edges_idx, edges_val = _block(edges, 0.7)
-    first_idx, first_val = _block(["#first " + (words[0] if words else "")], 1.0)
-    meta = np.array([*meta_features(text, span, words), math.log2(1 + max(0, max_tokens)) / 20], np.float32)
-    idx = [grams_idx, edges_idx, first_idx, _META_SLOTS]
-    val = [grams_val, edges_val, first_val, meta]
+    _block(edges, 0.7, slots, values)
+    _block(["#first " + (words[0] if words else "")], 1.0, slots, values)
+    slots += _META_SLOTS
+    values += meta_features(text, span, words)
+    values.append(math.log2(1 + max(0, max_tokens)) / 20)
     if request_class:  # its own slots: an n-gram's weight never leaks into a class the training never saw
-        idx.append(np.array([DIM + len(META) + zlib.crc32(request_class.encode()) % CLASS_SLOTS], np.int32))
-        val.append(np.ones(1, np.float32))
-    return Features(np.concatenate(idx), np.concatenate(val))
+        slots.append(DIM + len(META) + zlib.crc32(request_class.encode()) % CLASS_SLOTS)
+        values.append(1.0)
+    return Features(np.array(slots, np.int32), np.array(values, np.float32))
 
 
 KNOTS = 256  # the training lengths' quantiles that map tokens to normal scores and back
@@ -283,6 +288,12 @@ def normal_scores(tokens: np.ndarray, knots: np.ndarray) -> np.ndarray:
 FOLDS = 5  # held-out residuals come from this many folds
 ALPHA = 1.0  # the ridge's L2 penalty (of 0.5, 1, 2 and 4 on ShareGPT, 1 ranked best)
 MIN_RECORDS = 2 * FOLDS
+
+
+def load_fit_libraries() -> None:
+    """Import what ``fit`` uses (scipy.sparse, sklearn's ridge), which ``fit`` otherwise imports at its first run."""
+    import scipy.sparse  # noqa: F401
+    import sklearn.linear_model  # noqa: F401
 
 
 def design(features: Sequence[Features]):

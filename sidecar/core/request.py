@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .length_dist import LengthDist
 
@@ -53,6 +53,7 @@ class Request:
     engine_generated: int | None = None  # tokens generated
     engine_prompt_tokens: int | None = None  # the prompt's tokens as the engine counted them
     prompt_counted: bool = False  # the KV plan has learned from the engine's count of its prompt (once a request)
+    kv_held: tuple[tuple[Any, ...], Any] | None = None  # the KV plan's last Seq of it, and its inputs (scheduler._held)
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline

@@ -419,15 +419,11 @@ class Scheduler:
         count from what its engine stream said, or its estimate from the time since
         it went in; without a plan its whole predicted length."""
         plan = self.core.kv_plan
-        return [
-            plan.held(r.prompt_tokens, predicted_length(r), now - slot.acquired_at, generated=r.engine_generated,
-                      engine_prompt=r.engine_prompt_tokens)  # fmt: skip
-            if plan is not None
-            else Seq(float(r.prompt_tokens), expected_tokens(r))
-            for slot in self.ledger.held()
-            for r in slot.requests
-            if r in self._open
-        ]
+        if plan is None:
+            return [Seq(float(r.prompt_tokens), expected_tokens(r))
+                    for slot in self.ledger.held() for r in slot.requests if r in self._open]  # fmt: skip
+        return [_held(plan, r, now - slot.acquired_at) for slot in self.ledger.held() for r in slot.requests
+                if r in self._open]  # fmt: skip
 
     def _backlog(self, left: list[Seq], size: int) -> Backlog:
         """The engine's remaining work (``left``: ``_inflight_left``), for the
@@ -707,3 +703,18 @@ class Scheduler:
 
 def fmt(values) -> str:
     return "[" + ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values) + "]"
+
+
+def _held(plan: KvPlan, r: Request, elapsed: float) -> Seq:
+    """``plan.held`` of ``r``, in flight for ``elapsed`` seconds, kept on ``r`` while nothing
+    it reads changed: every admission lists each request in flight, whose plan moves only when
+    its stream tells more (or, before its first chunk, with the time)."""
+    generated, length = r.engine_generated, predicted_length(r)
+    key = (generated, r.engine_prompt_tokens, elapsed if generated is None else None, r.prompt_tokens, length,
+           plan.prompt_scale, plan.block, plan.step_seconds)  # fmt: skip
+    memo = r.kv_held
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    seq = plan.held(r.prompt_tokens, length, elapsed, generated=generated, engine_prompt=r.engine_prompt_tokens)
+    r.kv_held = (key, seq)
+    return seq

@@ -436,14 +436,13 @@ class EngineClient:
                 async with asyncio.timeout_at(deadline):
                     raw = await resp.read()
                 raise _http_error(resp.status, raw)
-            reader = _SSEReader(resp)
+            reader = _SSEReader(resp, deadline)
             pieces: list[str] = []
             finish: str | None = None
             usage: tuple[int, int] | None = None
             token_chunks = 0  # chunks that carried a token (the count without continuous usage)
             while True:
-                async with asyncio.timeout_at(deadline):
-                    payload = await reader.next()
+                payload = await reader.next()
                 if payload is None or payload.strip() == "[DONE]":
                     break
                 event = _json_object(payload.encode())
@@ -618,19 +617,47 @@ class EngineClient:
 
 
 class _SSEReader:
-    """Server-sent events from a response: ``next()`` gives each event's data."""
+    """Server-sent events from a response: ``next()`` gives each event's data.
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+    It takes whatever the connection holds (``readany``) and splits the lines itself:
+    the engine sends an event per token, several often arriving in one read, where a
+    ``readline`` per line (two per event) with a deadline armed around each cost more
+    than the parsing.  Every wait for more data ends at ``deadline`` (the loop's clock:
+    TimeoutError); a line longer than aiohttp's own bound for ``readline`` fails the stream."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, deadline: float) -> None:
         self._content = resp.content
+        self._deadline = deadline
+        self._limit = resp.content.get_read_buffer_limits()[1]  # what readline allows a line
+        self._buf = b""
+        self._pos = 0  # where the unread part of _buf starts
+        self._eof = False
+
+    async def _line(self) -> bytes:
+        """The next line with its newline (the last may lack it); b"" at the end."""
+        while True:
+            i = self._buf.find(b"\n", self._pos)
+            if i >= 0 or self._eof:
+                stop = len(self._buf) if i < 0 else i + 1
+                line, self._pos = self._buf[self._pos : stop], stop
+            elif len(self._buf) - self._pos > self._limit:
+                line = self._buf[self._pos :]
+            else:
+                async with asyncio.timeout_at(self._deadline):
+                    chunk = await self._content.readany()
+                self._buf, self._pos = self._buf[self._pos :] + chunk, 0
+                self._eof = not chunk
+                continue
+            if len(line) > self._limit:
+                shown = f"{line[:100]!r}..."
+                raise EngineError("internal", 200, f"unreadable stream line: over {self._limit} bytes: {shown}")
+            return line
 
     async def next(self) -> str | None:
         """The next event's data (lines joined by newlines); None at the end."""
         data: list[str] = []
         while True:
-            try:
-                raw = await self._content.readline()
-            except ValueError as exc:  # a line beyond aiohttp's buffer limit
-                raise EngineError("internal", 200, f"unreadable stream line: {exc}") from exc
+            raw = await self._line()
             if not raw:
                 return "\n".join(data) if data else None
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import random
 import zipfile
+import zlib
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -226,14 +228,23 @@ def test_a_block_of_distinct_grams_keeps_the_general_formula_exactly(n):
     # featurize's shortcut (every gram once: tf all 1) must give the very floats of 1 + log c scaled to norm w
     grams = [f"g{i} w{i * 7}" for i in range(n)]
     for weight in (1.0, 0.7):
-        slots, values = lm._block(grams, weight)
+        slots, values = block(grams, weight)
         tf = 1.0 + np.log(np.ones(n))
         want = (tf * (weight / np.sqrt(tf @ tf))).astype(np.float32)
         assert values.dtype == np.float32 and np.array_equal(values, want)
         assert slots.dtype == np.int32 and slots.tolist() == [lm._slot(g) for g in grams]
-    repeated_slots, repeated = lm._block(grams + grams[:1], 1.0)  # one gram twice: the general path
+    repeated_slots, repeated = block(grams + grams[:1], 1.0)  # one gram twice: the general path
     tf = 1.0 + np.log(np.array([2.0] + [1.0] * (n - 1)))
     assert np.array_equal(repeated, (tf / np.sqrt(tf @ tf)).astype(np.float32))
+    assert repeated_slots.tolist() == [lm._slot(g) for g in grams]  # each distinct gram once, first-seen order
+
+
+def block(grams: list[str], weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """One ``lm._block`` on its own, as the arrays ``featurize`` makes of its lists."""
+    slots: list[int] = []
+    values: list[float] = []
+    lm._block(grams, weight, slots, values)
+    return np.array(slots, np.int32), np.array(values, np.float32)
 
 
 @pytest.mark.parametrize("text", ["", "overhead 12", "def f():\n    return {a; b} # in 500 words?", "~!@#$%^&*()_+`\x7f\t"])
@@ -245,3 +256,41 @@ def test_the_meta_features_of_ascii_text_count_no_script(text):
     assert lm.meta_features(text, span, words)[2:7] == [0.0] * 5
     accented = text + " é東"
     assert lm.meta_features(accented, accented, words)[2] > 0 and lm.meta_features(accented, accented, words)[6] > 0
+
+
+def _reference_block(grams: list[str], weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """The block's definition, spelled out with numpy: each distinct gram's slot, 1 + log(count), L2 norm weight."""
+    counts = Counter(grams)
+    if not counts:
+        return np.zeros(0, np.int32), np.zeros(0, np.float32)
+    tf = 1.0 + np.log(np.array(list(counts.values()), np.float64))
+    return (np.array([lm._slot(g) for g in counts], np.int32),
+            (tf * (weight / np.sqrt(tf @ tf))).astype(np.float32))  # fmt: skip
+
+
+@pytest.mark.parametrize("text, request_class, max_tokens", [
+    ("", "", 0), ("overhead 12", "", 1), ("the cat the cat the dog. " * 30, "chat", 500),
+    ("List 10 tips, in 200 words?\n" + "word " * 400 + "日本語 тест", "batch-jobs", 2048),
+])  # fmt: skip
+def test_featurize_gives_the_very_floats_of_its_blocks_definition(text, request_class, max_tokens):
+    # the request path builds plain lists and makes arrays once: the vector must be the definition's, bit for bit
+    span = lm.read_span(text)
+    words = lm._TOKEN.findall(span.lower())
+    if len(words) > lm.HEAD_WORDS + lm.TAIL_WORDS:
+        words = words[: lm.HEAD_WORDS] + words[-lm.TAIL_WORDS :]
+    head, tail = words[: lm.EDGE_TOKENS], words[-lm.EDGE_TOKENS :]
+    blocks = [
+        _reference_block([*words, *(a + " " + b for a, b in zip(words, words[1:]))], 1.0),
+        _reference_block(["^" + w for w in head] + ["^" + a + " " + b for a, b in zip(head, head[1:])]
+                         + ["$" + w for w in tail], 0.7),  # fmt: skip
+        _reference_block(["#first " + (words[0] if words else "")], 1.0),
+    ]
+    meta = [*lm.meta_features(text, span, words), math.log2(1 + max_tokens) / 20]
+    idx = [b[0] for b in blocks] + [np.arange(lm.DIM, lm.DIM + len(lm.META), dtype=np.int32)]
+    val = [b[1] for b in blocks] + [np.array(meta, np.float32)]
+    if request_class:
+        idx.append(np.array([lm.DIM + len(lm.META) + zlib.crc32(request_class.encode()) % lm.CLASS_SLOTS], np.int32))
+        val.append(np.ones(1, np.float32))
+    f = lm.featurize(text, request_class, max_tokens)
+    assert f.indices.dtype == np.int32 and f.values.dtype == np.float32
+    assert np.array_equal(f.indices, np.concatenate(idx)) and np.array_equal(f.values, np.concatenate(val))

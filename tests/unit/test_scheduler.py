@@ -531,3 +531,35 @@ def test_without_a_byte_bound_nothing_is_refused_for_its_size():
     s, clock = make()
     s.submit(sized(0, clock, 10**12))
     assert s.queued_bytes == 10**12
+
+
+def test_the_kv_plan_of_a_request_in_flight_is_kept_only_while_what_it_reads_is_unchanged():
+    # every admission lists each request in flight: the memo must give plan.held's very answer, whatever changed
+    from binbatch_sidecar.core.kv_plan import KvPlan
+    from binbatch_sidecar.core.length_dist import LEVELS, LengthDist
+    from binbatch_sidecar.core.scheduler import _held
+
+    plan = KvPlan(capacity=10_000, step_seconds=0.02)
+    r = Request("r", 0.0, prompt_tokens=40, max_tokens=500)
+    r.length = LengthDist.scaled(100, [0.2 + 0.15 * i for i in range(len(LEVELS))], 500)
+
+    def fresh(elapsed: float):
+        return plan.held(r.prompt_tokens, r.length, elapsed, generated=r.engine_generated,
+                         engine_prompt=r.engine_prompt_tokens)  # fmt: skip
+
+    seen = []
+    for elapsed in (0.0, 0.1, 0.5):  # before its first chunk: the plan moves with the time
+        seen.append(_held(plan, r, elapsed))
+        assert seen[-1] == fresh(elapsed)
+    assert seen[0] != seen[2]
+    r.engine_generated = 30  # its stream said how far it is
+    kept = _held(plan, r, 0.6)
+    assert kept == fresh(0.6) and _held(plan, r, 5.0) is kept  # then the time alone changes nothing
+    plan.observe_prompt(40, 120)  # the engine counts three times the estimated prompt tokens
+    assert _held(plan, r, 5.0) == fresh(5.0) != kept
+    r.engine_prompt_tokens = 77
+    assert _held(plan, r, 5.0) == fresh(5.0)
+    r.engine_generated = 120  # outran its median
+    assert _held(plan, r, 5.0) == fresh(5.0)
+    r.length = LengthDist.exact(150, 500)  # predicted anew (a requeue)
+    assert _held(plan, r, 5.0) == fresh(5.0)
