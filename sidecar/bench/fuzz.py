@@ -49,6 +49,7 @@ import re
 import signal
 import struct
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter
@@ -389,6 +390,9 @@ class Answer:
     failure: str | None = None  # why the oracle refused it
 
 
+DEADLINE_504 = "504 (the caller's deadline)"
+
+
 def http_status_class(status: str) -> str:
     return f"{status[0]}xx" if status.isdigit() else status
 
@@ -416,11 +420,12 @@ async def send_http(port: int, case: HttpCase, timeout: float = ANSWER_TIMEOUT_S
                     await writer.wait_closed()
     except TimeoutError:
         return Answer("timeout", data[:300].decode(errors="replace"), failure=f"no answer within {timeout:.0f} s")
-    return judge_http(data)
+    return judge_http(data, deadline=b"\r\nx-request-timeout-ms:" in case.request.lower())
 
 
-def judge_http(data: bytes) -> Answer:
-    """The oracle for one HTTP answer (the raw bytes the server sent)."""
+def judge_http(data: bytes, deadline: bool = False) -> Answer:
+    """The oracle for one HTTP answer (the raw bytes the server sent); ``deadline``: the request
+    set its own (``x-request-timeout-ms``), whose passing is a documented 504, gRPC's DEADLINE_EXCEEDED."""
     text = data.decode("utf-8", errors="replace")
     if not data:
         return Answer("closed")
@@ -430,7 +435,9 @@ def judge_http(data: bytes) -> Answer:
     if not match:
         return Answer("garbled", text[:300], failure="the answer is not an HTTP response")
     status = match.group(1)
-    if int(status) >= 500:
+    if status == "504" and deadline and '"code": "deadline_exceeded"' in text:
+        status = DEADLINE_504
+    elif int(status) >= 500:
         return Answer(status, text[:2000], failure=f"HTTP {status}")
     if leak := LEAKS.search(text):
         return Answer(status, text[:2000], failure=f"the answer shows {leak.group(0)!r}")
@@ -795,10 +802,13 @@ async def fuzz_grpc(target: str, model: str, seed: int, n: int, concurrency: int
     return tally
 
 
-def fuzz_config(seed: int, n: int) -> Tally:
+def fuzz_config(seed: int, n: int, stop: threading.Event | None = None) -> Tally:
+    """``n`` config inputs (in a thread: ``stop`` ends it early, when the bench is cancelled)."""
     tally = Tally("config")
     t0 = time.perf_counter()
     for i in range(n):
+        if stop is not None and stop.is_set():
+            break
         case = config_case(case_rng(seed, "config", i))
         answer = run_config_case(case)
         tally.add(i, case.kind, answer, lambda c=case: {"value_b64": _b64(c.value) if isinstance(c.value, bytes)
@@ -857,15 +867,19 @@ async def run_async(cfg: FuzzConfig, say: Callable[[str], None]) -> dict[str, An
     tallies: dict[str, Tally] = {}
     doc: dict[str, Any] = {"seed": cfg.seed, "concurrency": cfg.concurrency, "targets": {}}
     config = None
+    stop = threading.Event()
     if "config" in cfg.targets:  # in a thread, beside the doors: it needs no sidecar
         say(f"config: {share['config']} inputs")
-        config = asyncio.create_task(asyncio.to_thread(fuzz_config, cfg.seed, share["config"]))
-    doors = [t for t in cfg.targets if t != "config"]
-    if doors:
-        doc["sidecar"] = await _fuzz_doors(cfg, doors, share, tallies, say)
-    if config is not None:
-        tallies["config"] = t = await config
-        say(f"config: {t.inputs} inputs in {t.seconds:.0f} s, {t.failures} failures, answers {dict(t.answers)}")
+        config = asyncio.create_task(asyncio.to_thread(fuzz_config, cfg.seed, share["config"], stop))
+    try:
+        doors = [t for t in cfg.targets if t != "config"]
+        if doors:
+            doc["sidecar"] = await _fuzz_doors(cfg, doors, share, tallies, say)
+        if config is not None:
+            tallies["config"] = t = await config
+            say(f"config: {t.inputs} inputs in {t.seconds:.0f} s, {t.failures} failures, answers {dict(t.answers)}")
+    finally:
+        stop.set()  # cancelled (Ctrl-C, SIGTERM): the thread ends at its next input, so the bench can exit
     doc["targets"] = {t: tallies[t].as_dict() for t in cfg.targets}
     doc["inputs"] = sum(t.inputs for t in tallies.values())
     doc["failures"] = sum(t.failures for t in tallies.values())
