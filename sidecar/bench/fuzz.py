@@ -402,21 +402,24 @@ async def send_http(port: int, case: HttpCase, timeout: float = ANSWER_TIMEOUT_S
     data = b""
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
             try:
-                with contextlib.suppress(ConnectionError):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError as exc:
+                return Answer("unreachable", str(exc), failure=f"could not connect: {exc}")
+            try:
+                with contextlib.suppress(OSError):  # the server may close first (a 413, a 400): read what it said
                     writer.write(case.request)
                     await writer.drain()
                     if case.half_close and writer.can_write_eof():
                         writer.write_eof()
-                with contextlib.suppress(ConnectionError):
+                with contextlib.suppress(OSError):
                     while chunk := await reader.read(65536):
                         data += chunk
                         if len(data) > 8 * 1024 * 1024:
                             break
             finally:
                 writer.close()
-                with contextlib.suppress(ConnectionError):
+                with contextlib.suppress(OSError):
                     await writer.wait_closed()
     except TimeoutError:
         return Answer("timeout", data[:300].decode(errors="replace"), failure=f"no answer within {timeout:.0f} s")

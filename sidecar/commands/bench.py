@@ -311,7 +311,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sl.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     sl.set_defaults(func=_bench_slowloris)
     fz = bench_sub.add_parser(
-        "fuzz", help="generated bad input on both doors and the config parsers: no 5xx, no crash",
+        "fuzz", help="generated bad input on both doors and the config parsers",
         description="Send generated inputs (mutated requests, raw bytes, headers, metadata, config files and "
                     "BatchingPolicy specs) to a sidecar in front of an instant engine and to the config parsers; "
                     "report the answers, any 5xx / INTERNAL / UNKNOWN / exception with its reproducer, ERROR log "
