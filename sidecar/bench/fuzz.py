@@ -554,13 +554,18 @@ def _mutate_fields(rng: random.Random, m: Mutator, msg: pb.GenerateRequest) -> N
         pass
 
 
-def grpc_metadata(rng: random.Random) -> list[tuple[str, str]]:
-    """Metadata a client can send: gRPC refuses a value outside printable ASCII before it leaves."""
+def grpc_metadata(rng: random.Random) -> list[tuple[str, str | bytes]]:
+    """Metadata a client can send: gRPC refuses a text value outside printable ASCII before it
+    leaves; a ``-bin`` key takes any bytes."""
     m = Mutator(rng)
-    md = []
+    md: list[tuple[str, str | bytes]] = []
     for _ in range(rng.choice((0, 0, 1, 2, 3))):
+        key = rng.choice(GRPC_METADATA)
         value = rng.choice(_HEADER_VALUES) if rng.random() < 0.8 else m.text()[:100]
-        md.append((rng.choice(GRPC_METADATA), "".join(c for c in value if " " <= c <= "~")))
+        if key.endswith("-bin"):
+            md.append((key, m.bytes(value.encode("utf-8", "surrogatepass"))))
+        else:
+            md.append((key, "".join(c for c in value if " " <= c <= "~")))
     return md
 
 
@@ -569,7 +574,7 @@ class GrpcCase:
     kind: str
     method: str
     payload: bytes
-    metadata: tuple[tuple[str, str], ...]
+    metadata: tuple[tuple[str, str | bytes], ...]
     timeout: float
 
 
@@ -798,7 +803,8 @@ async def fuzz_grpc(target: str, model: str, seed: int, n: int, concurrency: int
             case = grpc_case(case_rng(seed, "grpc", i), model)
             answer = await send_grpc(channel, case)
             tally.add(i, case.kind, answer, lambda: {"method": case.method, "payload_b64": _b64(case.payload),
-                                                     "metadata": [list(p) for p in case.metadata]})  # fmt: skip
+                                                     "metadata": [[k, v if isinstance(v, str) else _b64(v)]
+                                                                  for k, v in case.metadata]})  # fmt: skip
 
         await _pool(n, concurrency, one)
     tally.seconds = time.perf_counter() - t0

@@ -25,6 +25,7 @@ async def test_fuzz_bench_counts_every_input_and_finds_no_5xx_crash_or_error_log
         assert t["failures"] == 0 and t["examples"] == [], name
     assert (doc["failures"], doc["http_5xx"], doc["grpc_internal_or_unknown"], doc["config_other_exceptions"]) == (0, 0, 0, 0)
     assert "4xx" in doc["targets"]["http"]["answers"] and "INVALID_ARGUMENT" in doc["targets"]["grpc"]["answers"]
+    assert "unsendable" not in doc["targets"]["grpc"]["answers"]  # every generated call left the client
     side = doc["sidecar"]
     assert side["crashed"] is False and side["exit_code"] == 0 and side["error_logs"] == 0
     assert 0 < side["rss_start_mib"] <= side["rss_max_mib"] and side["rss_end_mib"] <= side["rss_max_mib"]
