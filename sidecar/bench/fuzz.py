@@ -97,19 +97,46 @@ class Pairs:
     items: tuple[tuple[str, Any], ...]
 
 
-def dump_json(value: Any) -> str:
-    """``value`` as JSON text; ``Raw`` and ``Pairs`` as written, lone surrogates as ``\\udXXX`` escapes."""
-    if isinstance(value, Raw):
-        return value.text
-    if isinstance(value, Pairs):
-        return "{" + ",".join(f"{json.dumps(k)}:{dump_json(v)}" for k, v in value.items) + "}"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{json.dumps(str(k))}:{dump_json(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list | tuple):
-        return "[" + ",".join(dump_json(v) for v in value) + "]"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    return json.dumps(value)
+BODY_LIMIT = 4 * 1024 * 1024  # a generated body longer than this is cut to it: past maxRequestBytes, and cheap
+
+
+class TooLong(ValueError):
+    """A value whose JSON text would pass ``dump_json``'s limit."""
+
+
+def dump_json(value: Any, limit: int | None = None) -> str:
+    """``value`` as JSON text; ``Raw`` and ``Pairs`` as written, lone surrogates as ``\\udXXX`` escapes.
+    ``TooLong`` past ``limit`` characters (a list repeated 10,000 times of a 70,000-character
+    string would be 700 MB: writing it blocked the bench's event loop for minutes)."""
+    budget = [limit if limit is not None else math.inf]
+
+    def dump(v: Any) -> str:
+        if isinstance(v, Raw):
+            out = v.text
+        elif isinstance(v, Pairs):
+            out = "{" + ",".join(f"{json.dumps(k)}:{dump(x)}" for k, x in v.items) + "}"
+        elif isinstance(v, dict):
+            out = "{" + ",".join(f"{json.dumps(str(k))}:{dump(x)}" for k, x in v.items()) + "}"
+        elif isinstance(v, list | tuple):
+            out = "[" + ",".join(dump(x) for x in v) + "]"
+        elif isinstance(v, float) and not math.isfinite(v):
+            out = "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+        else:
+            out = json.dumps(v)
+        budget[0] -= len(out)
+        if budget[0] < 0:
+            raise TooLong(f"longer than {limit} characters")
+        return out
+
+    return dump(value)
+
+
+def body_bytes(value: Any) -> bytes:
+    """A generated value as a request body: its JSON, or (too long) its JSON's first ``BODY_LIMIT`` bytes' worth."""
+    try:
+        return dump_json(value, BODY_LIMIT).encode("utf-8", "surrogatepass")
+    except TooLong:
+        return (b'{"prompt": "' + b"x" * BODY_LIMIT)[:BODY_LIMIT]
 
 
 def plain(value: Any) -> Any:
@@ -328,7 +355,7 @@ def http_case(rng: random.Random, model: str) -> HttpCase:
     if pick < 0.45:
         kind = "json"
         body_value = m.mutate(body_value, CHAT_KEYS if chat else COMPLETION_KEYS)
-        body = dump_json(body_value).encode("utf-8", "surrogatepass")
+        body = body_bytes(body_value)
     elif pick < 0.65:
         kind = "bytes"
         body = m.bytes(dump_json(body_value).encode())
@@ -336,7 +363,7 @@ def http_case(rng: random.Random, model: str) -> HttpCase:
         kind = "headers"
         if rng.random() < 0.3:
             body_value = m.mutate(body_value, CHAT_KEYS if chat else COMPLETION_KEYS)
-        body = dump_json(body_value).encode("utf-8", "surrogatepass")
+        body = body_bytes(body_value)
         for _ in range(rng.randrange(1, 5)):
             name = rng.choice(HTTP_HEADERS)
             value = rng.choice(_HEADER_VALUES) if rng.random() < 0.7 else m.text()[:200]
@@ -668,7 +695,9 @@ _YAML_SNIPPETS = ("2001-13-45", "2001-02-30", "2001-02-28 25:61:61", "!!binary =
 
 def _yaml_text(rng: random.Random, doc: Any) -> bytes:
     m = Mutator(rng, raw=False)
-    if len(dump_json(doc)) > 4000:  # emitting YAML is slow: long values are the dict kind's
+    try:
+        dump_json(doc, 4000)
+    except TooLong:  # emitting YAML is slow: long values are the dict kind's
         doc = config_corpus()[0]
     try:
         text = yaml.dump(doc, Dumper=yaml.CSafeDumper, sort_keys=False, allow_unicode=rng.random() < 0.5)
@@ -769,18 +798,28 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-async def _pool(n: int, concurrency: int, one: Callable[[int], Any]) -> None:
-    """``one(i)`` for i in range(n), ``concurrency`` at a time."""
+PROGRESS_EVERY = 5000  # inputs between progress lines on a door
+
+
+async def _pool(n: int, concurrency: int, one: Callable[[int], Any], say: Callable[[str], None] | None = None) -> None:
+    """``one(i)`` for i in range(n), ``concurrency`` at a time; a progress line every ``PROGRESS_EVERY``."""
     indices: Iterator[int] = iter(range(n))
+    done = 0
+    t0 = time.perf_counter()
 
     async def worker() -> None:
+        nonlocal done
         for i in indices:
             await one(i)
+            done += 1
+            if say is not None and done % PROGRESS_EVERY == 0:
+                say(f"  {done} of {n} ({done / (time.perf_counter() - t0):.0f} a second)")
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
 
 
-async def fuzz_http(port: int, model: str, seed: int, n: int, concurrency: int = CONCURRENCY) -> Tally:
+async def fuzz_http(port: int, model: str, seed: int, n: int, concurrency: int = CONCURRENCY,
+                    say: Callable[[str], None] | None = None) -> Tally:  # fmt: skip
     tally = Tally("http")
     t0 = time.perf_counter()
 
@@ -789,12 +828,13 @@ async def fuzz_http(port: int, model: str, seed: int, n: int, concurrency: int =
         answer = await send_http(port, case)
         tally.add(i, case.kind, answer, lambda: {"request_b64": _b64(case.request), "half_close": case.half_close})
 
-    await _pool(n, concurrency, one)
+    await _pool(n, concurrency, one, say)
     tally.seconds = time.perf_counter() - t0
     return tally
 
 
-async def fuzz_grpc(target: str, model: str, seed: int, n: int, concurrency: int = CONCURRENCY) -> Tally:
+async def fuzz_grpc(target: str, model: str, seed: int, n: int, concurrency: int = CONCURRENCY,
+                    say: Callable[[str], None] | None = None) -> Tally:  # fmt: skip
     tally = Tally("grpc")
     t0 = time.perf_counter()
     async with grpc.aio.insecure_channel(target) as channel:
@@ -806,7 +846,7 @@ async def fuzz_grpc(target: str, model: str, seed: int, n: int, concurrency: int
                                                      "metadata": [[k, v if isinstance(v, str) else _b64(v)]
                                                                   for k, v in case.metadata]})  # fmt: skip
 
-        await _pool(n, concurrency, one)
+        await _pool(n, concurrency, one, say)
     tally.seconds = time.perf_counter() - t0
     return tally
 
@@ -821,7 +861,7 @@ def fuzz_config(seed: int, n: int, stop: threading.Event | None = None) -> Tally
         case = config_case(case_rng(seed, "config", i))
         answer = run_config_case(case)
         tally.add(i, case.kind, answer, lambda c=case: {"value_b64": _b64(c.value) if isinstance(c.value, bytes)
-                                                        else _b64(dump_json(c.value).encode("utf-8", "surrogatepass"))})  # fmt: skip
+                                                        else _b64(body_bytes(c.value))})  # fmt: skip
     tally.seconds = time.perf_counter() - t0
     return tally
 
@@ -929,9 +969,9 @@ async def _fuzz_doors(cfg: FuzzConfig, doors: list[str], share: dict[str, int], 
                 for door in doors:
                     say(f"{door}: {share[door]} inputs, {cfg.concurrency} in flight")
                     if door == "http":
-                        tallies[door] = await fuzz_http(port, model, cfg.seed, share[door], cfg.concurrency)
+                        tallies[door] = await fuzz_http(port, model, cfg.seed, share[door], cfg.concurrency, say)
                     else:
-                        tallies[door] = await fuzz_grpc(sidecar.target, model, cfg.seed, share[door], cfg.concurrency)
+                        tallies[door] = await fuzz_grpc(sidecar.target, model, cfg.seed, share[door], cfg.concurrency, say)
                     t = tallies[door]
                     say(f"{door}: {t.inputs} inputs in {t.seconds:.0f} s, {t.failures} failures, "
                         f"answers {dict(t.answers.most_common(8))}")  # fmt: skip
