@@ -145,3 +145,19 @@ def test_a_record_of_a_client_gone_before_grpc_answered_is_demoted_to_debug(capl
     finally:
         logger.removeFilter(servicer._GONE_CLIENTS_FILTER)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == ["Unexpected error"]
+
+
+def test_only_requests_http_cannot_parse_are_demoted_on_the_aiohttp_server_logger(caplog):
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from binbatch_sidecar.server import openai_http
+
+    logger = logging.getLogger("aiohttp.server")
+    openai_http.quiet_bad_requests()
+    for exc in (BadHttpMessage("Invalid header value char"), RuntimeError("a handler's own fault")):
+        try:
+            raise exc
+        except Exception:
+            logger.exception("Error handling request from %s", "127.0.0.1")
+    assert [(r.levelno, r.exc_info is not None) for r in caplog.records if r.levelno >= logging.ERROR] == [
+        (logging.ERROR, True)]  # the RuntimeError, with its traceback  # fmt: skip
