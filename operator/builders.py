@@ -163,12 +163,33 @@ def sidecar_settings(spec: Mapping[str, Any]) -> dict[str, Any]:
     request size), defaults filled in: the sidecar config's ``server`` section."""
     side = spec.get("sidecar") or {}
     out = {key: side.get(key, default) for key, default in SIDECAR_DEFAULTS.items()}
-    out["passthroughPaths"] = list(out["passthroughPaths"])  # a copy: the default list is shared
+    if isinstance(out["passthroughPaths"], list | tuple):  # else the sidecar config's check names it
+        out["passthroughPaths"] = list(out["passthroughPaths"])  # a copy: the default list is shared
     return out
 
 
 def headless_enabled(spec: Mapping[str, Any]) -> bool:
     return bool(((spec.get("service") or {}).get("headless", SERVICE_DEFAULTS["headless"])))
+
+
+# the objects of a spec the builders read into: (path from spec, field name for errors)
+SPEC_OBJECTS = (*((name,) for name in CONFIG_SECTIONS), ("sidecar",), ("service",), ("sidecar", "takeOverServingPort"))
+
+
+def shape_problems(spec: Any) -> list[tuple[str, str]]:
+    """``spec`` and the objects in it that the builders read into, where they are not objects.
+    The API server's schema refuses these; a spec it did not check gets a ConfigError naming
+    the field (bench fuzz found ``spec.engine: 5`` escaping as an AttributeError)."""
+    if not isinstance(spec, Mapping):
+        return [("spec", f"must be an object, got {type(spec).__name__}")]
+    problems = []
+    for path in SPEC_OBJECTS:
+        value: Any = spec
+        for part in path:
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if value is not None and not isinstance(value, Mapping):
+            problems.append((".".join(("spec", *path)), f"must be an object, got {type(value).__name__}"))
+    return problems
 
 
 def sidecar_config(spec: Mapping[str, Any], *, audience: str = "", operator_key: str = "") -> dict[str, Any]:
@@ -178,6 +199,8 @@ def sidecar_config(spec: Mapping[str, Any], *, audience: str = "", operator_key:
     vLLM at its new port, ``127.0.0.1:<enginePort>``.  ``operator_key`` (PEM) and
     ``audience`` (``<namespace>/<policy>``): the operator's Admin credential the sidecars accept.
     """
+    if problems := shape_problems(spec):
+        raise ConfigError(problems)
     doc: dict[str, Any] = {name: dict(spec[name]) for name in CONFIG_SECTIONS if spec.get(name) is not None}
     auth = auth_config(spec, audience, operator_key)
     if auth:

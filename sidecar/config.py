@@ -751,6 +751,10 @@ def parse_config_bytes(raw: bytes, source: str) -> SidecarConfig:
         raise ConfigError([(source, f"invalid YAML at line {line}: {exc.problem or exc.context}")]) from None
     except yaml.YAMLError as exc:  # e.g. bytes that are not UTF-8
         raise ConfigError([(source, f"invalid YAML: {exc}")]) from None
+    except RecursionError:  # found by bench fuzz: "a: [[[[..." thousands deep
+        raise ConfigError([(source, "invalid YAML: nested too deeply")]) from None
+    except (ValueError, TypeError) as exc:  # a tagged or implicit value PyYAML cannot build: 2001-02-30, !!int 1e9
+        raise ConfigError([(source, f"invalid YAML: a value that cannot be read ({exc})")]) from None
     if data is None:  # empty, whitespace or comments only: a file being written, never "all defaults"
         raise ConfigError([(source, "the file holds no config (empty, or only whitespace and comments)")])
     return parse_config(data)

@@ -146,6 +146,27 @@ def _bench_liar(args: argparse.Namespace) -> int:
     return 0 if doc["failures"] == 0 else 1
 
 
+_FUZZ_TARGETS = ("http", "grpc", "config")  # bench/fuzz.py TARGETS
+
+
+def _fuzz_targets(text: str) -> tuple[str, ...]:
+    targets = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in targets if t not in _FUZZ_TARGETS]
+    if bad or not targets or len(set(targets)) != len(targets):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of distinct targets from {','.join(_FUZZ_TARGETS)}, "
+                                         f"got {text!r}")  # fmt: skip
+    return targets
+
+
+def _bench_fuzz(args: argparse.Namespace) -> int:
+    from ..bench import fuzz
+
+    cfg = fuzz.FuzzConfig(inputs=args.inputs, seed=args.seed, targets=args.targets, concurrency=args.concurrency)
+    doc = fuzz.run(cfg, progress(args, "bench fuzz"))
+    report(args, doc, lambda: fuzz.print_table(doc))
+    return 0 if fuzz.passed(doc) else 1
+
+
 def _bench_predictor(args: argparse.Namespace) -> int:
     from ..bench import predictor, sharegpt
 
@@ -369,6 +390,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     li.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     li.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     li.set_defaults(func=_bench_liar)
+    fz = bench_sub.add_parser(
+        "fuzz", help="generated bad input on both doors and the config parsers",
+        description="Send generated inputs (mutated requests, raw bytes, headers, metadata, config files and "
+                    "BatchingPolicy specs) to a sidecar in front of an instant engine and to the config parsers; "
+                    "report the answers, any 5xx / INTERNAL / UNKNOWN / exception with its reproducer, ERROR log "
+                    "records and the sidecar's memory. Exits 1 when any input failed.",
+    )  # fmt: skip
+    fz.add_argument("--inputs", type=int_in(1, 10_000_000), default=120_000,
+                    help="inputs in all, split evenly across the targets (default 120000)")  # fmt: skip
+    fz.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="the run's seed (default 0)")
+    fz.add_argument("--targets", type=_fuzz_targets, default=_FUZZ_TARGETS, metavar="http,grpc,config",
+                    help="what to fuzz (default all three)")  # fmt: skip
+    fz.add_argument("--concurrency", type=int_in(1, 1024), default=32, help="inputs in flight on a door (default 32)")
+    fz.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    fz.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    fz.set_defaults(func=_bench_fuzz)
     op = bench_sub.add_parser(
         "operator", help="what the operator costs while it holds a fleet",
         description="What the operator costs while it holds a fleet: idle API requests per policy, spec change to "

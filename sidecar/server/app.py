@@ -23,7 +23,7 @@ import time
 
 import grpc
 from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from ..config import ConfigError, LoadedConfig, SidecarConfig, redact_urls, restart_required
 from ..core.autok import ArrivalWindow
@@ -55,7 +55,7 @@ from .metrics_endpoint import metrics_app
 from .openai_http import OpenAIDoor
 from .reflection import enable_reflection
 from .replies import Replies
-from .servicer import AdminServicer, InferenceServicer, add_servicers
+from .servicer import AdminServicer, InferenceServicer, add_health, add_servicers
 
 log = logging.getLogger("binbatch.sidecar")
 
@@ -184,7 +184,7 @@ class Sidecar:
         # message size, streams per connection, keepalive enforcement, connection age (connection_limits)
         self.server = grpc.aio.server(options=grpc_server_options(cfg.server))
         add_servicers(self.server, inference, AdminServicer(self.replies, self.admin_gate))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        add_health(self.server, self.health)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME), (health_pb2.DESCRIPTOR,))
         self.front = inference.front  # both doors' intake (read by tests: the bodies being read)
         door = OpenAIDoor(inference.front, engine=lambda: self.client, ready=self.ready, auth=self.caller_auth)

@@ -70,6 +70,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from ..config import DEFAULT_PASSTHROUGH_PATHS
 from ..engine.dispatcher import Completion, Rejected
@@ -272,10 +273,11 @@ class OpenAIDoor:
         self.max_request_bytes = limit = server.max_request_bytes
         self.read_timeout = server.http_request_read_timeout_milliseconds / 1000
         app = web.Application(client_max_size=limit, middlewares=[_http_errors, self._authenticate])
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/health", self.health)
-        app.router.add_route("*", "/{tail:.*}", self.passthrough)  # the allowlist, else 404
+        app.router.add_post("/v1/completions", self.completions, expect_handler=_expect)
+        app.router.add_post("/v1/chat/completions", self.chat, expect_handler=_expect)
+        app.router.add_get("/health", self.health, expect_handler=_expect)
+        app.router.add_route("*", "/{tail:.*}", self.passthrough, expect_handler=_expect)  # the allowlist, else 404
+        quiet_bad_requests()
         return app
 
     @web.middleware
@@ -489,3 +491,39 @@ async def _http_errors(request: web.Request, handler: Callable[..., Any]) -> web
             raise
         body = error_body(exc.reason if exc.text is None else exc.text, "invalid_request_error", "body")
         return web.json_response(body, status=exc.status)
+
+
+async def _expect(request: web.Request) -> None:
+    """``Expect: 100-continue`` as aiohttp's default handler does; any other value a 417 that does not
+    echo it (aiohttp's echo of a value that is not UTF-8 failed to encode: a 500, found by bench fuzz)."""
+    if request.version != aiohttp.HttpVersion11:
+        return
+    if request.headers.get("Expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the 100 is not the answer's start
+        return
+    body = error_body("header 'expect': only 100-continue is understood", "invalid_request_error", "expect")
+    raise web.HTTPExpectationFailed(text=json.dumps(body), content_type="application/json")
+
+
+class _BadRequestsAtDebug(logging.Filter):
+    """aiohttp logs a request it cannot parse (a bad header byte, a bad URL, a body after
+    ``Connection: close``) at ERROR with a traceback, though it answers 400: the client's
+    fault, not the sidecar's.  Such records go to DEBUG, one line, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or record.levelno < logging.ERROR:
+            return True
+        record.msg, record.args = "bad HTTP request: %s", (" ".join(str(exc).split())[:200],)
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.exc_info = record.exc_text = None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_BAD_REQUESTS_FILTER = _BadRequestsAtDebug()
+
+
+def quiet_bad_requests() -> None:
+    """Install the filter on aiohttp's server logger (once)."""
+    logging.getLogger("aiohttp.server").addFilter(_BAD_REQUESTS_FILTER)  # adding it again is a no-op
