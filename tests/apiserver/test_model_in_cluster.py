@@ -38,13 +38,12 @@ from test_operator_against_apiserver import (  # noqa: F401 -- policy_namespace 
     POLICY,
     SELECTOR,
     Operator,
-    ServiceProxy,
     create_pod,
     create_policy,
     free_port,
     policy_namespace,
     reconciled,
-    service_account_kubeconfig,
+    release_operator,
 )
 
 from binbatch_api.v1 import binbatch_pb2 as pb
@@ -79,27 +78,9 @@ LONG, SHORT = 300, 3  # output tokens of the two kinds of prompt the fleet's sid
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster, helm_release: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     """The operator of ``helm_release`` re-checking its policies every STATS_INTERVAL_SECONDS (this module's)."""
-    namespace = helm_release
-    (deployment,) = cluster.apps.list_namespaced_deployment(namespace).items
-    deployment = cluster.api.sanitize_for_serialization(deployment)
-    (webhook,) = cluster.admission.list_mutating_webhook_configuration(
-        label_selector=f"app.kubernetes.io/instance={helm_release}").items  # fmt: skip
-    service_ref = webhook.webhooks[0].client_config.service
-    service = cluster.core.read_namespaced_service(service_ref.name, service_ref.namespace)
-    folder = tmp_path_factory.mktemp("model-operator")
-    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    kubeconfig = service_account_kubeconfig(cluster, namespace, account, folder / "kubeconfig")
-    process = Operator(cluster, deployment, kubeconfig, webhook.metadata.name, folder / "operator.log")
-    process.env["BINBATCH_STATS_INTERVAL_SECONDS"] = str(STATS_INTERVAL_SECONDS)
-    peering = [a.removeprefix("--peering=") for a in process.command if a.startswith("--peering=")]
-    with ServiceProxy(service.spec.cluster_ip, service_ref.port, process.webhook_port):
-        try:
-            process.start()
-            yield process
-        finally:
-            process.stop()
-            for name in peering:  # the operator creates its ClusterKopfPeering; helm uninstall leaves it
-                cluster.kubectl("delete", "clusterkopfpeering", name, "--ignore-not-found")
+    with release_operator(cluster, helm_release, tmp_path_factory.mktemp("model-operator"),
+                          env={"BINBATCH_STATS_INTERVAL_SECONDS": str(STATS_INTERVAL_SECONDS)}) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -207,9 +207,12 @@ def service_account_kubeconfig(cluster: Cluster, namespace: str, account: str, p
     return path
 
 
-@pytest.fixture(scope="module")
-def operator(cluster: Cluster, helm_release: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    """The operator of ``helm_release``, started, its webhook reachable through the release's Service."""
+@contextlib.contextmanager
+def release_operator(cluster: Cluster, helm_release: str, folder: Path, env: dict[str, str] | None = None,
+                     prepare: Callable[[Operator], None] | None = None) -> Iterator[Operator]:
+    """The operator of ``helm_release`` as its chart runs it (the Deployment's command, environment and
+    ServiceAccount token), its webhook reachable through the release's Service; ``env`` adds to its
+    environment and ``prepare`` sees it just before it starts.  Its ClusterKopfPeering is deleted after."""
     namespace = helm_release
     (deployment,) = cluster.apps.list_namespaced_deployment(namespace).items
     deployment = cluster.api.sanitize_for_serialization(deployment)
@@ -217,10 +220,12 @@ def operator(cluster: Cluster, helm_release: str, tmp_path_factory: pytest.TempP
         label_selector=f"app.kubernetes.io/instance={helm_release}").items  # fmt: skip
     service_ref = webhook.webhooks[0].client_config.service
     service = cluster.core.read_namespaced_service(service_ref.name, service_ref.namespace)
-    folder = tmp_path_factory.mktemp("operator")
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
     kubeconfig = service_account_kubeconfig(cluster, namespace, account, folder / "kubeconfig")
     process = Operator(cluster, deployment, kubeconfig, webhook.metadata.name, folder / "operator.log")
+    process.env.update(env or {})
+    if prepare is not None:
+        prepare(process)
     cluster.diagnose.append(("--namespace", namespace, "get", "events"))
     peering = [a.removeprefix("--peering=") for a in process.command if a.startswith("--peering=")]
     with ServiceProxy(service.spec.cluster_ip, service_ref.port, process.webhook_port):
@@ -231,6 +236,13 @@ def operator(cluster: Cluster, helm_release: str, tmp_path_factory: pytest.TempP
             process.stop()
             for name in peering:  # the operator creates its ClusterKopfPeering; helm uninstall leaves it
                 cluster.kubectl("delete", "clusterkopfpeering", name, "--ignore-not-found")
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, helm_release: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    """The operator of ``helm_release``, started, its webhook reachable through the release's Service."""
+    with release_operator(cluster, helm_release, tmp_path_factory.mktemp("operator")) as process:
+        yield process
 
 
 @pytest.fixture

@@ -23,13 +23,12 @@ from test_operator_against_apiserver import (  # noqa: F401 -- policy_namespace 
     INJECT,
     SELECTOR,
     Operator,
-    ServiceProxy,
     containers,
     create_pod,
     create_policy,
     policy_namespace,
     reconciled,
-    service_account_kubeconfig,
+    release_operator,
 )
 
 from binbatch_operator.builders import SIDECAR_CONTAINER
@@ -42,30 +41,16 @@ LIFETIME_SECONDS = 30
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster, helm_release: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     """The operator of ``helm_release`` with a short-lived certificate (this module's ``operator``)."""
-    namespace = helm_release
-    (deployment,) = cluster.apps.list_namespaced_deployment(namespace).items
-    deployment = cluster.api.sanitize_for_serialization(deployment)
-    (webhook,) = cluster.admission.list_mutating_webhook_configuration(
-        label_selector=f"app.kubernetes.io/instance={helm_release}").items  # fmt: skip
-    service_ref = webhook.webhooks[0].client_config.service
-    service = cluster.core.read_namespaced_service(service_ref.name, service_ref.namespace)
-    folder = tmp_path_factory.mktemp("renewing-operator")
-    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    kubeconfig = service_account_kubeconfig(cluster, namespace, account, folder / "kubeconfig")
-    process = Operator(cluster, deployment, kubeconfig, webhook.metadata.name, folder / "operator.log")
-    process.env["BINBATCH_WEBHOOK_CERT_SECONDS"] = str(LIFETIME_SECONDS)
-    # The release's shared certificate Secret, if an earlier operator of this session made a year-long one.
-    secret = process.env["BINBATCH_WEBHOOK_CERT_SECRET"]
-    cluster.kubectl("--namespace", namespace, "delete", "secret", secret, "--ignore-not-found")
-    peering = [a.removeprefix("--peering=") for a in process.command if a.startswith("--peering=")]
-    with ServiceProxy(service.spec.cluster_ip, service_ref.port, process.webhook_port):
-        try:
-            process.start()
-            yield process
-        finally:
-            process.stop()
-            for name in peering:
-                cluster.kubectl("delete", "clusterkopfpeering", name, "--ignore-not-found")
+
+    def fresh_certificate(process: Operator) -> None:
+        # the release's shared certificate Secret, if an earlier operator of this session made a year-long one
+        secret = process.env["BINBATCH_WEBHOOK_CERT_SECRET"]
+        cluster.kubectl("--namespace", helm_release, "delete", "secret", secret, "--ignore-not-found")
+
+    with release_operator(cluster, helm_release, tmp_path_factory.mktemp("renewing-operator"),
+                          env={"BINBATCH_WEBHOOK_CERT_SECONDS": str(LIFETIME_SECONDS)},
+                          prepare=fresh_certificate) as process:  # fmt: skip
+        yield process
 
 
 def served_certificate(port: int) -> bytes:
