@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from binbatch_sidecar.engine.admin_token import load_private_pem, new_private_pem, public_pem, sign
 
-from .webhook import SecretStore
+from .webhook import SecretStore, write_secret
 
 KEY = "ed25519.pem"  # the Secret's one data key: the private key, PEM (PKCS#8)
 
@@ -75,13 +75,7 @@ async def shared_signer(store: SecretStore, name: str, namespace: str) -> AdminS
         if key is not None:
             return AdminSigner(key)
         pem = new_private_pem()
-        fresh = signing_secret(name, namespace, pem)
-        if current is None:
-            stored = await store.create_secret(fresh)
-        else:
-            fresh["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-            stored = await store.replace_secret(fresh)
-        if stored is not None:
+        if await write_secret(store, signing_secret(name, namespace, pem), current):
             return AdminSigner(load_private_pem(pem))
         # another replica wrote it first: read and use theirs
     raise RuntimeError(f"Secret {namespace}/{name}: the Admin signing key kept changing under us")

@@ -165,16 +165,19 @@ async def shared_certificate(
             if certificate_usable(cert_pem, hostnames):
                 return cert_pem, key_pem
         cert_pem, key_pem = self_signed_certificate(hostnames, lifetime_seconds=lifetime_seconds)
-        fresh = certificate_secret(name, namespace, cert_pem, key_pem)
-        if current is None:
-            stored = await store.create_secret(fresh)
-        else:
-            fresh["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-            stored = await store.replace_secret(fresh)
-        if stored is not None:
+        if await write_secret(store, certificate_secret(name, namespace, cert_pem, key_pem), current):
             return cert_pem, key_pem
         # Another replica wrote it first: read and serve theirs.
     raise RuntimeError(f"Secret {namespace}/{name}: the webhook certificate kept changing under us")
+
+
+async def write_secret(store: SecretStore, fresh: dict[str, Any], current: dict[str, Any] | None) -> bool:
+    """Create ``fresh``, or replace ``current`` with it (at ``current``'s resourceVersion): False
+    when another replica wrote first (the caller reads and uses theirs)."""
+    if current is None:
+        return await store.create_secret(fresh) is not None
+    fresh["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+    return await store.replace_secret(fresh) is not None
 
 
 def fill_namespace(review: dict[str, Any]) -> dict[str, Any]:

@@ -258,18 +258,23 @@ def sidecar_caller(
         msg = pb.GenerateRequest(prompt=req.prompt, **length_fields(req, recorded))
         if hint:
             msg.expected_output_tokens = req.output_tokens
-        t0 = time.perf_counter()
-        ttft = None
-        tokens = 0
-        async for chunk in stub.GenerateStream(msg, timeout=CALL_TIMEOUT_S):
-            if ttft is None and chunk.text:
-                ttft = time.perf_counter() - t0
-            if chunk.HasField("final"):
-                tokens = chunk.final.completion_tokens
-        e2e = time.perf_counter() - t0
-        return Sample(ttft_s=e2e if ttft is None else ttft, e2e_s=e2e, tokens=tokens)
+        return await streamed_sample(stub, msg)
 
     return call
+
+
+async def streamed_sample(stub: pb_grpc.InferenceStub, msg: pb.GenerateRequest) -> Sample:
+    """``msg`` through the sidecar's ``GenerateStream``: time to its first text, to its end, and its tokens."""
+    t0 = time.perf_counter()
+    ttft = None
+    tokens = 0
+    async for chunk in stub.GenerateStream(msg, timeout=CALL_TIMEOUT_S):
+        if ttft is None and chunk.text:
+            ttft = time.perf_counter() - t0
+        if chunk.HasField("final"):
+            tokens = chunk.final.completion_tokens
+    e2e = time.perf_counter() - t0
+    return Sample(ttft_s=e2e if ttft is None else ttft, e2e_s=e2e, tokens=tokens)
 
 
 async def ideal_gang(

@@ -48,8 +48,8 @@ from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
 from . import workloads
-from .bench_clients import (CALL_TIMEOUT_S, RunResult, Sample, closed_loop, direct_caller, length_fields, replay,
-                            steady_rate)  # fmt: skip
+from .bench_clients import (RunResult, Sample, closed_loop, direct_caller, length_fields, replay, steady_rate,
+                            streamed_sample)  # fmt: skip
 from .bench_processes import (EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar,
                               write_answer_lengths)  # fmt: skip
 from .chaos_load import percentile
@@ -116,15 +116,7 @@ def caller(channel: grpc.aio.Channel, liars: set[int], lies: bool) -> Callable[[
                 msg.expected_output_tokens = lie(req.output_tokens)
         else:
             msg.expected_output_tokens = req.output_tokens
-        t0 = time.perf_counter()
-        ttft, tokens = None, 0
-        async for chunk in stub.GenerateStream(msg, timeout=CALL_TIMEOUT_S):
-            if ttft is None and chunk.text:
-                ttft = time.perf_counter() - t0
-            if chunk.HasField("final"):
-                tokens = chunk.final.completion_tokens
-        e2e = time.perf_counter() - t0
-        return Sample(ttft_s=e2e if ttft is None else ttft, e2e_s=e2e, tokens=tokens)
+        return await streamed_sample(stub, msg)
 
     return call
 
