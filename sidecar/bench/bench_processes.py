@@ -13,6 +13,7 @@ prints when it serves (see :mod:`.chaos_processes`), never a sleep.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -119,6 +120,16 @@ def sidecar_doc(engine_url: str, model: str, overrides: dict[str, Any], *, scrap
         "logging": {"level": "Info"},
         **overrides,
     }
+
+
+async def started_engine(stack: contextlib.AsyncExitStack, shape: EngineShape, cwd: Path) -> tuple[EngineProcess, str]:
+    """The embedded engine of ``shape`` as a child process, stopped when ``stack`` closes, and the model it serves."""
+    engine = EngineProcess(shape, cwd)
+    await engine.start()
+    stack.push_async_callback(engine.stop)
+    async with aiohttp.ClientSession() as http:
+        model, _ = await served_model(http, engine.url)
+    return engine, model
 
 
 async def served_model(session: aiohttp.ClientSession, url: str) -> tuple[str, int | None]:

@@ -58,14 +58,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import grpc
 import yaml
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 
 from ..config import ConfigError, parse_config, parse_config_bytes
-from .bench_processes import EngineProcess, served_model, sidecar_doc
+from .bench_processes import sidecar_doc, started_engine
 from .chaos_processes import SidecarProcess, rss_and_fds, run_to_end
 from .e2e import policy_default
 from .overhead import INSTANT, http_port
@@ -943,11 +942,7 @@ async def _fuzz_doors(cfg: FuzzConfig, doors: list[str], share: dict[str, int], 
     with tempfile.TemporaryDirectory(prefix="binbatch-bench-fuzz-") as tmp_name:
         tmp = Path(tmp_name)
         async with contextlib.AsyncExitStack() as stack:
-            engine = EngineProcess(INSTANT, tmp)
-            await engine.start()
-            stack.push_async_callback(engine.stop)
-            async with aiohttp.ClientSession() as http:
-                model, _ = await served_model(http, engine.url)
+            engine, model = await started_engine(stack, INSTANT, tmp)
             path = tmp / "sidecar.yaml"
             path.write_text(yaml.safe_dump(fuzzed_sidecar_doc(engine.url, model), sort_keys=False))
             sidecar = FuzzedSidecar(path, tmp)

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from .bench_processes import EngineProcess, served_model, sidecar_doc
+from .bench_processes import sidecar_doc, started_engine
 from .chaos_load import percentile
 from .chaos_processes import SidecarProcess, run_to_end
 from .overhead import HAND_TUNED, INSTANT, http_port
@@ -104,11 +104,7 @@ async def run_async(cfg: SlowlorisConfig, say: Callable[[str], None]) -> dict[st
     with tempfile.TemporaryDirectory(prefix="binbatch-bench-slowloris-") as tmp_name:
         tmp = Path(tmp_name)
         async with contextlib.AsyncExitStack() as stack:
-            engine = EngineProcess(INSTANT, tmp)
-            await engine.start()
-            stack.push_async_callback(engine.stop)
-            async with aiohttp.ClientSession() as http:
-                model, _ = await served_model(http, engine.url)
+            engine, model = await started_engine(stack, INSTANT, tmp)
             server = {"maxConnections": cfg.max_connections, "httpRequestReadTimeoutMilliseconds": cfg.read_timeout_ms}
             doc = sidecar_doc(engine.url, model, HAND_TUNED)
             doc["server"].update(server)
