@@ -283,13 +283,13 @@ class Scheduler:
         why = (f"its share is {share:.0%} (weight {weight} of {active} for the {others + 1} tenants with requests "
                f"queued or running, at least tenants.maxQueuedSharePercent {core.tenants.floor_percent}%)")  # fmt: skip
         limit = core.max_queued_requests
-        if limit is not None and queued + 1 > max(1, int(limit * share)):
+        if limit is not None and queued + 1 > (cap := max(1, int(limit * share))):
             return Rejected("resource_exhausted", f"queue full for {who}: it holds {queued} queued requests, "
-                            f"{max(1, int(limit * share))} of batch.maxQueuedRequests ({limit}); {why}; retry later")  # fmt: skip
+                            f"{cap} of batch.maxQueuedRequests ({limit}); {why}; retry later")  # fmt: skip
         limit = core.max_queued_bytes
-        if limit is not None and held + req.body_bytes > int(limit * share):
+        if limit is not None and held + req.body_bytes > (cap := int(limit * share)):
             return Rejected("resource_exhausted", f"queue full for {who}: it holds {held} bytes of queued requests, "
-                            f"{int(limit * share)} of batch.maxQueuedBytes ({limit}); {why}; retry later")  # fmt: skip
+                            f"{cap} of batch.maxQueuedBytes ({limit}); {why}; retry later")  # fmt: skip
         return None
 
     def _hold_bytes(self, req: Request) -> None:
