@@ -48,7 +48,8 @@ def read_api_key(path: str, field: str = FIELD) -> str:
     return key
 
 
-def _digest(text: str) -> bytes:
+def digest(text: str) -> bytes:
+    """A secret's SHA-256, what tokens and keys are compared and looked up by (never the text itself)."""
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
@@ -104,7 +105,7 @@ class EngineKey:
 
     def matches(self, presented: str) -> bool:
         """Whether ``presented`` is the key (compared in constant time; False without a key)."""
-        return bool(self._key) and hmac.compare_digest(_digest(presented), _digest(self._key))
+        return bool(self._key) and hmac.compare_digest(digest(presented), digest(self._key))
 
     def headers(self) -> dict[str, str]:
         """``{"Authorization": "Bearer <key>"}``, or nothing without a key."""

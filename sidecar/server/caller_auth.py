@@ -24,7 +24,6 @@ at most once a minute per door; never with the token.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import logging
 import os
@@ -34,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ..config import CALLER_NAME_PATTERN, ConfigError, SidecarConfig
 from ..engine.admin_token import TokenRefused, verify
-from ..engine.engine_key import EngineKey
+from ..engine.engine_key import EngineKey, digest
 from ..engine.sidecar_metrics import SidecarMetrics
 
 log = logging.getLogger("binbatch.auth")
@@ -49,10 +48,6 @@ _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
 class Unauthenticated(Exception):
     """The caller did not prove who it is; the message says what is missing (never a token)."""
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
 def bearer(values: Sequence[str], where: str) -> str:
@@ -104,10 +99,10 @@ def read_caller_tokens(directory: str) -> dict[bytes, str]:
             raise refuse(f"the token file {entry.path} is empty (or only whitespace)")
         if not _VISIBLE_ASCII.fullmatch(token):
             raise refuse(f"the token in {entry.path} has a space or control character inside it")
-        digest = _digest(token)
-        if digest in tokens:
-            raise refuse(f"callers {tokens[digest]!r} and {entry.name!r} have the same token; each caller needs its own")  # fmt: skip
-        tokens[digest] = entry.name
+        key = digest(token)
+        if key in tokens:
+            raise refuse(f"callers {tokens[key]!r} and {entry.name!r} have the same token; each caller needs its own")  # fmt: skip
+        tokens[key] = entry.name
     if not tokens:
         raise refuse(f"the directory {directory} holds no token file (caller authentication needs at least one caller)")  # fmt: skip
     return tokens
@@ -159,7 +154,7 @@ class CallerTokens:
         return True
 
     def caller(self, token: str) -> str | None:
-        return self._tokens.get(_digest(token))
+        return self._tokens.get(digest(token))
 
 
 def warn_unlisted(cfg: SidecarConfig, tokens: CallerTokens) -> None:
