@@ -12,6 +12,7 @@ from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.fair_share import FairAdmissionQueue, TenantPolicy, queue_share
 from binbatch_sidecar.core.former import BatchFormer
+from binbatch_sidecar.core.kv_plan import KvPlan
 from binbatch_sidecar.core.predictor import HintPredictor
 from binbatch_sidecar.core.request import Request
 from binbatch_sidecar.core.scheduler import Core, Outcome, Rejected, Scheduler
@@ -192,14 +193,14 @@ def test_queue_share_is_the_weighted_share_floored():
 # -- the per-tenant bound of the queue, in the scheduler ------------------------------------------
 
 
-def scheduler(mode: str = "continuous", max_queued: int = 10, floor: int = 10,
-              weights=None) -> tuple[Scheduler, ManualClock]:  # fmt: skip
+def scheduler(mode: str = "continuous", max_queued: int = 10, floor: int = 10, weights=None, size: int = 1,
+              kv_plan: KvPlan | None = None) -> tuple[Scheduler, ManualClock]:  # fmt: skip
     clock = ManualClock()
     binner = FixedBinner(())
-    former = BatchFormer(binner, clock, target_size=1, max_wait=0.0, max_queue=1000)
-    sizer = BatchSizer(mode="static", static_size=1, max_size=256)
+    former = BatchFormer(binner, clock, target_size=size, max_wait=0.0, max_queue=1000)
+    sizer = BatchSizer(mode="static", static_size=size, max_size=256)
     core = Core(HintPredictor(), binner, former, sizer, max_queued_requests=max_queued, max_queued_bytes=10_000,
-                tenants=TenantPolicy(weights or {}, 1, floor))  # fmt: skip
+                tenants=TenantPolicy(weights or {}, 1, floor), kv_plan=kv_plan)  # fmt: skip
     return Scheduler(core, clock, mode=mode, max_inflight_batches=1), clock
 
 
@@ -271,3 +272,36 @@ def test_the_scheduler_admits_a_steady_tenant_past_a_flood_in_continuous_mode():
     s.complete(flood[0], Outcome(completion_tokens=8.0), clock.now())
     s.release(first[0].slot, clock.now())
     assert [d.requests[0].id for d in s.step(clock.now()).dispatches] == ["99"]
+
+
+def _admitted(s: Scheduler, clock: ManualClock) -> list[str]:
+    return [d.requests[0].id for d in s.step(clock.now()).dispatches]
+
+
+@pytest.mark.parametrize("by", ["count", "kv"])
+def test_a_tenant_over_its_share_of_the_engine_leaves_room_for_the_others_next_request(by):
+    """The engine holds 4 (its batch size, or its KV cache: 4 answers of 8 tokens).  A flood beside a
+    steady tenant fills it only to 3, so the steady tenant's next arrival goes in at once instead of
+    waiting for a running answer to end; alone (or under one tenant name) it fills all 4."""
+
+    def make() -> tuple[Scheduler, ManualClock]:
+        if by == "count":
+            return scheduler(max_queued=100, size=4)
+        return scheduler(max_queued=100, size=64, kv_plan=KvPlan(capacity=32.0, block=0))
+
+    s, clock = make()
+    s.submit(sreq(0, clock, "steady"))
+    assert _admitted(s, clock) == ["0"]
+    for i in range(10):
+        s.submit(sreq(1 + i, clock, "flood"))
+    assert _admitted(s, clock) == ["1", "2"]  # 3 in flight, 2 of them the flood's: one place kept free
+    s.submit(sreq(99, clock, "steady"))
+    assert _admitted(s, clock) == ["99"]  # at once, into the place kept
+    assert _admitted(s, clock) == []  # full (the steady tenant holds its share: the flood owes it nothing more)
+
+    s, clock = make()  # the same requests under one tenant name: nobody is owed room
+    for i in range(11):
+        s.submit(sreq(i, clock, "flood"))
+    assert _admitted(s, clock) == ["0", "1", "2", "3"]
+    s.submit(sreq(99, clock, "flood"))
+    assert _admitted(s, clock) == []  # it waits for an answer to end
