@@ -38,7 +38,7 @@ bench-theory: $(STAMP)
 	$(BIN)/binbatch bench theory --plot theory.png
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25  # the slowest tests, so the suite's time stays visible
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(DIST)
