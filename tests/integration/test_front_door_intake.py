@@ -21,7 +21,7 @@ import grpc
 import openai
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sidecar_harness import Running, prompt_request, running_sidecar, sidecar_config
 
@@ -299,6 +299,7 @@ _SCALARS = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(
     | st.text(max_size=20)  # fmt: skip
 _JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                           max_size=4), max_leaves=12)
+SERVED = "<the served model>"  # an example's model, replaced by the door's
 _FIELDS = ("model", "messages", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
            "stream_options", "n", "logprobs", "ignore_eos", "min_tokens", "user", "echo", "best_of", "logit_bias")
 _TEXT = st.text(max_size=30) | st.sampled_from(["\ud800", "ok\udfff", "x"])
@@ -317,6 +318,8 @@ async def test_any_json_body_is_answered_2xx_or_4xx_never_5xx_nor_a_traceback(tm
         seen: list[int] = []
 
         async def send(path: str, body: Any) -> tuple[int, str]:
+            if isinstance(body, dict) and body.get("model") == SERVED:
+                body = {**body, "model": d.model}
             raw = json.dumps(body).encode()  # ensure_ascii: surrogates travel as \\ud800 escapes, as JSON allows
             async with asyncio.timeout(WAIT):
                 async with http.post(f"{d.base}{path}", data=raw, headers={"Content-Type": "application/json"}) as r:
@@ -324,6 +327,8 @@ async def test_any_json_body_is_answered_2xx_or_4xx_never_5xx_nor_a_traceback(tm
 
         @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
         @given(body=_BODY, chat=st.booleans())
+        @example(body={"model": SERVED, "prompt": "x", "max_tokens": 2}, chat=False)  # both kinds, whatever is drawn
+        @example(body=[], chat=False)
         def check(body: Any, chat: bool) -> None:
             path = "/v1/chat/completions" if chat else "/v1/completions"
             status, text = asyncio.run_coroutine_threadsafe(send(path, body), loop).result(WAIT + 5)
