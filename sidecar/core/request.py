@@ -53,6 +53,8 @@ class Request:
     engine_generated: int | None = None  # tokens generated
     engine_prompt_tokens: int | None = None  # the prompt's tokens as the engine counted them
     prompt_counted: bool = False  # the KV plan has learned from the engine's count of its prompt (once a request)
+    # its engine call streams for the KV plan (Scheduler.reads_progress), though its caller asked for one answer
+    progress_read: bool = True
     kv_held: tuple[tuple[Any, ...], Any] | None = None  # the KV plan's last Seq of it, and its inputs (scheduler._held)
 
     def expired(self, now: float) -> bool:

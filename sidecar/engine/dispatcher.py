@@ -415,11 +415,12 @@ class Dispatcher:
         """One request's own engine call (continuous mode); it holds a slot that ``_ended`` releases.
 
         A streaming caller's call streams; so does a unary one's while the KV plan
-        is on (``memory.admission: Projected``): the plan reads each answer's
-        progress from the stream's chunks (the tokens it has produced condition
-        what remains, kv_plan.py), and the text is reassembled for the caller."""
+        is on (``memory.admission: Projected``) and wants its progress
+        (``Scheduler.reads_progress``): the plan reads each answer's progress from
+        the stream's chunks (the tokens it has produced condition what remains,
+        kv_plan.py), and the text is reassembled for the caller."""
         try:
-            if call.deltas is not None or self.scheduler.core.kv_plan is not None:
+            if call.deltas is not None or (self.scheduler.core.kv_plan is not None and req.progress_read):
                 result: EngineResult | EngineError | None = None
                 req.engine_generated = req.engine_prompt_tokens = None  # a requeued request starts over
                 try:

@@ -164,7 +164,7 @@ class ContinuousEngine:
                 self.stats.decoded_tokens += 1
                 if s.generated == 1:
                     self.stats.first_token.setdefault(s.req, end)
-                if self.streams:  # vLLM's continuous usage stats in the chunk of this token
+                if self.streams and s.req.progress_read:  # vLLM's continuous usage stats in the chunk of this token
                     s.req.engine_generated, s.req.engine_prompt_tokens = s.generated, s.prompt
                 if s.generated >= s.output:
                     done.append(s.req)

@@ -16,6 +16,7 @@ from binbatch_sidecar.core.former import BatchFormer
 from binbatch_sidecar.core.kv_plan import KvPlan
 from binbatch_sidecar.core.predictor import HintPredictor
 from binbatch_sidecar.core.request import Request
+from binbatch_sidecar.core.scheduler import PROGRESS_LEARN
 from binbatch_sidecar.core.sizer import BatchSizer, EngineSnapshot, SizeDecision
 from binbatch_sidecar.engine.dispatcher import Call, Core, Dispatcher, Rejected
 from binbatch_sidecar.engine.engine_client import EngineError, EngineRequest, EngineResult, SamplingParams, StreamDelta
@@ -385,6 +386,33 @@ async def test_with_the_kv_plan_a_unary_call_streams_so_the_plan_sees_its_progre
     fut.set_result([EngineResult("abcd", "length", 40, 10)])
     done = await call.future
     assert (done.result.text, done.result.completion_tokens) == ("abcd", 10)
+
+
+async def test_a_unary_call_streams_only_while_the_kv_plan_wants_its_progress():
+    clock = ManualClock()
+    binner = FixedBinner(())
+    former = BatchFormer(binner, clock, target_size=8, max_wait=0.0, max_queue=100)
+    plan = KvPlan(capacity=1000.0, block=0)
+    core = Core(HintPredictor(), binner, former, BatchSizer(mode="static", static_size=8), kv_plan=plan)
+    client = StreamingClient()
+    d = Dispatcher(core, client, clock, SidecarMetrics(), mode="continuous")
+    plan.prompts_seen = PROGRESS_LEARN - 1  # still learning the engine's prompt count: it streams
+    learning, _ = submit(d, 1, max_tokens=10)
+    d._step()
+    await settle()
+    assert learning.progress_read and len(client.streamed) == 1
+    plan.prompts_seen = PROGRESS_LEARN  # learned; 10 + 10 tokens in flight of a 1,000 budget: a whole answer
+    quiet, _ = submit(d, 2, max_tokens=10)
+    d._step()
+    await settle()
+    assert not quiet.progress_read and len(client.streamed) == 1 and len(client.calls) == 2
+    # one that could take the in-flight to over half the budget streams, and so do those after it
+    for i, tokens in ((3, 600), (4, 10)):
+        loud, _ = submit(d, i, max_tokens=tokens)
+        d._step()
+        await settle()
+        assert loud.progress_read
+    assert len(client.streamed) == 3 and len(client.calls) == 4
 
 
 async def test_without_the_kv_plan_a_unary_continuous_call_is_one_whole_answer():
