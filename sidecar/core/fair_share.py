@@ -156,12 +156,15 @@ class FairAdmissionQueue(Generic[T]):
         t.version += 1
         heapq.heappush(self._waiting, (t.served or 0.0, next(self._seq), t.version, t))
 
-    def _chosen(self) -> _Tenant[T] | None:
-        """The waiting tenant of the lowest tag (the one furthest below its share)."""
+    def _chosen(self, skip: str | None = None) -> _Tenant[T] | None:
+        """The waiting tenant of the lowest tag (the one furthest below its share), other than ``skip``."""
         w = self._waiting
         while w and (not w[0][3].queue or w[0][2] != w[0][3].version):
             heapq.heappop(w)
-        return w[0][3] if w else None
+        if not w or skip is None or w[0][3].name != skip:
+            return w[0][3] if w else None
+        current = [e for e in w if e[3].queue and e[2] == e[3].version and e[3].name != skip]
+        return min(current, key=lambda e: (e[0], e[1]))[3] if current else None
 
     def _charge(self, t: _Tenant[T], req: Request) -> None:
         """``req`` of ``t`` was taken: its cost over ``t``'s weight moves ``t``'s tag."""
@@ -206,8 +209,9 @@ class FairAdmissionQueue(Generic[T]):
         t = self._chosen()
         return t is not None and t.queue.arrivals_stopped(now)
 
-    def peek(self, now: float, backlog: Backlog | None = None) -> tuple[T, Request] | None:
-        t = self._chosen()
+    def peek(self, now: float, backlog: Backlog | None = None, skip: str | None = None) -> tuple[T, Request] | None:
+        """The next request; with ``skip``, the next of any other tenant (take it with ``remove``)."""
+        t = self._chosen(skip)
         return None if t is None else t.queue.peek(now, backlog)
 
     def pop(self, now: float, backlog: Backlog | None = None) -> tuple[T, Request] | None:

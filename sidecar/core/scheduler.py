@@ -36,7 +36,7 @@ from .breaker import EngineBreaker
 from .clock import Clock
 from .former import Batch, BatchFormer, QueueFull
 from .inflight import InflightLedger, Slot
-from .kv_plan import KvPlan, Seq
+from .kv_plan import KvPlan, Seq, peak_tokens
 from .predictor import AccuracyTracker, LengthPredictor
 from .queue_wait import ServiceRate, refusal
 from .request import Request, expected_tokens, predicted_length
@@ -385,22 +385,28 @@ class Scheduler:
             packing = (left is not None and pending.order.drain == "longest_fit_first" and pending.order.order != "fifo"
                        and self._kv_planned())  # fmt: skip
             backlog = None if left is None or packing else self._backlog(left, max(sizes))
+            skipped = False
             if packing:  # a batch is left: the longest request the KV cache holds goes next (admission.py)
-                head = pending.packed(now, lambda r: self._kv_fits(r, now, left, spare=self._owes_room(r)))
+                head = pending.packed(now, lambda r: self._kv_fits(r, now, left) and not self._over_share(r, now, sizes))
             else:
                 head = pending.peek(now, backlog)
+                if head is not None and head[1] in self._open and self._over_share(head[1], now, sizes):
+                    # its tenant holds its share of the engine: the next tenant's head, if one waits and may
+                    head = pending.peek(now, backlog, skip=head[1].tenant)
+                    if head is None or (head[1] in self._open and self._over_share(head[1], now, sizes)):
+                        return
+                    skipped = True
             if head is None:
                 return
             batch, req = head
             if req not in self._open:  # cancelled while waiting: ended already
-                self._take(pending, req, packing, now, backlog)
+                self._take(pending, req, packing or skipped, now, backlog)
                 continue
-            spare = self._owes_room(req)
-            if self.inflight_requests + spare >= self._bin_limit(batch.bin, sizes):
+            if self.inflight_requests >= self._bin_limit(batch.bin, sizes):
                 return
-            if packing or self._kv_fits(req, now, left, spare=spare):
-                self._take(pending, req, packing, now, backlog)
-            elif not spare and (behind := self._backfill(pending, req, now, left, sizes)) is not None:
+            if packing or self._kv_fits(req, now, left):
+                self._take(pending, req, packing or skipped, now, backlog)
+            elif not skipped and (behind := self._backfill(pending, req, now, left, sizes)) is not None:
                 batch, req = behind
                 pending.remove(req)
             else:
@@ -444,39 +450,42 @@ class Scheduler:
         plan = self.core.kv_plan
         return plan is not None and plan.budget is not None
 
-    def _kv_fits(self, req: Request, now: float, left: list[Seq] | None = None, *, spare: bool = False) -> bool:
+    def _kv_fits(self, req: Request, now: float, left: list[Seq] | None = None) -> bool:
         """Does the engine's KV cache hold ``req`` and every request in flight
         (``left``, ``_inflight_left`` if listed already) until each finishes
-        (``core.kv_plan``; no plan: yes) -- with ``spare``, and room for one more
-        request like it (``_owes_room``)?  The head of the queue waits when it does
+        (``core.kv_plan``; no plan: yes)?  The head of the queue waits when it does
         not; a later one goes past it only if it ends before the head could start
         (``_backfill``; and see ``AdmissionQueue.packed``)."""
         plan = self.core.kv_plan
         if plan is None or not self._kv_planned():
             return True
-        seq = self._queued_seq(req)
-        held = self._inflight_left(now) if left is None else left
-        return plan.fits([*held, seq] if spare else held, seq)
+        return plan.fits(self._inflight_left(now) if left is None else left, self._queued_seq(req))
 
-    def _owes_room(self, req: Request) -> bool:
-        """Must admitting ``req`` leave room for one more request free?  Yes when another
-        tenant has requests open and ``req``'s tenant, which holds one in flight already,
-        would hold more than its weighted share of the requests in flight with ``req``:
-        the room is the other tenants' next arrival's.  Admission is not preemptive, so without it a flood that fills
-        the engine whenever it frees makes every request of a tenant below its share
-        wait for a running answer to end: on ``binbatch bench tenants`` the steady
-        tenant's p50 and p99 E2E went to 1.56x its run alone.  The cost is one
-        request's room, only while the over-share tenant shares the sidecar."""
+    def _over_share(self, req: Request, now: float, sizes: tuple[int, ...]) -> bool:
+        """Would admitting ``req`` take its tenant past its weighted share of the engine
+        while another tenant has requests open?  The engine is the KV plan's budget
+        (the tenant's requests in flight and ``req``, at their planned peak), else the
+        batch size (its requests in flight).  A tenant holding nothing in flight may
+        always send one.  Admission does not preempt: a tenant that took every place
+        the engine freed made the others' requests wait for a running answer and run
+        in a full engine's slower steps, however far below their share they were --
+        on ``binbatch bench tenants`` a steady tenant's p50 and p99 E2E went to
+        1.5-1.7x its run alone, with fair admission order alone.  The price: while
+        another tenant has requests open but uses less than its share, the rest of
+        the engine is not lent to the tenant over its share."""
         if len(self._tenants) < 2:
             return False
         load = self._tenants.get(req.tenant)
-        if load is None:
+        mine = 0 if load is None else load.open - load.queued  # its requests in flight (accepted, not queued, not ended)
+        if mine <= 0:
             return False
-        mine = load.open - load.queued  # its requests in flight (accepted, not queued, not ended)
-        if mine <= 0:  # every tenant may hold one request, whatever the engine's size
-            return False
-        total = max(mine, len(self._open) - len(self._held_bytes))
-        return (mine + 1) * self._active_weight > load.weight * (total + 1)
+        share = load.weight / self._active_weight
+        plan = self.core.kv_plan
+        if plan is not None and self._kv_planned():
+            held = [_held(plan, r, now - slot.acquired_at) for slot in self.ledger.held() for r in slot.requests
+                    if r.tenant == req.tenant and r in self._open]  # fmt: skip
+            return peak_tokens([*held, self._queued_seq(req)], plan.block) > share * plan.budget
+        return mine + 1 > share * self._bin_limit(req.bin or 0, sizes)
 
     def _bin_limit(self, bin_: int, sizes: tuple[int, ...]) -> int:
         """The most requests the engine may hold when one of bin ``bin_`` goes in:

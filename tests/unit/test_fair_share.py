@@ -279,10 +279,10 @@ def _admitted(s: Scheduler, clock: ManualClock) -> list[str]:
 
 
 @pytest.mark.parametrize("by", ["count", "kv"])
-def test_a_tenant_over_its_share_of_the_engine_leaves_room_for_the_others_next_request(by):
-    """The engine holds 4 (its batch size, or its KV cache: 4 answers of 8 tokens).  A flood beside a
-    steady tenant fills it only to 3, so the steady tenant's next arrival goes in at once instead of
-    waiting for a running answer to end; alone (or under one tenant name) it fills all 4."""
+def test_while_another_tenant_is_open_a_tenant_holds_at_most_its_share_of_the_engine(by):
+    """The engine holds 4 (its batch size, or its KV cache: 4 answers of 8 tokens).  Beside a steady
+    tenant a flood (weights 1:1) gets at most 2 of them, so the steady tenant's next arrivals go in at
+    once instead of waiting for running answers to end; alone (or under one tenant name) it takes all 4."""
 
     def make() -> tuple[Scheduler, ManualClock]:
         if by == "count":
@@ -294,14 +294,31 @@ def test_a_tenant_over_its_share_of_the_engine_leaves_room_for_the_others_next_r
     assert _admitted(s, clock) == ["0"]
     for i in range(10):
         s.submit(sreq(1 + i, clock, "flood"))
-    assert _admitted(s, clock) == ["1", "2"]  # 3 in flight, 2 of them the flood's: one place kept free
+    assert _admitted(s, clock) == ["1", "2"]  # its share: half the engine
     s.submit(sreq(99, clock, "steady"))
-    assert _admitted(s, clock) == ["99"]  # at once, into the place kept
-    assert _admitted(s, clock) == []  # full (the steady tenant holds its share: the flood owes it nothing more)
+    assert _admitted(s, clock) == ["99"]  # at once, into the half kept
+    assert _admitted(s, clock) == []  # full
 
-    s, clock = make()  # the same requests under one tenant name: nobody is owed room
+    s, clock = make()  # the same requests under one tenant name: one tenant may take the whole engine
     for i in range(11):
         s.submit(sreq(i, clock, "flood"))
     assert _admitted(s, clock) == ["0", "1", "2", "3"]
     s.submit(sreq(99, clock, "flood"))
     assert _admitted(s, clock) == []  # it waits for an answer to end
+
+
+def test_a_tenant_at_its_share_does_not_hold_back_another_tenants_request():
+    """The steady tenant's head is next by the tags, but it holds its share of the engine already (1 of
+    4 at weight 1 against the flood's 3): the flood's requests go in past it, up to the flood's share."""
+    s, clock = scheduler(max_queued=100, size=4, weights={"flood": 3})
+    s.submit(sreq(0, clock, "steady"))
+    assert _admitted(s, clock) == ["0"]
+    for i in range(1, 6):
+        s.submit(sreq(i, clock, "flood"))
+    s.submit(sreq(9, clock, "steady"))
+    skipped = []
+    peek = s._pending.peek
+    s._pending.peek = lambda now, backlog=None, skip=None: (skipped.append(skip), peek(now, backlog, skip))[1]
+    assert _admitted(s, clock) == ["1", "2", "3"]  # the engine is full: 1 + 3
+    assert "steady" in skipped  # its head came first and was passed over
+    assert s.queued_by_tenant() == {"steady": 1, "flood": 2}
