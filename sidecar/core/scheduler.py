@@ -549,8 +549,8 @@ class Scheduler:
         """Does the KV plan want the progress of the request sent now, from its engine
         stream's chunks (so a unary call streams, ``Dispatcher._run_single``)?  While it
         learns the engine's prompt count (its first ``PROGRESS_LEARN`` answers: a fresh
-        sidecar's first burst), and once what is in flight, each request taken to its
-        planned end at once, could fill ``PROGRESS_LOAD`` of its budget.  Below that no
+        sidecar's first burst), and, the engine's cache known, once what is in flight
+        (each request at its planned end) could fill ``PROGRESS_LOAD`` of its budget.  Below that no
         admission can be refused until what is in flight grows fourfold, and a request
         sent without a stream is planned from the time it has run (``KvPlan.held``).  A
         streamed unary call costs the sidecar about half a millisecond of CPU and the
@@ -561,8 +561,10 @@ class Scheduler:
         plan = self.core.kv_plan
         if plan is None:
             return False
-        if plan.budget is None or plan.prompts_seen < PROGRESS_LEARN:
+        if plan.prompts_seen < PROGRESS_LEARN:
             return True
+        if plan.budget is None:  # the engine's cache is not known: the plan refuses nothing
+            return False
         return sum(s.held + s.left for s in self._inflight_left(now)) >= PROGRESS_LOAD * plan.budget
 
     # -- answers -----------------------------------------------------------------------
