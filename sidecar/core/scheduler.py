@@ -425,16 +425,16 @@ class Scheduler:
         else:
             pending.pop(now, backlog)
 
-    def _inflight_left(self, now: float) -> list[Seq]:
-        """(tokens held, tokens left) of every open request in flight: the KV plan's
-        count from what its engine stream said, or its estimate from the time since
-        it went in; without a plan its whole predicted length."""
+    def _inflight_left(self, now: float, tenant: str | None = None) -> list[Seq]:
+        """(tokens held, tokens left) of every open request in flight (of ``tenant``'s
+        only, if given): the KV plan's count from what its engine stream said, or its
+        estimate from the time since it went in; without a plan its whole predicted length."""
         plan = self.core.kv_plan
+        inflight = ((r, now - slot.acquired_at) for slot in self.ledger.held() for r in slot.requests
+                    if r in self._open and (tenant is None or r.tenant == tenant))  # fmt: skip
         if plan is None:
-            return [Seq(float(r.prompt_tokens), expected_tokens(r))
-                    for slot in self.ledger.held() for r in slot.requests if r in self._open]  # fmt: skip
-        return [_held(plan, r, now - slot.acquired_at) for slot in self.ledger.held() for r in slot.requests
-                if r in self._open]  # fmt: skip
+            return [Seq(float(r.prompt_tokens), expected_tokens(r)) for r, _ in inflight]
+        return [_held(plan, r, elapsed) for r, elapsed in inflight]
 
     def _backlog(self, left: list[Seq], size: int) -> Backlog:
         """The engine's remaining work (``left``: ``_inflight_left``), for the
@@ -482,8 +482,7 @@ class Scheduler:
         share = load.weight / self._active_weight
         plan = self.core.kv_plan
         if plan is not None and self._kv_planned():
-            held = [_held(plan, r, now - slot.acquired_at) for slot in self.ledger.held() for r in slot.requests
-                    if r.tenant == req.tenant and r in self._open]  # fmt: skip
+            held = self._inflight_left(now, req.tenant)
             return peak_tokens([*held, self._queued_seq(req)], plan.block) > share * plan.budget
         return mine + 1 > share * self._bin_limit(req.bin or 0, sizes)
 
