@@ -80,9 +80,13 @@ async def test_every_outstanding_request_is_in_exactly_one_figure_of_getstats(tm
             while (stats := await sc.stats()).totals.accepted < n:
                 pass
         queued = sum(b.queue_depth for b in stats.bins)
-        assert (queued, stats.pending_requests, stats.inflight_requests) == (2, 16, 4)
-        fams = await sc.scrape()
-        assert fams["binbatch_pending_requests"].samples[0].value == 16
+        # Where the split falls depends on arrival order: a request that found the
+        # engine with room before three more came went alone (the former's "room"
+        # cut), so the bin may hold 0-3.  The defect was requests in no figure.
+        assert queued + stats.pending_requests + stats.inflight_requests == n
+        assert stats.inflight_requests == 4 and queued < 4
+        fams = await sc.scrape()  # nothing ends and no bin is due: the same state
+        assert fams["binbatch_pending_requests"].samples[0].value == stats.pending_requests
         for call in calls:
             call.cancel()
         for call in calls:
