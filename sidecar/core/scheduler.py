@@ -693,7 +693,7 @@ class Scheduler:
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
             self.engine_cap = engine_cap(
                 snapshot.running, snapshot.waiting, self.inflight_requests, self.engine_cap, snapshot.kv_usage_ratio,
-                self._engine_counts,
+                self._engine_counts, self._kv_planned(),
             )  # fmt: skip
             counts = (snapshot.running, snapshot.waiting)
             self._engine_counts = None if counts[0] is None or counts[1] is None else (counts[0], counts[1])

@@ -313,6 +313,22 @@ def test_an_engine_held_by_its_sequence_limit_with_kv_to_spare_is_capped_at_what
     assert engine_cap(running=20, waiting=5, inflight=25, previous=None, kv_usage=0.2, before=(8, 12)) is None
 
 
+def test_with_the_kv_plan_a_full_cache_queue_is_the_plans_and_only_a_sequence_limit_caps():
+    """The KV plan bounds admission by the cache: a queue in a full cache is a
+    preemption, which the plan answers; capping at what the engine then ran kept a
+    few requests in a KV-limited engine while the cap grew back a scrape at a time."""
+    full = {"kv_usage": 0.95, "kv_planned": True}
+    assert engine_cap(running=6, waiting=3, inflight=9, previous=None, **full) is None
+    assert engine_cap(running=6, waiting=3, inflight=9, previous=6, **full) == 11  # grows as with room: 9 + 2
+    # a preemption: it queues again and runs fewer than at the scrape before: not a limit either
+    assert engine_cap(running=4, waiting=2, inflight=6, previous=None, kv_usage=0.6, before=(6, 1),
+                      kv_planned=True) is None  # fmt: skip
+    # a sequence limit: queued at two scrapes, running exactly as many, the cache not full
+    assert engine_cap(running=8, waiting=4, inflight=12, previous=None, kv_usage=0.1, before=(8, 4),
+                      kv_planned=True) == 8  # fmt: skip
+    assert engine_cap(running=8, waiting=4, inflight=12, previous=None, kv_usage=0.1, kv_planned=True) is None
+
+
 def test_first_fit_decreasing_finds_the_longest_that_fits_by_bisection():
     """``packed`` against a scan of every waiting request, longest first, for
     tests that are monotone in the length (as the KV plan's is)."""

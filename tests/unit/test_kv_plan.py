@@ -152,6 +152,22 @@ def test_the_scheduler_holds_a_request_the_cache_would_not_hold_to_its_end():
     assert [r.id for d in s.step(0.8).dispatches for r in d.requests] == ["r2"]
 
 
+def test_with_the_plan_on_the_engines_full_cache_queue_does_not_cap_admission():
+    """followEngineQueue beside the KV plan: the engine queues with its cache full (a
+    preemption); the plan, not a cap at what the engine runs, bounds what goes in."""
+    s, clock = _scheduler(KvPlan(prompt_scale=1.0), AdmissionOrder("shortest_first", follow_engine=True))
+    snap = {"kv_capacity_tokens": 2000, "kv_block_tokens": 1, "tpot_seconds": 0.01, "fresh": True}
+    s.on_snapshot(EngineSnapshot(**snap, kv_usage_ratio=0.95, running=1, waiting=1), 0.0)
+    s.on_snapshot(EngineSnapshot(**snap, kv_usage_ratio=0.95, running=1, waiting=1), 0.5)
+    assert s.engine_cap is None
+    for i in range(5):  # 91 tokens each at its end: the plan holds all five
+        s.submit(Request(id=f"r{i}", arrival=0.0, prompt_tokens=10, max_tokens=80, hint_tokens=80))
+    assert len(s.step(0.5).dispatches) == 5
+    without_plan, _ = _scheduler(None, AdmissionOrder("shortest_first", follow_engine=True))
+    without_plan.on_snapshot(EngineSnapshot(**snap, kv_usage_ratio=0.95, running=1, waiting=1), 0.0)
+    assert without_plan.engine_cap == 1  # no plan: the engine's queue is the only sign it is full
+
+
 def test_the_engines_prompt_counts_of_answered_requests_let_more_in():
     """Prompts estimated at 40 tokens that the engine counts as 10, 80 tokens out
     each, half a token of rounding: at first, prompts counted at twice the
