@@ -195,14 +195,13 @@ def engine_cap(
     """
     if running is None or waiting is None:
         return None
-    if kv_planned:
-        full = kv_usage is not None and kv_usage >= FULL_KV_USAGE
-        if waiting > 0 and not full and before is not None and before[1] > 0 and running == before[0]:
-            return max(1, running)
-    else:
-        stuck = before is not None and before[1] > 0 and running <= before[0]
-        if waiting > 0 and (kv_usage is None or kv_usage >= FULL_KV_USAGE or stuck):
-            return max(1, running)
+    queued_before = before is not None and before[1] > 0
+    if kv_planned:  # a sequence limit only: the same count running, the cache not full
+        held = queued_before and running == before[0] and not (kv_usage is not None and kv_usage >= FULL_KV_USAGE)
+    else:  # a full cache (or one not reported), or no more running than when it queued before
+        held = kv_usage is None or kv_usage >= FULL_KV_USAGE or (queued_before and running <= before[0])
+    if waiting > 0 and held:
+        return max(1, running)
     if previous is None or running + inflight == 0:
         return None
     base = max(running, inflight, previous)
