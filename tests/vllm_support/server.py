@@ -18,6 +18,7 @@ Environment knobs (all optional):
   BINBATCH_VLLM_MODELS     where tiny models are built (default ~/.cache/binbatch/models)
   BINBATCH_VLLM_LOG_DIR    where server logs go (default ~/.cache/binbatch/logs, last 20 kept)
   BINBATCH_VLLM_STARTUP_TIMEOUT  seconds to wait for /health (default 300)
+  BINBATCH_VLLM_DTYPE      the model's --dtype (default: ``cpu_dtype()``)
 
 Only one vLLM should run at a time on a 2-core machine; this helper does not
 enforce it, the pytest fixtures do (see tests/integration/conftest.py).
@@ -50,6 +51,27 @@ SERVED_MODEL_NAME = "tiny"
 API_KEY = "binbatch-test-engine-key"  # the "api_key" profile's --api-key (a test value, not a secret)
 
 
+def cpu_dtype(cpuinfo: str | None = None) -> str:
+    """The --dtype this CPU runs fast: bfloat16 where it has native bf16 vector
+    instructions (AVX512_BF16 or AMX), else float32.  Without them PyTorch's CPU
+    matmul falls back to a scalar bf16 loop: on a 2-core AVX2-only EPYC the large
+    model generated 22 tokens/s in bfloat16 and 71 in float32 (8 streams of 128),
+    and every real-vLLM test and bench ran ~3x slower.  ``BINBATCH_VLLM_DTYPE``
+    overrides it."""
+    if os.environ.get("BINBATCH_VLLM_DTYPE"):
+        return os.environ["BINBATCH_VLLM_DTYPE"]
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "bfloat16"  # not Linux/x86 as we know it: vLLM's own default for CPUs
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.partition(":")[2].split())
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16", "bf16"} else "float32"
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
     """Shape of the random-weight Llama. The default is the fast one the tests use."""
@@ -76,7 +98,7 @@ LARGE_MODEL = TinyModelSpec(layers=8, hidden=1024, vocab=4096, seed=0)
 # 2-core machine, so the pytest fixture takes a profile name as its parameter and
 # pytest tears one profile's server down before it starts the next.
 PROFILES: dict[str, dict[str, object]] = {
-    # Ample KV cache (1024 blocks of 128 tokens = 131072 tokens): nothing queues
+    # Ample KV cache (1024 blocks of 128 tokens = 131072 tokens, half in float32): nothing queues
     # for memory (vLLM's CPU default caps running requests at max_num_seqs=128).
     "default": {},
     # The default server started with --api-key: /v1/* wants "Authorization: Bearer
@@ -285,11 +307,12 @@ class VllmServer:
 
     extra_args: Sequence[str] = ()
     model_spec: TinyModelSpec = SMALL_MODEL
-    dtype: str = "bfloat16"
+    dtype: str = field(default_factory=cpu_dtype)
     max_model_len: int = 1024
     # Explicit KV cache size. Without it the CPU backend takes 92% of the machine's
-    # memory. The small model needs 2 KiB per token: 256 MiB = 131072 tokens
-    # (1024 blocks of 128); the large one 32 KiB per token (8192 tokens).
+    # memory. The small model needs 2 KiB per token in bfloat16: 256 MiB = 131072
+    # tokens (1024 blocks of 128); the large one 32 KiB (8192 tokens). float32
+    # (``cpu_dtype``) holds half as many: still ample for the profiles that size by bytes.
     kv_cache_bytes: int = 256 * 2**20
     startup_timeout: float = field(
         default_factory=lambda: float(os.environ.get("BINBATCH_VLLM_STARTUP_TIMEOUT", "300"))
@@ -522,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--large", action="store_true", help="8 layers, hidden 1024")
     parser.add_argument("--profile", choices=sorted(PROFILES), help="one of the tests' PROFILES (overrides --large)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=cpu_dtype(), help="default: bfloat16 on CPUs with native bf16, else float32")
     parser.add_argument("vllm_args", nargs="*", help="extra vLLM arguments (after --)")
     args = parser.parse_args(argv)
     if args.profile:
