@@ -169,7 +169,7 @@ async def test_metrics_names_and_labels(vllm_server: Any, http: aiohttp.ClientSe
     (info,) = after["vllm:cache_config_info"].samples
     assert info.value == 1.0
     blocks, block_size = int(info.labels["num_gpu_blocks"]), int(info.labels["block_size"])
-    # --kv-cache-memory-bytes 256 MiB, 2 KiB per token, 128-token blocks (CPU default).
+    # --kv-cache-memory-bytes 256 MiB at 2 KiB per token in bfloat16 (twice both in float32), 128-token blocks (CPU default).
     assert block_size == 128
     assert blocks == 1024
     assert info.labels["num_gpu_blocks_override"] == "None"

@@ -34,3 +34,13 @@ def test_a_server_passes_its_dtype_to_vllm(monkeypatch: pytest.MonkeyPatch) -> N
     srv.model_dir = "/m"  # type: ignore[assignment]
     cmd = srv.command()
     assert cmd[cmd.index("--dtype") + 1] == "float32"
+
+
+@pytest.mark.parametrize(("dtype", "factor"), [("bfloat16", 1), ("float32", 2)])
+def test_every_dtype_gets_the_same_tokens_of_kv_cache(monkeypatch: pytest.MonkeyPatch, dtype: str, factor: int) -> None:
+    """A profile sized in bytes (the default's 256 MiB = 131072 bfloat16 tokens) is given the
+    bytes its dtype needs for the same tokens: the tests' capacity does not depend on the CPU."""
+    srv = VllmServer.from_profile("default", dtype=dtype)
+    srv.model_dir = "/m"  # type: ignore[assignment]
+    cmd = srv.command()
+    assert int(cmd[cmd.index("--kv-cache-memory-bytes") + 1]) == 256 * 2**20 * factor

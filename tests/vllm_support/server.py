@@ -51,6 +51,9 @@ SERVED_MODEL_NAME = "tiny"
 API_KEY = "binbatch-test-engine-key"  # the "api_key" profile's --api-key (a test value, not a secret)
 
 
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
 def cpu_dtype(cpuinfo: str | None = None) -> str:
     """The --dtype this CPU runs fast: bfloat16 where it has native bf16 vector
     instructions (AVX512_BF16 or AMX), else float32.  Without them PyTorch's CPU
@@ -98,7 +101,7 @@ LARGE_MODEL = TinyModelSpec(layers=8, hidden=1024, vocab=4096, seed=0)
 # 2-core machine, so the pytest fixture takes a profile name as its parameter and
 # pytest tears one profile's server down before it starts the next.
 PROFILES: dict[str, dict[str, object]] = {
-    # Ample KV cache (1024 blocks of 128 tokens = 131072 tokens, half in float32): nothing queues
+    # Ample KV cache (1024 blocks of 128 tokens = 131072 tokens): nothing queues
     # for memory (vLLM's CPU default caps running requests at max_num_seqs=128).
     "default": {},
     # The default server started with --api-key: /v1/* wants "Authorization: Bearer
@@ -310,9 +313,10 @@ class VllmServer:
     dtype: str = field(default_factory=cpu_dtype)
     max_model_len: int = 1024
     # Explicit KV cache size. Without it the CPU backend takes 92% of the machine's
-    # memory. The small model needs 2 KiB per token in bfloat16: 256 MiB = 131072
-    # tokens (1024 blocks of 128); the large one 32 KiB (8192 tokens). float32
-    # (``cpu_dtype``) holds half as many: still ample for the profiles that size by bytes.
+    # memory. In bfloat16 terms: the small model needs 2 KiB per token, so 256 MiB =
+    # 131072 tokens (1024 blocks of 128); the large one 32 KiB (8192 tokens). A
+    # float32 server (``cpu_dtype``) is given twice the bytes (``kv_bytes``), so every
+    # profile holds the same tokens whatever the CPU.
     kv_cache_bytes: int = 256 * 2**20
     startup_timeout: float = field(
         default_factory=lambda: float(os.environ.get("BINBATCH_VLLM_STARTUP_TIMEOUT", "300"))
@@ -363,6 +367,11 @@ class VllmServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    @property
+    def kv_bytes(self) -> int:
+        """``kv_cache_bytes`` (sized for bfloat16) scaled to this server's dtype's element size."""
+        return self.kv_cache_bytes * DTYPE_BYTES.get(self.dtype, 2) // 2
+
     def command(self) -> list[str]:
         assert self.model_dir is not None
         return [
@@ -384,7 +393,7 @@ class VllmServer:
             "--seed",
             "0",
             "--kv-cache-memory-bytes",
-            str(self.kv_cache_bytes),
+            str(self.kv_bytes),
             # /health is polled; keep the log readable.
             "--disable-uvicorn-access-log",
             *map(str, self.extra_args),
