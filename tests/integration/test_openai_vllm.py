@@ -41,14 +41,23 @@ async def test_openai_client_completes_chats_and_streams_through_the_sidecar_to_
             )  # fmt: skip
             assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
 
+            greedy = {"model": vllm_server.model, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0.0,
+                      "extra_body": {"ignore_eos": True}}  # fmt: skip
             stream = await client.completions.create(
-                model=vllm_server.model, prompt="Once upon a time", max_tokens=40, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                **greedy, stream=True, stream_options={"include_usage": True},
                 extra_headers={"x-expected-output-tokens": "40"},  # past the middle of [1, 64]: bin 1
             )  # fmt: skip
             chunks = [c async for c in stream]
-            assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 2  # real token streaming
-            assert chunks[-1].usage.completion_tokens == 40
+            # vLLM merges tokens its HTTP loop has not sent yet into one chunk, so how many text chunks
+            # arrive depends on the CPU's pace; what must hold is the SSE shape and every token's text.
+            assert chunks[-1].usage.completion_tokens == 40 and not chunks[-1].choices
+            assert any(c.choices for c in chunks[:-1])
+            direct = openai.AsyncOpenAI(base_url=f"{vllm_server.base_url}/v1", api_key="unused", max_retries=0)
+            try:
+                alone = await direct.completions.create(**greedy)
+            finally:
+                await direct.close()
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == alone.choices[0].text
 
             chat_stream = await client.chat.completions.create(
                 model=vllm_server.model, messages=[{"role": "user", "content": "Count"}], max_tokens=6, stream=True,
