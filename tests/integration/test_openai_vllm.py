@@ -17,15 +17,18 @@ pytestmark = pytest.mark.vllm
 TIMEOUT = 120.0
 
 
-def _client(sc) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{sc.sidecar.http_port}/v1", api_key="unused",
-                              max_retries=0, timeout=TIMEOUT)  # fmt: skip
+def _client(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def _sidecar_client(sc) -> openai.AsyncOpenAI:
+    return _client(f"http://127.0.0.1:{sc.sidecar.http_port}")
 
 
 async def test_openai_client_completes_chats_and_streams_through_the_sidecar_to_vllm(vllm_server, tmp_path):
     doc = sidecar_config(vllm_server.base_url, batch={"mode": "Continuous"}, bins={"count": 2, "maxOutputTokens": 64})
     async with running_sidecar(doc, tmp_path) as sc:
-        client = _client(sc)
+        client = _sidecar_client(sc)
         try:
             raw = await client.completions.with_raw_response.create(
                 model=vllm_server.model, prompt="Hello, my name is", max_tokens=8, extra_body={"ignore_eos": True},
@@ -52,7 +55,7 @@ async def test_openai_client_completes_chats_and_streams_through_the_sidecar_to_
             # arrive depends on the CPU's pace; what must hold is the SSE shape and every token's text.
             assert chunks[-1].usage.completion_tokens == 40 and not chunks[-1].choices
             assert any(c.choices for c in chunks[:-1])
-            direct = openai.AsyncOpenAI(base_url=f"{vllm_server.base_url}/v1", api_key="unused", max_retries=0)
+            direct = _client(vllm_server.base_url)
             try:
                 alone = await direct.completions.create(**greedy)
             finally:
@@ -80,7 +83,7 @@ async def test_openai_client_completes_chats_and_streams_through_the_sidecar_to_
 async def test_models_and_tokenize_pass_through_to_vllm(vllm_server, tmp_path):
     doc = sidecar_config(vllm_server.base_url, server={"passthroughPaths": ["/tokenize"]})  # POST: listed only
     async with running_sidecar(doc, tmp_path) as sc:
-        client = _client(sc)
+        client = _sidecar_client(sc)
         try:
             assert [m.id for m in (await client.models.list()).data] == [vllm_server.model]
         finally:
