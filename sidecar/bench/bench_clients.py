@@ -48,11 +48,14 @@ RECORDED_SLACK = 8
 
 @dataclass(slots=True)
 class Sample:
-    """One request as its caller saw it (seconds from its own send time)."""
+    """One request as its caller saw it (seconds from its own send time);
+    ``index``: its position in the workload replayed (the same request in every
+    client's run), set by the replay that sent it."""
 
     ttft_s: float
     e2e_s: float
     tokens: int
+    index: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -73,10 +76,13 @@ class CallFailed(RuntimeError):
     """A request the system under test did not answer with its full length."""
 
 
-async def _answer(req: BenchRequest, call: Callable[[BenchRequest], Awaitable[Sample]], result: RunResult) -> bool:
-    """Send one request; its sample or its failure goes into ``result``.  A replayed
-    answer (``req.max_tokens`` set) may end up to ``RECORDED_SLACK`` tokens past its
-    recorded length (min_tokens and stop strings on a real vLLM), never before it."""
+async def _answer(
+    req: BenchRequest, call: Callable[[BenchRequest], Awaitable[Sample]], result: RunResult, index: int
+) -> bool:
+    """Send one request (``index``: its position in the workload); its sample or its
+    failure goes into ``result``.  A replayed answer (``req.max_tokens`` set) may end
+    up to ``RECORDED_SLACK`` tokens past its recorded length (min_tokens and stop
+    strings on a real vLLM), never before it."""
     try:
         sample = await call(req)
     except (CallFailed, aiohttp.ClientError, grpc.aio.AioRpcError, TimeoutError) as exc:
@@ -86,6 +92,7 @@ async def _answer(req: BenchRequest, call: Callable[[BenchRequest], Awaitable[Sa
     if not req.output_tokens <= sample.tokens <= most:
         result.failures.append(f"asked for {req.output_tokens} tokens, got {sample.tokens}")
         return False
+    sample.index = index
     result.samples.append(sample)
     return True
 
@@ -96,13 +103,13 @@ async def replay(requests: Sequence[BenchRequest], call: Callable[[BenchRequest]
     loop = asyncio.get_running_loop()
     t0 = loop.time()
 
-    async def one(req: BenchRequest) -> None:
+    async def one(index: int, req: BenchRequest) -> None:
         delay = t0 + req.arrival_s - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)  # the arrival process itself, not synchronisation
-        await _answer(req, call, result)
+        await _answer(req, call, result, index)
 
-    await asyncio.gather(*(one(r) for r in requests))
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
     result.elapsed_s = loop.time() - t0
     return result
 
@@ -120,12 +127,12 @@ async def closed_loop(
     spans: list[Span] = []
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    pending = iter(requests)
+    pending = iter(enumerate(requests))
 
     async def worker() -> None:
-        for req in pending:  # a shared iterator: each request goes out once
+        for index, req in pending:  # a shared iterator: each request goes out once
             sent = loop.time() - t0
-            if await _answer(req, call, result):
+            if await _answer(req, call, result, index):
                 spans.append(Span(sent, result.samples[-1]))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -291,19 +298,19 @@ async def ideal_gang(
     lengths = [r.output_tokens for r in requests]
     for members in equal_mass_bins(lengths, k):
         for start in range(0, len(members), batch):
-            chunk = [requests[i] for i in members[start : start + batch]]
-            groups: dict[int, list[BenchRequest]] = {}
-            for req in chunk:
-                groups.setdefault(req.output_tokens, []).append(req)
+            groups: dict[int, list[int]] = {}  # the chunk's requests (their indices) by length
+            for i in members[start : start + batch]:
+                groups.setdefault(requests[i].output_tokens, []).append(i)
             outcomes = await asyncio.gather(
-                *(_list_call(session, url, model, reqs) for reqs in groups.values()), return_exceptions=True
+                *(_list_call(session, url, model, [requests[i] for i in ids]) for ids in groups.values()),
+                return_exceptions=True,
             )
             done = time.perf_counter() - t0  # every request of the batch arrived at t0
-            for reqs, outcome in zip(groups.values(), outcomes, strict=True):
+            for ids, outcome in zip(groups.values(), outcomes, strict=True):
                 if isinstance(outcome, BaseException):
-                    result.failures.extend(f"{type(outcome).__name__}: {outcome}"[:300] for _ in reqs)
+                    result.failures.extend(f"{type(outcome).__name__}: {outcome}"[:300] for _ in ids)
                 else:
-                    result.samples.extend(Sample(ttft_s=done, e2e_s=done, tokens=r.output_tokens) for r in reqs)
+                    result.samples.extend(Sample(done, done, requests[i].output_tokens, i) for i in ids)
     result.elapsed_s = time.perf_counter() - t0
     return result
 

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import signal
 import statistics
@@ -166,6 +167,7 @@ class E2EConfig:
     sharegpt_repeats: int | None = None  # repeats of the ShareGPT replay (None: ``repeats``; the demo's: 1)
     only: tuple[str, ...] = ()  # scenario keys ("mixed@gang") or shapes ("chat"); empty: all
     clients: tuple[str, ...] = ()  # client keys ("direct", "hint", ...) to send with; empty: all
+    samples_path: str | None = None  # each answered request's timings, a JSON line each, written as runs end
 
 
 SCENARIO_NAMES = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang", "sharegpt")
@@ -650,6 +652,8 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
                 result = await run_one(sc, client, reqs)
                 acc = accs.setdefault((sc.key, client.key), _Acc(sc, client))
                 acc.runs.append(result)
+                if cfg.samples_path:
+                    write_samples(cfg.samples_path, sc, client, rep, result)
                 failed = f", {len(result.failures)} FAILED: {result.failures[0]}" if result.failures else ""
                 say(f"repeat {rep + 1}/{cfg.repeats} {sc.label} | {client.label}: {len(result.samples)} answered "
                     f"in {result.elapsed_s:.2f} s{failed}")  # fmt: skip
@@ -715,6 +719,18 @@ async def _steady_capacity(
     if result.failures:
         raise RuntimeError(f"capacity: {len(result.failures)} direct requests failed, first: {result.failures[0]}")
     return steady_rate(spans, cfg.capacity_concurrency, statistics.fmean(r.output_tokens for r in replayed))
+
+
+def write_samples(path: str, sc: Scenario, client: Client, rep: int, result: RunResult) -> None:
+    """Append one run's answered requests to ``path``, a JSON line each: which run
+    (scenario, load, client, repeat from 1) and which request (``index``: its place
+    in the workload, the same request in every client's run of the scenario), its
+    output tokens, TTFT and E2E in seconds.  Which requests make a tail, and how
+    each fared through the sidecar against direct, is read from here."""
+    with open(path, "a", encoding="utf-8") as f:
+        for s in result.samples:
+            f.write(json.dumps({"scenario": sc.key, "load": sc.load, "client": client.key, "repeat": rep + 1,
+                                "index": s.index, "tokens": s.tokens, "ttft_s": s.ttft_s, "e2e_s": s.e2e_s}) + "\n")
 
 
 def run(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any]:

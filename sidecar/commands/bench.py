@@ -86,6 +86,12 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     cfg = replace(cfg, clients=tuple(args.client)) if args.client else cfg
     cfg = replace(cfg, capacity_concurrency=args.capacity_concurrency) if args.capacity_concurrency else cfg
     cfg = replace(cfg, capacity_requests=args.capacity_requests) if args.capacity_requests else cfg
+    if args.samples:
+        try:
+            open(args.samples, "w", encoding="utf-8").close()  # each run appends to it: start empty
+        except OSError as exc:
+            raise SystemExit(f"binbatch bench e2e: --samples {args.samples}: {exc.strerror or exc}") from None
+        cfg = replace(cfg, samples_path=args.samples)
     if cfg.capacity_requests < 3 * cfg.capacity_concurrency:
         raise SystemExit(f"binbatch bench e2e: --capacity-requests must be at least 3x --capacity-concurrency "
                          f"(warm-up, window, drain), got {cfg.capacity_requests} for {cfg.capacity_concurrency}")
@@ -305,6 +311,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "shortest-first, the sidecar's yardstick); without it that client is left out")  # fmt: skip
     e2.add_argument("--json", action="store_true", help="print one JSON document {setup, runs, ratios} instead of tables")
     e2.add_argument("--plot", metavar="FILE.png", help="also draw latency and goodput vs load to this PNG")
+    e2.add_argument("--samples", metavar="FILE.jsonl",
+                    help="also write each answered request to this file as a JSON line: scenario, load, client, "
+                         "repeat, its index in the workload (the same request in every client's run), output "
+                         "tokens, TTFT and E2E seconds")  # fmt: skip
     e2.add_argument("--quick", action="store_true", help="the seconds-long version (as in the test suite)")
     e2.add_argument("--repeats", type=positive_int, help="interleaved repeats of every run (default 2)")
     e2.add_argument("--requests", type=positive_int, help="requests per burst run (default 64)")

@@ -36,8 +36,8 @@ def _row(runs: list[dict], *, mode: str, load: float | None, k: int = 1, name_ha
 
 
 async def test_quick_e2e_bench_prints_runs_direct_first_and_ratios_from_the_same_rows(tmp_path):
-    png = tmp_path / "e2e.png"
-    doc = await _bench(tmp_path, "e2e", "--plot", str(png))
+    png, samples = tmp_path / "e2e.png", tmp_path / "samples.jsonl"
+    doc = await _bench(tmp_path, "e2e", "--plot", str(png), "--samples", str(samples))
 
     assert list(doc) == ["setup", "runs", "ratios"]
     runs = doc["runs"]
@@ -89,6 +89,25 @@ async def test_quick_e2e_bench_prints_runs_direct_first_and_ratios_from_the_same
         )
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # --samples: every answered request once, by its place in the workload, so one request is followed across
+    # clients: each client's run of a scenario answered the same requests, each with the same length
+    lines = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert doc["setup"]["failures"] == 0 and lines
+    runs_of: dict[tuple, dict[int, int]] = {}
+    for s in lines:
+        assert set(s) == {"scenario", "load", "client", "repeat", "index", "tokens", "ttft_s", "e2e_s"}, s
+        assert 0 < s["ttft_s"] <= s["e2e_s"] and s["repeat"] == 1
+        tokens = runs_of.setdefault((s["scenario"], s["client"]), {})
+        assert s["index"] not in tokens, s  # each request once a run
+        tokens[s["index"]] = s["tokens"]
+    by_scenario: dict[str, list[dict[int, int]]] = {}
+    for (scenario, _), tokens in runs_of.items():
+        by_scenario.setdefault(scenario, []).append(tokens)
+    assert {"chat@burst", "sharegpt"} <= set(by_scenario)
+    for scenario, runs_here in by_scenario.items():
+        assert sorted(runs_here[0]) == list(range(len(runs_here[0]))), scenario
+        assert all(r == runs_here[0] for r in runs_here), scenario  # same indices, same lengths, every client
 
 
 async def test_quick_overhead_bench_prints_its_keys_for_both_doors(tmp_path):

@@ -87,6 +87,19 @@ def test_cli_capacity_flags_reach_the_plan_and_are_checked(monkeypatch, capsys):
     assert "--capacity-requests must be at least 3x --capacity-concurrency" in str(exc.value.code)
 
 
+
+def test_cli_samples_file_is_emptied_and_reaches_the_run_or_names_the_flag(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(e2e, "run", lambda cfg, say: seen.setdefault("cfg", cfg) and {"runs": [], "ratios": {}})
+    monkeypatch.setattr(e2e, "print_tables", lambda doc: None)
+    path = tmp_path / "samples.jsonl"
+    path.write_text("an earlier run's lines\n")
+    assert cli.main(["bench", "e2e", "--samples", str(path), "--quiet"]) == 0
+    assert seen["cfg"].samples_path == str(path) and path.read_text() == ""  # each run appends: it starts empty
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "e2e", "--samples", str(tmp_path / "no-such-dir" / "s.jsonl"), "--quiet"])
+    assert "--samples" in str(exc.value.code) and "No such file or directory" in str(exc.value.code)
+
 def _clients_at_95(cfg: e2e.E2EConfig) -> list[str]:
     (sc,) = [sc for sc in e2e.scenarios(cfg) if sc.key == "chat@0.95"]
     return [c.key for c in sc.clients]
