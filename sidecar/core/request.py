@@ -56,6 +56,7 @@ class Request:
     # its engine call streams for the KV plan (Scheduler.reads_progress), though its caller asked for one answer
     progress_read: bool = True
     kv_held: tuple[tuple[Any, ...], Any] | None = None  # the KV plan's last Seq of it, and its inputs (scheduler._held)
+    kv_planned: bool = False  # it went in under the KV plan, the engine's cache known (not sent blind)
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline

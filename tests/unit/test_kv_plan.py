@@ -308,6 +308,30 @@ def test_preemptions_while_none_of_ours_is_in_the_engine_do_not_tighten_the_plan
     assert plan.headroom == pytest.approx(0.9)  # ours was in the engine: the plan answers for it
 
 
+def test_preemptions_of_requests_sent_before_the_cache_was_known_do_not_tighten_the_plan():
+    """A burst that reached a fresh sidecar before its first scrape went in unplanned
+    (the plan admits freely while the cache is unknown): the preemptions that follow
+    are not the plan's error, and shrinking the budget for them held the engine
+    model's first burst to 0.91x direct's throughput.  Once every request in flight
+    went in under the plan, a preemption with every length known tightens it again."""
+    s, _ = _scheduler(KvPlan())
+    plan = s.core.kv_plan
+    assert plan is not None
+    blind = Request(id="blind", arrival=0.0, prompt_tokens=10, max_tokens=80, hint_tokens=80)
+    s.submit(blind)
+    (sent,) = s.step(0.0).dispatches  # no scrape yet: sent without a plan
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=768, preemptions_delta=5.0, fresh=True), 0.2)
+    assert plan.headroom == 1.0
+    s.submit(Request(id="planned", arrival=0.2, prompt_tokens=10, max_tokens=80, hint_tokens=80))
+    assert len(s.step(0.2).dispatches) == 1
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=768, preemptions_delta=5.0, fresh=True), 0.4)
+    assert plan.headroom == 1.0  # the blind one is still in flight
+    s.complete(blind, Outcome(completion_tokens=80, prompt_tokens=10), 0.5)
+    s.release(sent.slot, 0.5)
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=768, preemptions_delta=5.0, fresh=True), 0.6)
+    assert plan.headroom == pytest.approx(0.9)  # every one in flight was planned and known: the plan answers
+
+
 def test_a_slow_tpot_while_none_of_ours_is_in_the_engine_does_not_shrink_b_sla():
     """Another client's batch (the bench's direct run) set that TPOT: shrinking on
     it started every sidecar run at a small B_t."""
