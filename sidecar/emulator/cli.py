@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
                         help="fcfs, or priority: waiting requests by their priority field (lower first), then "
                              "arrival; the running one with the largest preempted (vLLM's flag; default fcfs)")  # fmt: skip
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="as vLLM's flag (on by default there): the full KV blocks of a prompt are held once "
+                             "for every running sequence whose prompt begins with the same words, and not "
+                             "prefilled again (default: off)")  # fmt: skip
     parser.add_argument("--max-model-len", type=_positive_int, default=d.max_model_len,
                         help=f"longest prompt + output in tokens (default {d.max_model_len})")  # fmt: skip
     parser.add_argument("--legacy-names", action="store_true",

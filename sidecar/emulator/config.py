@@ -34,6 +34,12 @@ class EmulatorConfig:
     taken by (``priority``, arrival), the running one with the largest key
     preempted; a request's ``priority`` field (default 0, lower first) has no
     effect under "fcfs", as in vLLM 0.32."""
+    enable_prefix_caching: bool = False
+    """vLLM's ``--enable-prefix-caching`` (on by default in vLLM itself): the full KV
+    blocks of a prompt are held once for every running sequence whose prompt begins
+    with the same tokens (a block is one if its words and every word before it are),
+    and their tokens are not prefilled again.  Off here by default, so the bench's
+    older shapes keep what they measured."""
     max_model_len: int = 2048
     """Longest prompt + output, tokens; must fit in the KV cache, as vLLM requires."""
     legacy_names: bool = False

@@ -41,7 +41,8 @@ class EmulatedEngine:
         self.config = config
         self.metrics = metrics
         self.scheduler = BlockScheduler(config.num_gpu_blocks, config.block_size, config.max_num_seqs,
-                                        priority=config.scheduling_policy == "priority")  # fmt: skip
+                                        priority=config.scheduling_policy == "priority",
+                                        prefix_caching=config.enable_prefix_caching)  # fmt: skip
         self.stats = EngineStats()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

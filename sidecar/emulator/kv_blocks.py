@@ -25,7 +25,10 @@ class StepPlan:
 class BlockScheduler:
     """vLLM-style continuous batching over a paged KV budget (no I/O, no clock)."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, *, priority: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_num_seqs: int, *, priority: bool = False,
+        prefix_caching: bool = False,
+    ) -> None:  # fmt: skip
         if num_blocks < 2:
             raise ValueError(f"num_blocks: must be >= 2 (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -39,6 +42,10 @@ class BlockScheduler:
         self.priority = priority
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # vLLM's prefix cache: a full prompt block (its key, ``Sequence.prefix``) is held once
+        # for every running sequence whose prompt begins with it; the count of those sequences
+        self.prefix_caching = prefix_caching
+        self.block_refs: dict[int, int] = {}
 
     @property
     def used_blocks(self) -> int:
@@ -70,7 +77,7 @@ class BlockScheduler:
         """Grow the running sequences (preempting if needed), then admit waiting ones."""
         preempted = self._grow_running()
         admitted = [] if preempted else self._admit_waiting()
-        prefill = sum(seq.context_tokens for seq in admitted)
+        prefill = sum(seq.context_tokens - seq.cached_tokens for seq in admitted)
         return StepPlan(batch=list(self.running), admitted=admitted, preempted=preempted, prefill_tokens=prefill)
 
     def _grow_running(self) -> list[Sequence]:
@@ -108,12 +115,32 @@ class BlockScheduler:
 
     def _reserve(self, seq: Sequence) -> bool:
         """Allocate the blocks ``seq`` lacks for its next step, if they are free."""
-        lacking = self.blocks_needed(seq) - seq.blocks
+        if self.prefix_caching and seq.prefix and not seq.cached and not seq.blocks:
+            return self._admit_prefix(seq)
+        lacking = self.blocks_needed(seq) - seq.blocks - len(seq.cached)
         if lacking > self.free_blocks:
             return False
         if lacking > 0:
             self.free_blocks -= lacking
             seq.blocks += lacking
+        return True
+
+    def _admit_prefix(self, seq: Sequence) -> bool:
+        """Admission with the prefix cache: the leading prompt blocks some running
+        sequence holds already are shared (their tokens not prefilled again); the rest
+        of the prompt's full blocks are allocated and shared from now on."""
+        hits = 0
+        while hits < len(seq.prefix) and seq.prefix[hits] in self.block_refs:
+            hits += 1
+        lacking = self.blocks_needed(seq) - hits
+        if lacking > self.free_blocks:
+            return False
+        for key in seq.prefix:
+            self.block_refs[key] = self.block_refs.get(key, 0) + 1
+        self.free_blocks -= lacking
+        seq.cached = list(seq.prefix)
+        seq.blocks = lacking - (len(seq.prefix) - hits)
+        seq.cached_tokens = min(hits * self.block_size, seq.context_tokens - 1)  # vLLM computes one token at least
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -130,6 +157,15 @@ class BlockScheduler:
     def _release(self, seq: Sequence) -> None:
         self.free_blocks += seq.blocks
         seq.blocks = 0
+        for key in seq.cached:  # a shared block is freed with the last sequence that holds it
+            left = self.block_refs[key] - 1
+            if left:
+                self.block_refs[key] = left
+            else:
+                del self.block_refs[key]
+                self.free_blocks += 1
+        seq.cached = []
+        seq.cached_tokens = 0
 
     def finish(self, seq: Sequence) -> None:
         """A running sequence is done: free its blocks."""

@@ -87,7 +87,7 @@ class EmulatorMetrics:
         info = {
             "block_size": str(config.block_size),
             "cache_dtype": "auto",
-            "enable_prefix_caching": "False",
+            "enable_prefix_caching": str(config.enable_prefix_caching),
             "gpu_memory_utilization": "0.9",
             "num_gpu_blocks": str(config.num_gpu_blocks),
             "engine": "0",

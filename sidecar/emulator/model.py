@@ -35,6 +35,18 @@ def render_chat(messages: list[tuple[str, str]]) -> str:
     return "".join(parts) + "<|assistant|>\n"
 
 
+def prefix_blocks(words: tuple[str, ...], block_size: int) -> tuple[int, ...]:
+    """A key per full ``block_size``-token block of a prompt's ``words``: equal keys
+    mean equal words in that block and in every one before it, as vLLM's prefix
+    cache hashes each block with its parent's hash."""
+    keys: list[int] = []
+    key = 0
+    for start in range(0, len(words) - block_size + 1, block_size):
+        key = hash((key, words[start : start + block_size]))
+        keys.append(key)
+    return tuple(keys)
+
+
 def sequence_rng(engine_seed: int, request_seed: int | None, prompt_key: str) -> random.Random:
     """The deterministic source of one sequence's length and words.
 
@@ -104,6 +116,12 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     preemptions: int = 0
+    prefix: tuple[int, ...] = ()
+    """The keys of its prompt's full KV blocks (``prefix_blocks``), with the prefix cache on."""
+    cached: list[int] = field(default_factory=list)
+    """The keys of the prompt blocks it holds in the prefix cache while it runs."""
+    cached_tokens: int = 0
+    """Prompt tokens the prefix cache held already when it was last admitted (not prefilled)."""
 
     @property
     def context_tokens(self) -> int:

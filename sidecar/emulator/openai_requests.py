@@ -10,7 +10,9 @@ from typing import Any
 
 from .answers import prompt_key
 from .config import EmulatorConfig
-from .model import CHAT_ROLES, SeqEvent, Sequence, count_prompt_tokens, eos_position, render_chat, sequence_rng
+from .model import (
+    CHAT_ROLES, SeqEvent, Sequence, count_prompt_tokens, eos_position, prefix_blocks, render_chat, sequence_rng,
+)
 
 
 class RequestError(Exception):
@@ -39,6 +41,7 @@ class Prompt:
     key: str
     tokens: int
     answer_key: str = ""
+    words: tuple[str, ...] = ()  # its tokens, for the prefix cache (``model.prefix_blocks``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,9 +177,10 @@ def parse_prompts(value: Any) -> list[Prompt]:
     prompts = []
     for i, item in enumerate(value):
         if isinstance(item, str) and item.strip():
-            prompts.append(Prompt(key=item, tokens=count_prompt_tokens(item), answer_key=prompt_key(item)))
+            prompts.append(Prompt(key=item, tokens=count_prompt_tokens(item), answer_key=prompt_key(item),
+                                  words=tuple(item.split())))  # fmt: skip
         elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            prompts.append(Prompt(key=",".join(map(str, item)), tokens=len(item)))
+            prompts.append(Prompt(key=",".join(map(str, item)), tokens=len(item), words=tuple(map(str, item))))
         else:
             raise _bad(f"prompt[{i}]" if len(value) > 1 else "prompt", "must be non-empty text or token ids")
     return prompts
@@ -197,7 +201,8 @@ def parse_messages(value: Any) -> Prompt:
         rendered.append((role, _message_text(message.get("content"), f"{where}.content")))
     text = render_chat(rendered)
     asked = next((content for role, content in reversed(rendered) if role == "user"), None)
-    return Prompt(key=text, tokens=count_prompt_tokens(text), answer_key="" if asked is None else prompt_key(asked))
+    return Prompt(key=text, tokens=count_prompt_tokens(text), answer_key="" if asked is None else prompt_key(asked),
+                  words=tuple(text.split()))  # fmt: skip
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -267,7 +272,8 @@ def build_sequences(
         recorded = (answers or {}).get(prompt.answer_key)
         if recorded is not None and not s.ignore_eos:  # past max_tokens it is cut there ("length")
             eos = after if (after := max(recorded, s.min_tokens, 1)) <= max_tokens else None
+        prefix = prefix_blocks(prompt.words, config.block_size) if config.enable_prefix_caching else ()
         seqs.append(Sequence(index=index, prompt_tokens=prompt.tokens, max_tokens=max_tokens,
                              min_tokens=s.min_tokens, eos_after=eos, stop=s.stop, rng=rng,
-                             arrival=arrival, events=events, priority=parsed.priority))  # fmt: skip
+                             arrival=arrival, events=events, priority=parsed.priority, prefix=prefix))  # fmt: skip
     return seqs
