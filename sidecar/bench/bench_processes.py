@@ -51,12 +51,14 @@ class EngineShape:
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy
     answer_lengths: str = ""  # --answer-lengths: recorded answer lengths by prompt (write_answer_lengths)
     max_request_body_bytes: int = 0  # --max-request-body-bytes (0: the emulator's own, 1 MiB as vLLM's)
+    enable_prefix_caching: bool = False  # --enable-prefix-caching: prompt blocks that begin alike held once
 
     def describe(self) -> str:
         policy = "" if self.scheduling_policy == "fcfs" else f", {self.scheduling_policy} scheduling"
+        prefix = ", prefix caching" if self.enable_prefix_caching else ""
         return (f"tau(b) = {self.step_a * 1e3:g} ms + {self.step_c * 1e3:g} ms*b "
                 f"+ {self.prefill_per_token * 1e3:g} ms per prefilled token, "
-                f"KV {self.num_gpu_blocks}x{self.block_size} tokens, max {self.max_num_seqs} seqs{policy}")  # fmt: skip
+                f"KV {self.num_gpu_blocks}x{self.block_size} tokens, max {self.max_num_seqs} seqs{policy}{prefix}")  # fmt: skip
 
 
 def emulator_args(shape: EngineShape) -> list[str]:
@@ -68,7 +70,8 @@ def emulator_args(shape: EngineShape) -> list[str]:
             "--max-num-seqs", str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len),
             "--scheduling-policy", shape.scheduling_policy,
             *(("--answer-lengths", shape.answer_lengths) if shape.answer_lengths else ()),
-            *(("--max-request-body-bytes", str(shape.max_request_body_bytes)) if shape.max_request_body_bytes else ())]  # fmt: skip
+            *(("--max-request-body-bytes", str(shape.max_request_body_bytes)) if shape.max_request_body_bytes else ()),
+            *(("--enable-prefix-caching",) if shape.enable_prefix_caching else ())]  # fmt: skip
 
 
 def write_answer_lengths(path: Path, answers: Iterable[tuple[str, int]]) -> None:

@@ -121,6 +121,11 @@ SHAREGPT_KV = EngineShape(step_a=STEP_A, step_c=STEP_C, num_gpu_blocks=240, bloc
                           max_model_len=workloads.SHAREGPT_PROMPT_TOKENS + workloads.SHAREGPT_MAX_TOKENS,
                           prefill_per_token=PREFILL_PER_TOKEN)  # fmt: skip
 
+# The "system" burst's engine: the same step time, vLLM's prefix cache on, KV for four of its
+# requests counted whole (256-word system prompt, a question, a chat answer) or ~15 sharing the prompt.
+SYSTEM_KV = EngineShape(step_a=STEP_A, step_c=STEP_C, num_gpu_blocks=96, block_size=16, max_model_len=1024,
+                        prefill_per_token=PREFILL_PER_TOKEN, enable_prefix_caching=True)  # fmt: skip
+
 RATIO_KEYS = (
     "e2e_mean_at_95pct_load", "e2e_p99_at_95pct_load", "goodput_at_slo", "preemptions_under_kv_pressure",
     "throughput_under_kv_pressure", "throughput_nothing_to_win", "gang_k4_gain_vs_ideal",
@@ -159,6 +164,7 @@ class E2EConfig:
     kv_engine: EngineShape = KV_LIMITED
     ample_engine: EngineShape = AMPLE_KV
     sharegpt_engine: EngineShape = SHAREGPT_KV
+    system_engine: EngineShape = SYSTEM_KV
     sharegpt_requests: int = 500  # ShareGPT first turns replayed at load sharegpt_load
     sharegpt_load: float = RATIO_LOAD  # the replay's load, a fraction of direct's ShareGPT capacity
     sharegpt_capacity_requests: int = 192  # the ShareGPT capacity's closed loop (capacity_concurrency outstanding)
@@ -170,7 +176,8 @@ class E2EConfig:
     samples_path: str | None = None  # each answered request's timings, a JSON line each, written as runs end
 
 
-SCENARIO_NAMES = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang", "sharegpt")
+SCENARIO_NAMES = ("chat", "short", "mixed", "system", "chat@burst", "short@ample", "mixed@gang", "system@burst",
+                  "sharegpt")  # fmt: skip
 
 
 def quick(cfg: E2EConfig) -> E2EConfig:
@@ -223,6 +230,7 @@ FREE = Client("free", "sidecar continuous k=4 hint, no SLO", "continuous", 4, "a
 # predictor starting cold (these synthetic workloads have no training split to warm it)
 DEFAULT_KV = Client("default", "sidecar, policy default, no hint", "continuous", 4, "kv-default", hint=False)
 DEFAULT_AMPLE = Client("default", "sidecar, policy default, no hint", "continuous", 4, "ample-default", hint=False)
+DEFAULT_SYSTEM = Client("default", "sidecar, policy default, no hint", "continuous", 4, "system-default", hint=False)
 IDEAL1 = Client("ideal1", "ideal gang k=1", "ideal-gang", 1)
 IDEAL4 = Client("ideal4", "ideal gang k=4", "ideal-gang", 4)
 GANG1 = Client("gang1", "sidecar gang k=1", "gang", 1, "ample-gang1")
@@ -258,6 +266,8 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
                  (DIRECT, FREE, DEFAULT_AMPLE), cfg.scale),  # fmt: skip
         Scenario("mixed@gang", "mixed burst, gang", "ample", "mixed", cfg.gang_requests, None,
                  (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8, DEFAULT_AMPLE), cfg.gang_scale),  # fmt: skip
+        Scenario("system@burst", "chat burst, one system prompt, prefix cache", "system", "system", cfg.requests, None,
+                 (DIRECT, DEFAULT_SYSTEM), cfg.scale),  # fmt: skip
         Scenario("sharegpt", f"ShareGPT replay, load {cfg.sharegpt_load:g}", "sharegpt", "sharegpt",
                  cfg.sharegpt_requests, cfg.sharegpt_load,
                  (DIRECT, SG_LEARNED, SG_COLD, SG_ONLINE, SG_HINT, *((SG_ENGINE_ORDER,) if there else ())), 1.0),  # fmt: skip
@@ -271,7 +281,7 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
 
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default --max-num-seqs
 # The sidecars whose config is the policy default (policy_default): scraped at the default interval too
-POLICY_DEFAULT = {"sg-learned", "sg-cold", "sg-online", "sg-hint", "kv-default", "ample-default"}
+POLICY_DEFAULT = {"sg-learned", "sg-cold", "sg-online", "sg-hint", "kv-default", "ample-default", "system-default"}
 
 
 def policy_default(predictor: dict[str, Any]) -> dict[str, Any]:
@@ -326,6 +336,7 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
         "kvp-hint": ("kv-priority", {**kv_hint, **engine_order, "batch": {**engine_order["batch"], "sizing": "Sla"}}),
         "kv-default": ("kv", policy_default({})),
         "ample-default": ("ample", policy_default({})),
+        "system-default": ("system", policy_default({})),
         "ample-free": ("ample", {"predictor": {"kind": "Hint"},
                                  "bins": {"count": 4, "maxOutputTokens": workloads.longest("short", cfg.scale)},
                                  "batch": cont}),  # fmt: skip
@@ -547,13 +558,15 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     urls: dict[str, str] = {}
     plan = scenarios(cfg)
     if cfg.engine_url:
-        urls = dict.fromkeys(("kv", "ample", "sharegpt"), cfg.engine_url.rstrip("/"))
+        urls = dict.fromkeys(("kv", "ample", "sharegpt", "system"), cfg.engine_url.rstrip("/"))
         say(f"engine {urls['kv']} (every scenario on it)")
         if cfg.priority_engine_url:
             urls["kv-priority"] = urls["sharegpt-priority"] = cfg.priority_engine_url.rstrip("/")
             say(f"engine {urls['kv-priority']} (started with --scheduling-policy priority: the priority client)")
     else:
         shapes = [("kv", cfg.kv_engine), ("ample", cfg.ample_engine)]
+        if any(sc.engine == "system" for sc in plan):
+            shapes.append(("system", cfg.system_engine))
         if any(c.engine == "kv-priority" for sc in plan for c in sc.clients):
             shapes.append(("kv-priority", replace(cfg.kv_engine, scheduling_policy="priority")))
         if any(sc.engine == "sharegpt" for sc in plan):  # it knows each replayed answer's length (module docstring)
@@ -662,7 +675,8 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     failures = sum(acc.failures() for acc in accs.values())
     setup = {
         "engine": cfg.engine_url or (f"embedded: {cfg.kv_engine.describe()} (ample: {cfg.ample_engine.num_gpu_blocks} "
-                                     f"blocks; ShareGPT: {cfg.sharegpt_engine.num_gpu_blocks})"),
+                                     f"blocks; ShareGPT: {cfg.sharegpt_engine.num_gpu_blocks}; system: "
+                                     f"{cfg.system_engine.num_gpu_blocks}, prefix caching)"),
         "capacity_requests_per_s": capacity, "capacity_method": "steady-state closed loop",
         "sharegpt_capacity_requests_per_s": sharegpt_capacity, "sharegpt_load": cfg.sharegpt_load,
         "burst_capacity_requests_per_s": burst_capacity, "repeats": cfg.repeats, "seed": cfg.seed, "failures": failures,

@@ -32,7 +32,10 @@ from dataclasses import dataclass
 
 from . import sharegpt
 
-SHAPES = ("chat", "short", "mixed")
+SHAPES = ("chat", "short", "mixed", "system")
+# The "system" shape: chat answers to questions that all begin with one system prompt of this
+# many words (a chat application's instructions; vLLM's prefix cache holds its blocks once)
+SYSTEM_PROMPT_WORDS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +57,7 @@ class BenchRequest:
 
 def output_length(shape: str, rng: random.Random, scale: float) -> int:
     """One output length of ``shape``; ``scale`` stretches every length (1.0 = default)."""
-    if shape == "chat":
+    if shape in ("chat", "system"):
         n = rng.lognormvariate(math.log(40 * scale), 0.8)
         return max(2, min(round(n), round(320 * scale)))
     if shape == "short":
@@ -69,7 +72,8 @@ def output_length(shape: str, rng: random.Random, scale: float) -> int:
 
 def longest(shape: str, scale: float) -> int:
     """The largest length ``output_length`` can return (the bins' upper end)."""
-    return {"chat": round(320 * scale), "short": round(48 * scale), "mixed": round(200 * scale)}[shape]
+    return {"chat": round(320 * scale), "system": round(320 * scale), "short": round(48 * scale),
+            "mixed": round(200 * scale)}[shape]  # fmt: skip
 
 
 def build(shape: str, count: int, *, rate: float | None, seed: int, scale: float = 1.0) -> list[BenchRequest]:
@@ -90,6 +94,7 @@ def build(shape: str, count: int, *, rate: float | None, seed: int, scale: float
         raise ValueError(f"rate: must be a finite number > 0, got {rate}")
     body_rng = random.Random(f"{seed}/{shape}/{scale}/body")
     arrival_rng = random.Random(f"{seed}/{shape}/arrivals")
+    system = system_prompt(seed) + "\n" if shape == "system" else ""
     t = 0.0
     out = []
     for i in range(count):
@@ -97,8 +102,14 @@ def build(shape: str, count: int, *, rate: float | None, seed: int, scale: float
         n = output_length(shape, body_rng, scale)
         if rate is not None and i > 0:
             t += arrival_rng.expovariate(1.0) / rate
-        out.append(BenchRequest(prompt=f"{shape}-{seed}-{i}: {words}", output_tokens=n, arrival_s=t))
+        out.append(BenchRequest(prompt=f"{system}{shape}-{seed}-{i}: {words}", output_tokens=n, arrival_s=t))
     return out
+
+
+def system_prompt(seed: int) -> str:
+    """The "system" shape's shared instructions: ``SYSTEM_PROMPT_WORDS`` words of ``seed``."""
+    rng = random.Random(f"{seed}/system-prompt")
+    return " ".join(f"s{rng.randrange(1000)}" for _ in range(SYSTEM_PROMPT_WORDS))
 
 
 def repeated(requests: list[BenchRequest], count: int) -> list[BenchRequest]:

@@ -13,7 +13,8 @@ from .reporting import progress, report
 
 _CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
 # bench e2e's scenario keys and shapes (bench/e2e.py SCENARIO_NAMES; the CLI imports benches lazily)
-_E2E_SCENARIOS = ("chat", "short", "mixed", "chat@burst", "short@ample", "mixed@gang", "sharegpt")
+_E2E_SCENARIOS = ("chat", "short", "mixed", "system", "chat@burst", "short@ample", "mixed@gang", "system@burst",
+                  "sharegpt")  # fmt: skip
 _E2E_CLIENTS = ("direct", "priority", "hint", "engine-order", "packed", "online", "free", "default", "ideal1", "ideal4", "ideal8",
                 "gang1", "gang4", "gang8", "learned", "cold", "learned-engine-order")  # fmt: skip
 

@@ -693,6 +693,8 @@ class Scheduler:
             core.kv_plan.on_snapshot(
                 snapshot.kv_capacity_tokens, snapshot.kv_block_tokens, snapshot.tpot_seconds, preempted, certain
             )
+            if not preempted:
+                self._observe_usage(snapshot)
         if snapshot is not None and snapshot.fresh:
             self._pending.set_tpot(snapshot.tpot_seconds)  # aging at the engine's pace (admission.py)
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
@@ -709,6 +711,21 @@ class Scheduler:
             reason = f"{decision.reason}: {decision.detail}"
             changes.append(Change("batchSize", fmt(old), fmt(decision.sizes), reason, decision.reason))
         return decision, changes
+
+    def _observe_usage(self, snapshot: EngineSnapshot) -> None:
+        """Show the KV plan what the engine's cache holds against what it counts of the
+        requests in flight that streamed past their prefill (``KvPlan.observe_usage``:
+        the prompt blocks vLLM's prefix cache shares).  Only while nothing waits in the
+        engine: a sequence preempted there holds nothing it is counted for."""
+        plan = self.core.kv_plan
+        if plan is None or plan.capacity is None or snapshot.kv_usage_ratio is None or snapshot.waiting != 0:
+            return
+        block = plan.block
+        # the cache holds a sequence's prompt and every token it generated but the last (whose KV the next step writes)
+        held = [(-(-(r.engine_prompt_tokens + r.engine_generated - 1) // block) * block, float(r.engine_prompt_tokens))
+                for slot in self.ledger.held() for r in slot.requests
+                if r.engine_prompt_tokens is not None and r.engine_generated and r in self._open]  # fmt: skip
+        plan.observe_usage(snapshot.kv_usage_ratio * plan.capacity, held)
 
     # -- reload and shutdown -----------------------------------------------------------
 
@@ -776,7 +793,7 @@ def _held(plan: KvPlan, r: Request, elapsed: float) -> Seq:
     its stream tells more (or, before its first chunk, with the time)."""
     generated, length = r.engine_generated, predicted_length(r)
     key = (generated, r.engine_prompt_tokens, elapsed if generated is None else None, r.prompt_tokens, length,
-           plan.prompt_scale, plan.block, plan.step_seconds)  # fmt: skip
+           plan.prompt_scale, plan.block, plan.step_seconds, plan.shared_blocks)  # fmt: skip
     memo = r.kv_held
     if memo is not None and memo[0] == key:
         return memo[1]

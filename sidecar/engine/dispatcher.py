@@ -695,6 +695,10 @@ class Dispatcher:
     def _publish_sizes(self) -> None:
         core = self.core
         self.metrics.bins.set(core.binner.k)
+        plan = core.kv_plan
+        budget = None if plan is None else plan.budget
+        self.metrics.kv_plan_budget.set(-1 if budget is None else budget)
+        self.metrics.kv_plan_shared.set(0 if plan is None else plan.shared_blocks)
         for i, size in enumerate(core.former.target_sizes):
             self.metrics.target_batch_size.labels(str(i)).set(size)
         d = self.last_decision

@@ -225,6 +225,16 @@ class SidecarMetrics:
         self.b_mem = Gauge("binbatch_b_mem", "Memory-aware batch size per bin (-1: not computed)", ["bin"], registry=r)
         self.b_sla = Gauge("binbatch_b_sla", "SLA-constrained batch size (-1: not computed)", registry=r)
         self.inflight_requests = Gauge("binbatch_inflight_requests", "Requests in the engine", registry=r)
+        self.kv_plan_budget = Gauge(
+            "binbatch_kv_plan_budget_tokens",
+            "KV tokens the plan lets the requests in flight reach (-1: no plan, or the engine's cache not known yet)",
+            registry=r,
+        )
+        self.kv_plan_shared = Gauge(
+            "binbatch_kv_plan_shared_prompt_tokens",
+            "Prompt tokens the engine's prefix cache is seen to hold once for every sequence (out of each one's count)",
+            registry=r,
+        )
         self.inflight_batches = Gauge("binbatch_inflight_batches", "Batches in the engine", registry=r)
         self.pending_requests = Gauge(
             "binbatch_pending_requests", "Requests out of their bins, not yet sent to the engine", registry=r

@@ -178,7 +178,9 @@ def build_core(
         # what the plan learned of the engine (capacity, step time, headroom, prompt scale) outlives a reload:
         # a fresh plan would admit freely until the next scrape and start its prompt scale over
         kept = previous.kv_plan if previous is not None else None
-        plan = KvPlan(reserve=cfg.kv_reserve_ratio) if kept is None else replace(kept, reserve=cfg.kv_reserve_ratio)
+        live = cfg.metrics.source == "Scrape"
+        plan = (KvPlan(reserve=cfg.kv_reserve_ratio, usage_live=live) if kept is None
+                else replace(kept, reserve=cfg.kv_reserve_ratio, usage_live=live, shared_seen=kept.shared_seen.copy()))  # fmt: skip
     return Core(predictor=predictor, binner=binner, former=former, sizer=sizer, admission=build_admission(cfg),
                 kv_plan=plan, max_queued_bytes=bt.max_queued_bytes, max_queued_requests=bt.max_queued_requests,
                 tenants=build_tenants(cfg))  # fmt: skip

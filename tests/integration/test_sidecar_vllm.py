@@ -110,3 +110,32 @@ async def test_batch_size_grows_with_the_default_kv_cache(vllm_server, tmp_path)
     size, eta = await _memory_sized_run(vllm_server, tmp_path)
     assert eta >= 100_000
     assert size > 32  # memory allows more than the static size
+
+
+@pytest.mark.parametrize("vllm_server", ["small_kv"], indirect=True)
+async def test_the_kv_plan_counts_a_prompt_prefix_vllm_caches_once(vllm_server, tmp_path):
+    """Requests that begin with the same system prompt share its KV blocks in vLLM's
+    prefix cache (on by default).  The policy default's KV plan, which counted every
+    prompt whole, held such a burst to the few that fit counted so (on the ShareGPT
+    test server: 4 at a time where vLLM ran 32, 0.57x direct's throughput).  It
+    learns the shared blocks from the engine's own KV usage: whole blocks of the
+    common prefix, never more than a prompt."""
+    from binbatch_operator import builders
+
+    doc = builders.sidecar_config({"selector": {}, "predictor": {"kind": "Learned"}})
+    doc.pop("server")
+    doc = _doc(vllm_server, **doc)
+    system = " ".join(["you are a careful assistant who answers in short plain sentences"] * 4)
+    async with running_sidecar(doc, tmp_path) as sc:
+        answers = await asyncio.gather(*(
+            sc.inference.Generate(pb.GenerateRequest(prompt=f"{system}\nquestion {i}: why?", max_tokens=40,
+                                                     ignore_eos=True), timeout=300)
+            for i in range(12)
+        ))  # fmt: skip
+        assert [a.completion_tokens for a in answers] == [40] * 12
+        prompt = min(a.prompt_tokens for a in answers)
+        families = await sc.scrape()
+    (shared,) = families["binbatch_kv_plan_shared_prompt_tokens"].samples
+    print(f"prompt {prompt} tokens, shared as learned {shared.value}")
+    assert 64 <= shared.value <= prompt - 4  # whole 32-token blocks of the common prefix (the questions differ)
+    assert shared.value % 32 == 0

@@ -25,10 +25,24 @@ def test_only_a_shape_plans_every_scenario_of_that_shape():
 
 def test_no_only_plans_everything_and_the_cli_offers_every_name():
     every = keys(())
-    assert len(every) == 8
+    assert len(every) == 9
     assert cli._E2E_SCENARIOS == e2e.SCENARIO_NAMES
     assert cli._E2E_CLIENTS == e2e.CLIENT_NAMES
     assert all(keys((name,)) for name in e2e.SCENARIO_NAMES)
+
+
+def test_the_system_prompt_burst_runs_on_an_engine_with_the_prefix_cache_and_every_prompt_begins_alike():
+    from binbatch_sidecar.bench import workloads
+    from binbatch_sidecar.bench.bench_processes import emulator_args
+
+    assert keys(("system",)) == ["system@burst"]
+    assert "--enable-prefix-caching" in emulator_args(e2e.E2EConfig().system_engine)
+    assert "--enable-prefix-caching" not in emulator_args(e2e.E2EConfig().kv_engine)
+    reqs = workloads.build("system", 8, rate=None, seed=1)
+    first = workloads.system_prompt(1)
+    assert len(first.split()) == workloads.SYSTEM_PROMPT_WORDS and first != workloads.system_prompt(2)
+    assert all(r.prompt.startswith(first + "\n") for r in reqs) and len({r.prompt for r in reqs}) == 8
+    assert [r.output_tokens for r in reqs] != [r.output_tokens for r in workloads.build("chat", 8, rate=None, seed=1)]
 
 
 def test_gang_scenario_compares_k_4_and_8_with_the_ideal_client():
@@ -73,7 +87,7 @@ def test_cli_client_keeps_only_those_clients(monkeypatch):
     plan = e2e.scenarios(seen["cfg"])
     assert {c.key for sc in plan for c in sc.clients} == {"direct", "hint"}
     assert {sc.key for sc in plan} == {"chat@0.5", "chat@0.8", "chat@0.95", "chat@1.1", "chat@burst", "short@ample",
-                                       "mixed@gang", "sharegpt"}  # fmt: skip
+                                       "mixed@gang", "system@burst", "sharegpt"}  # fmt: skip
 
 
 def test_cli_capacity_flags_reach_the_plan_and_are_checked(monkeypatch, capsys):

@@ -13,9 +13,9 @@ def test_client_filter_keeps_the_scenarios_and_drops_other_clients():
     plan = e2e.scenarios(replace(e2e.E2EConfig(), clients=("direct", "hint")))
 
     assert [sc.key for sc in plan] == ["chat@0.5", "chat@0.8", "chat@0.95", "chat@1.1", "chat@burst", "short@ample",
-                                       "mixed@gang", "sharegpt"]  # fmt: skip
-    assert all([c.key for c in sc.clients] == ["direct", "hint"] for sc in (*plan[:5], plan[7]))
-    assert all([c.key for c in sc.clients] == ["direct"] for sc in plan[5:7])
+                                       "mixed@gang", "system@burst", "sharegpt"]  # fmt: skip
+    assert all([c.key for c in sc.clients] == ["direct", "hint"] for sc in (*plan[:5], plan[8]))
+    assert all([c.key for c in sc.clients] == ["direct"] for sc in plan[5:8])
 
 
 def test_demo_plan_sends_direct_first_then_the_best_configuration_of_each_win():

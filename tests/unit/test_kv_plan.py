@@ -332,6 +332,90 @@ def test_preemptions_of_requests_sent_before_the_cache_was_known_do_not_tighten_
     assert plan.headroom == pytest.approx(0.9)  # every one in flight was planned and known: the plan answers
 
 
+def test_prompt_blocks_the_engine_holds_once_are_counted_once():
+    """vLLM's prefix cache holds a system prompt every request begins with once: four
+    sequences of an 800-token prompt (768 of it shared, 24 blocks of 32) and 40
+    tokens generated hold 768 + 4 x 96 = 1152 tokens, not 4 x 864.  The plan learns
+    the 768 from the engine's usage, counts each sequence without it and holds it
+    once, out of the budget: a fifth fits in a cache of 2048 where, each counted
+    whole, not even the four did."""
+    plan = KvPlan(capacity=2048, block=32)
+    inflight = [plan.held(0, LengthDist.exact(100), 0.0, generated=40, engine_prompt=800) for _ in range(4)]
+    new = plan.held(0, LengthDist.exact(100), 0.0, generated=0, engine_prompt=800)
+    assert not plan.fits(inflight[:3], new)
+    plan.observe_usage(1152, [(864, 800)] * 4)
+    assert (plan.shared, plan.shared_blocks, plan.budget) == (768, 768, 2048 - 768)
+    inflight = [plan.held(0, LengthDist.exact(100), 0.0, generated=40, engine_prompt=800) for _ in range(4)]
+    assert inflight[0].held == 800 - 768 + 40
+    new = plan.held(0, LengthDist.exact(100), 0.0, generated=0, engine_prompt=800)
+    assert plan.fits(inflight, new)  # at its end each holds 32 + 100 -> 160 tokens in blocks: 5 x 160 <= 1280
+
+
+def test_the_shared_prompt_estimate_takes_the_most_a_recent_scrape_showed_and_forgets_it_at_a_preemption():
+    """A scrape taken while sequences were still prefilling (their blocks in the
+    usage, not in the count) shows less sharing than there is: the plan keeps the
+    most of the last scrapes, never more than the shortest prompt, needs two
+    sequences to say anything, and drops it all when the engine preempts (the
+    prompts may have stopped beginning alike)."""
+    plan = KvPlan(capacity=4096, block=32)
+    plan.observe_usage(100, [(864, 800)])
+    assert plan.shared == 0  # one sequence: nothing to share with
+    plan.observe_usage(1152, [(864, 800)] * 4)
+    plan.observe_usage(1600, [(864, 800)] * 4)  # 619 tokens: prefills under way
+    assert plan.shared == 768
+    plan.observe_usage(0, [(864, 800), (864, 800), (864, 50)])
+    assert plan.shared == 768  # that scrape's 50 (the shortest prompt) is below the most seen
+    plan.observe_usage(64, [(928, 900)] * 3)
+    assert plan.shared == 900  # (3 x 928 - 64) / 2 = 1360, but no more than a prompt is shared
+    plan.on_snapshot(None, None, None, 1.0, certain=False)
+    assert (plan.shared, plan.budget) == (0, 4096)
+    plan.observe_usage(5000, [(864, 800)] * 4)  # the engine holds more than counted: nothing shared
+    assert plan.shared == 0
+    late = KvPlan(capacity=4096, block=32, usage_live=False)  # usage read through Prometheus, seconds late
+    late.observe_usage(1152, [(864, 800)] * 4)
+    assert late.shared == 0
+
+
+def test_the_plan_learns_shared_prompts_only_from_the_engines_own_metrics():
+    from binbatch_sidecar.config import parse_config
+    from binbatch_sidecar.server.assembly import build_core
+
+    for source, live in (("Scrape", True), ("PromQL", False)):
+        doc = {"metrics": {"source": source, "url": "http://127.0.0.1:9090"}, "memory": {"admission": "Projected"},
+               "batch": {"sizing": "Combined"}}  # fmt: skip
+        core = build_core(parse_config(doc), ManualClock())
+        assert core.kv_plan is not None and core.kv_plan.usage_live is live
+
+
+def test_the_scheduler_learns_the_shared_prompt_from_the_engines_usage_and_admits_what_the_cache_holds():
+    """Through the scheduler: requests whose streams say 800 prompt tokens and 10
+    generated, the engine's usage showing one shared copy of 768 tokens.  A
+    sequence that has not streamed a token yet (in prefill) is left out of the
+    count, and a scrape while something waits in the engine teaches nothing (a
+    preempted sequence there holds nothing)."""
+    s, _ = _scheduler(KvPlan())
+    plan = s.core.kv_plan
+    assert plan is not None
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=4096, kv_block_tokens=32, tpot_seconds=0.01, fresh=True), 0.0)
+    plan.observe_prompt(1.0, 1.0)
+    reqs = [Request(id=f"r{i}", arrival=0.0, prompt_tokens=800, max_tokens=60, hint_tokens=60) for i in range(8)]
+    for r in reqs:
+        s.submit(r)
+    sent = [r for d in s.step(0.0).dispatches for r in d.requests]
+    assert len(sent) == 4  # each counted whole: 800 + 60 tokens, 4 x 864 in blocks <= 4096
+    for r in sent[:3]:
+        r.engine_prompt_tokens, r.engine_generated = 800, 10
+    sent[3].engine_prompt_tokens, sent[3].engine_generated = 800, None  # still in prefill
+    used = 768 + 3 * 64 + 32 * 2  # the shared copy, three streamed sequences' own blocks, the prefilling one's so far
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=4096, kv_block_tokens=32, kv_usage_ratio=used / 4096, running=4,
+                                 waiting=1, tpot_seconds=0.01, fresh=True), 0.1)  # fmt: skip
+    assert plan.shared == 0  # something waits in the engine: no lesson
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=4096, kv_block_tokens=32, kv_usage_ratio=used / 4096, running=4,
+                                 waiting=0, tpot_seconds=0.01, fresh=True), 0.2)  # fmt: skip
+    assert plan.shared_blocks == 736  # (3 x 832 - 1024) / 2 = 736: the prefill's blocks hide some of it
+    assert [r.id for d in s.step(0.2).dispatches for r in d.requests] == ["r4", "r5", "r6", "r7"]
+
+
 def test_a_slow_tpot_while_none_of_ours_is_in_the_engine_does_not_shrink_b_sla():
     """Another client's batch (the bench's direct run) set that TPOT: shrinking on
     it started every sidecar run at a small B_t."""
