@@ -305,6 +305,13 @@ def sharegpt_context(cfg: E2EConfig) -> int:
     return workloads.SHAREGPT_PROMPT_TOKENS + sharegpt_cap(cfg)
 
 
+def system_context(cfg: E2EConfig) -> int:
+    """The context the system-prompt burst needs, at a token a word at least: the shared
+    prompt, the longest question (``workloads.build``: 40 words and its label) and the
+    longest answer."""
+    return workloads.SYSTEM_PROMPT_WORDS + 41 + workloads.longest("system", cfg.scale)
+
+
 def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[str, dict[str, Any]]]:
     """Each sidecar process: the engine it fronts and its config (the one place a
     scheduling change picks the configuration the bench measures); ``warm_start``:
@@ -594,6 +601,11 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         say(f"the ShareGPT replay is left out: its prompts (up to {workloads.SHAREGPT_PROMPT_TOKENS} tokens) and "
             f"answers (up to {needed - workloads.SHAREGPT_PROMPT_TOKENS}) need a context of {needed} tokens, the engine "
             f"serves {context} (a smaller --sharegpt-scale shortens the answers)")  # fmt: skip
+    context, needed = served.get("system", ("", None))[1], system_context(cfg)
+    if context is not None and context < needed:
+        plan = [sc for sc in plan if sc.engine != "system"]
+        say(f"the system-prompt burst is left out: its {workloads.SYSTEM_PROMPT_WORDS}-word shared prompt, a "
+            f"question and an answer need a context of {needed} tokens at least, the engine serves {context}")  # fmt: skip
     used = {c.sidecar for sc in plan for c in sc.clients}
     warm_start = await asyncio.to_thread(_warm_start, cfg, tmp / "sharegpt-train.npz") if used & WARM_STARTED else ""
     channels: dict[str, grpc.aio.Channel] = {}
