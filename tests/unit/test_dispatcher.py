@@ -388,6 +388,26 @@ async def test_with_the_kv_plan_a_unary_call_streams_so_the_plan_sees_its_progre
     assert (done.result.text, done.result.completion_tokens) == ("abcd", 10)
 
 
+async def test_the_kv_plans_budget_and_shared_prompt_are_published_at_each_snapshot():
+    """``binbatch_kv_plan_budget_tokens``: -1 until the engine's cache is known, then
+    the budget; ``binbatch_kv_plan_shared_prompt_tokens``: what the plan holds once
+    for the prompts vLLM's prefix cache shares, out of that budget."""
+    clock = ManualClock()
+    binner = FixedBinner(())
+    former = BatchFormer(binner, clock, target_size=4, max_wait=0.0, max_queue=100)
+    plan = KvPlan()
+    core = Core(HintPredictor(), binner, former, BatchSizer(mode="static", static_size=4), kv_plan=plan)
+    d = Dispatcher(core, StreamingClient(), clock, SidecarMetrics(), mode="continuous")
+    reg = d.metrics.registry
+    d.on_snapshot(EngineSnapshot(fresh=False))
+    assert reg.get_sample_value("binbatch_kv_plan_budget_tokens") == -1
+    plan.block = 32
+    plan.observe_usage(1152, [(864, 800)] * 4)  # four sequences of an 800-token prompt, 768 of it shared
+    d.on_snapshot(EngineSnapshot(kv_capacity_tokens=4096, kv_block_tokens=32, fresh=True))
+    assert reg.get_sample_value("binbatch_kv_plan_shared_prompt_tokens") == 768
+    assert reg.get_sample_value("binbatch_kv_plan_budget_tokens") == 4096 - 768
+
+
 async def test_a_unary_call_streams_only_while_the_kv_plan_wants_its_progress():
     clock = ManualClock()
     binner = FixedBinner(())
