@@ -185,7 +185,6 @@ class KvPlan:
     preemptions_seen: float = field(default=0.0)
     prompt_scale: float = PROMPT_SCALE_PRIOR  # the engine's prompt tokens per estimated one (``observe_prompt``)
     prompts_seen: int = 0
-    shared: float = 0.0  # prompt tokens the engine holds once for every sequence (``observe_usage``)
     # the engine's KV usage is read as it is now (its own /metrics), not seconds late through Prometheus:
     # only then does it compare with what the sidecar counts in flight now
     usage_live: bool = True
@@ -221,7 +220,11 @@ class KvPlan:
         top = min(prompt for _, prompt in held)
         estimate = (sum(tokens for tokens, _ in held) - used) / (len(held) - 1)
         self.shared_seen.append(min(max(estimate, 0.0), top))
-        self.shared = max(self.shared_seen)
+
+    @property
+    def shared(self) -> float:
+        """Prompt tokens the engine holds once for every sequence: the most the last scrapes showed."""
+        return max(self.shared_seen, default=0.0)
 
     def on_snapshot(
         self, capacity: float | None, block: int | None, step: float | None, preempted: float | None,
@@ -243,8 +246,7 @@ class KvPlan:
             self.step_seconds = step
         if preempted:
             self.preemptions_seen += preempted
-            self.shared = 0.0  # the prompts may no longer begin alike: counted whole until the engine shows it again
-            self.shared_seen.clear()
+            self.shared_seen.clear()  # the prompts may no longer begin alike: counted whole until the engine shows it again
             if certain:
                 self.headroom = max(FLOOR, self.headroom * SHRINK)
         elif preempted is not None:
