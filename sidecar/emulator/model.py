@@ -21,9 +21,10 @@ VOCABULARY: tuple[str, ...] = (
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
-def count_prompt_tokens(text: str) -> int:
-    """The emulated tokenizer: one token per whitespace-separated word."""
-    return len(text.split())
+def tokenize(text: str) -> tuple[str, ...]:
+    """The emulated tokenizer: one token per whitespace-separated word (a prompt's
+    count is its length; its words are what the prefix cache compares)."""
+    return tuple(text.split())
 
 
 def render_chat(messages: list[tuple[str, str]]) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 from .answers import prompt_key
 from .config import EmulatorConfig
 from .model import (
-    CHAT_ROLES, SeqEvent, Sequence, count_prompt_tokens, eos_position, prefix_blocks, render_chat, sequence_rng,
+    CHAT_ROLES, SeqEvent, Sequence, eos_position, prefix_blocks, render_chat, sequence_rng, tokenize,
 )
 
 
@@ -177,8 +177,8 @@ def parse_prompts(value: Any) -> list[Prompt]:
     prompts = []
     for i, item in enumerate(value):
         if isinstance(item, str) and item.strip():
-            prompts.append(Prompt(key=item, tokens=count_prompt_tokens(item), answer_key=prompt_key(item),
-                                  words=tuple(item.split())))  # fmt: skip
+            words = tokenize(item)
+            prompts.append(Prompt(key=item, tokens=len(words), answer_key=prompt_key(item), words=words))
         elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
             prompts.append(Prompt(key=",".join(map(str, item)), tokens=len(item), words=tuple(map(str, item))))
         else:
@@ -201,8 +201,8 @@ def parse_messages(value: Any) -> Prompt:
         rendered.append((role, _message_text(message.get("content"), f"{where}.content")))
     text = render_chat(rendered)
     asked = next((content for role, content in reversed(rendered) if role == "user"), None)
-    return Prompt(key=text, tokens=count_prompt_tokens(text), answer_key="" if asked is None else prompt_key(asked),
-                  words=tuple(text.split()))  # fmt: skip
+    words = tokenize(text)
+    return Prompt(key=text, tokens=len(words), answer_key="" if asked is None else prompt_key(asked), words=words)
 
 
 def _message_text(content: Any, where: str) -> str:
