@@ -217,7 +217,9 @@ def test_the_ridge_on_the_used_slots_is_the_ridge_on_all_of_them():
     w_all, b_all = lm._ridge(x, y, lm.ALPHA)
     w_used, b_used = lm._ridge(narrowed, y, lm.ALPHA)
     assert np.count_nonzero(w_all[np.setdiff1d(np.arange(lm.N_FEATURES), slots)]) == 0
-    np.testing.assert_allclose(w_used[: len(slots)], w_all[slots], atol=1e-4)
+    # sparse_cg stops at a relative residual of 1e-4, so a weight may differ by more: 1.6e-4 of weights
+    # up to 0.54 with scipy 1.17 and scikit-learn 1.9 (a slot mapped wrong differs by a whole weight)
+    np.testing.assert_allclose(w_used[: len(slots)], w_all[slots], atol=1e-3)
     assert np.count_nonzero(w_used[len(slots):]) == 0
     assert b_used == pytest.approx(b_all, abs=1e-4)
     assert np.abs(narrowed @ w_used - x @ w_all).max() < 1e-3
