@@ -443,8 +443,10 @@ class Scheduler:
         ``engine_cap``) at once, in the KV plan's budget."""
         plan = self.core.kv_plan
         concurrency = size if self.engine_cap is None else min(size, self.engine_cap)
-        return Backlog(sum(s.left for s in left), sum(kv_area(s.held, s.left) for s in left), concurrency,
-                       None if plan is None else plan.budget)  # fmt: skip
+        tokens, area = sum(s.left for s in left), sum(kv_area(s.held, s.left) for s in left)
+        if plan is None:
+            return Backlog(tokens, area, concurrency, None)
+        return Backlog(tokens, area, concurrency, plan.budget, plan.prompt_scale, plan.shared_blocks)
 
     def _kv_planned(self) -> bool:
         """Is the KV plan on, with the engine's capacity known?"""

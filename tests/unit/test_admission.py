@@ -114,6 +114,26 @@ def test_the_drain_is_bounded_by_the_engines_concurrency_and_by_its_kv_cache():
     assert Backlog(40.0, 1000.0, None, None).drain_steps(60.0, 4000.0) is None  # nothing bounds it: no rule
 
 
+def test_the_drain_counts_waiting_prompts_as_the_kv_plan_holds_them():
+    """A waiting request's KV area is its prompt scaled to the engine's count, less
+    the prefix the engine holds once for all (both the KV plan's), plus its answer."""
+    backlog = Backlog(0.0, 0.0, None, 1000.0, prompt_scale=2.0, shared=100.0)
+    assert backlog.waiting_area(10.0, 10.0 * 300, 10.0 * 10 / 2) == kv_area(2.0 * 300 - 100, 10)
+    # a burst behind one system prompt: 64 answers of 50 tokens, 300-token prompts of which 256 are
+    # shared, and one answer of 265: counted whole, the rest drains in 2.5x the longest answer's steps
+    # and it would wait; counted as the engine holds them, it is on the critical path at once
+    q: AdmissionQueue[int] = AdmissionQueue(AdmissionOrder("shortest_first"))
+    for i in range(64):
+        q.push(i, Request(id=f"s{i}", arrival=i * 1e-3, prompt_tokens=300, predicted_tokens=50.0))
+    q.push(64, Request(id="long", arrival=0.064, prompt_tokens=300, predicted_tokens=265.0))
+    whole = Backlog(0.0, 0.0, 64, 1280.0)
+    shared = Backlog(0.0, 0.0, 64, 1280.0, prompt_scale=1.0, shared=256.0)
+    assert whole.waiting_area(64 * 50, 64 * 50 * 300, 64 * 50 * 25) / 1280 > 2.5 * 265
+    after = 1.0  # arrivals have stopped
+    assert q.peek(after, whole)[1].id == "s0"
+    assert q.peek(after, shared)[1].id == "long"
+
+
 def test_fifo_keeps_the_formers_order():
     s, clock = make(AdmissionOrder("fifo"), k=1)
     s.submit(req("a", clock, 900))
