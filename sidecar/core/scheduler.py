@@ -36,7 +36,7 @@ from .breaker import EngineBreaker
 from .clock import Clock
 from .former import Batch, BatchFormer, QueueFull
 from .inflight import InflightLedger, Slot
-from .kv_plan import KvPlan, Seq, peak_tokens
+from .kv_plan import SHARED_MIN_SEQS, KvPlan, Seq, peak_tokens
 from .predictor import AccuracyTracker, LengthPredictor
 from .queue_wait import ServiceRate, refusal
 from .request import Request, expected_tokens, predicted_length
@@ -713,6 +713,22 @@ class Scheduler:
             reason = f"{decision.reason}: {decision.detail}"
             changes.append(Change("batchSize", fmt(old), fmt(decision.sizes), reason, decision.reason))
         return decision, changes
+
+    def usage_wanted(self) -> bool:
+        """Would the engine's KV usage, read now, teach the KV plan what it does not
+        know yet and is holding requests back for: how much of the prompts in flight
+        vLLM's prefix cache holds once (``_observe_usage``)?  True while the plan has
+        no estimate (a fresh sidecar; a preemption cleared it), requests wait here,
+        and enough of those in flight have streamed past their prefill.  The
+        dispatcher then asks the metrics feed for an early scrape: a burst behind one
+        system prompt at a fresh sidecar ran 4 at a time until the next scrape (half
+        a second at the default interval) where the engine alone ran 28."""
+        plan = self.core.kv_plan
+        if plan is None or plan.capacity is None or not plan.usage_live or plan.shared_seen or not self._pending:
+            return False
+        streamed = sum(1 for slot in self.ledger.held() for r in slot.requests
+                       if r.engine_prompt_tokens is not None and r.engine_generated and r in self._open)  # fmt: skip
+        return streamed >= SHARED_MIN_SEQS
 
     def _observe_usage(self, snapshot: EngineSnapshot) -> None:
         """Show the KV plan what the engine's cache holds against what it counts of the

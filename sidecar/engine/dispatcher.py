@@ -27,6 +27,7 @@ import asyncio
 import functools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -168,6 +169,7 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._refit: asyncio.Task[None] | None = None  # predictor.kind Learned: the fit running in a thread
         self._wake = Wakeup()
+        self.scrape_soon: Callable[[], None] | None = None  # asks the metrics feed for an early scrape (app.py)
         self._idle = asyncio.Event()
         self._idle.set()
         self._opens_published = 0
@@ -455,8 +457,11 @@ class Dispatcher:
         req.engine_generated = generated
         if prompt_tokens is not None:
             req.engine_prompt_tokens = prompt_tokens
-            if not req.prompt_counted and self.scheduler.prompt_counted(req, prompt_tokens):
-                self._wake.set()
+            if not req.prompt_counted:  # its first chunk: the plan may learn from it, and from a scrape now
+                if self.scheduler.prompt_counted(req, prompt_tokens):
+                    self._wake.set()
+                if self.scrape_soon is not None and self.scheduler.usage_wanted():
+                    self.scrape_soon()
 
     def _complete(self, req: Request, call: Call, result: EngineResult | EngineError, batch_size: int) -> None:
         """Hand the engine's answer to the scheduler; answer the caller as it decides."""

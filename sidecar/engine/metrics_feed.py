@@ -28,6 +28,11 @@ requests the sidecar had sent and not seen start during the fetch can be its own
 rest are other clients'; between scrapes it reads min(scraped, others + the sidecar's
 requests in the engine not seen to start now), so a request that ended or streamed
 its first token stops counting in the same step, never later.
+
+``scrape_soon`` asks for a scrape before the interval is up (at most one between
+two regular ones): the KV plan learns from the engine's usage what vLLM's
+prefix cache shares, and a fresh sidecar would otherwise hold a burst back until
+the next scrape (``Scheduler.usage_wanted``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_SECONDS = 5.0
 ERROR_LOG_EVERY_SECONDS = 60.0  # a repeated failure is logged at most this often
+EARLY_GAP_SECONDS = 0.1  # scrape_soon: at most this often
 NO_SOURCE_KIND = "none"  # MetricsSourceStatus.kind without a source (else the source's kind)
 
 
@@ -298,6 +304,7 @@ class MetricsFeed:
         self._last_logged: tuple[str, float] | None = None
         self.own: OwnRequests | None = None  # the dispatcher: engine_waiting moves with its requests
         self._others: dict[str, float] = {}  # others_waiting of the last successful fetch
+        self._soon = asyncio.Event()  # scrape_soon: set to scrape before the interval is up
 
     @property
     def source(self) -> MetricsSource | None:
@@ -391,14 +398,34 @@ class MetricsFeed:
         else:
             log.warning("%s", message, exc_info=exc)
 
+    def scrape_soon(self) -> None:
+        """Scrape before the interval is up (``run``)."""
+        self._soon.set()
+
     async def run(self) -> None:
-        """Poll every ``interval`` seconds until cancelled; survives any exception."""
+        """Poll every ``interval`` seconds until cancelled; survives any exception.
+        Asked to (``scrape_soon``), it scrapes once between two regular scrapes,
+        ``EARLY_GAP_SECONDS`` after the last at the soonest, and the interval counts
+        from there: so never more than twice as often as the interval says."""
         loop = asyncio.get_running_loop()
         next_at = loop.time()
+        early = False  # the last scrape was an early one
         while True:
+            started = loop.time()
+            self._soon.clear()
             try:
                 await self.poll_once()
             except Exception as exc:  # noqa: BLE001 - the feed must outlive a bad consumer
                 self._log_failure(f"metrics poll failed: {_describe(exc)}", exc)
             next_at = max(next_at + self.interval, loop.time())
-            await asyncio.sleep(next_at - loop.time())
+            if early:
+                early = False
+                await asyncio.sleep(next_at - loop.time())
+                continue
+            try:
+                await asyncio.wait_for(self._soon.wait(), max(next_at - loop.time(), 0.0))
+            except TimeoutError:
+                continue  # the interval is up
+            await asyncio.sleep(max(started + EARLY_GAP_SECONDS - loop.time(), 0.0))
+            next_at = min(next_at, loop.time())
+            early = True

@@ -161,6 +161,7 @@ class Sidecar:
         self.metrics.tenant_label.watch(lambda: self.config.tenants.weights())
         self.metrics.requests_waiting.engine = self.feed.engine_waiting
         self.feed.own = self.dispatcher  # the engine's waiting figure moves with the sidecar's requests, not a scrape later
+        self.dispatcher.scrape_soon = self.feed.scrape_soon  # the KV plan learning what the prefix cache shares
         self.watcher = (
             ConfigWatcher(self.config_path, initial=self.loaded, on_change=self._apply,
                           poll_seconds=cfg.server.config_poll_milliseconds / 1000,

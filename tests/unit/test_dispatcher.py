@@ -408,6 +408,30 @@ async def test_the_kv_plans_budget_and_shared_prompt_are_published_at_each_snaps
     assert reg.get_sample_value("binbatch_kv_plan_budget_tokens") == 4096 - 768
 
 
+async def test_the_kv_plan_asks_for_an_early_scrape_while_it_holds_requests_it_may_learn_to_fit():
+    """While the plan has no estimate of the prompt blocks vLLM's prefix cache shares
+    and holds requests back, the first chunk that makes two in flight past their
+    prefill asks the metrics feed for a scrape now (``Scheduler.usage_wanted``);
+    once it has one, no more."""
+    clock = ManualClock()
+    binner = FixedBinner(())
+    former = BatchFormer(binner, clock, target_size=8, max_wait=0.0, max_queue=100)
+    plan = KvPlan(capacity=25.0, block=0)  # two 10-token answers fit, a third waits
+    core = Core(HintPredictor(), binner, former, BatchSizer(mode="static", static_size=8), kv_plan=plan)
+    d = Dispatcher(core, StreamingClient(), clock, SidecarMetrics(), mode="continuous")
+    asked: list[int] = []
+    d.scrape_soon = lambda: asked.append(sum(r.engine_generated is not None for r, _ in d._calls.items()))
+    for i in range(3):
+        submit(d, i, max_tokens=10)
+    d._step()
+    await settle()
+    assert d.inflight_requests == 2 and d.pending_requests() == 1
+    assert asked == [2]  # at the second one's first chunk, not the first's, and not at later chunks
+    assert d.scheduler.usage_wanted()
+    plan.observe_usage(20.0, [(10.0, 5.0)] * 2)  # the engine showed what they share (here nothing)
+    assert not d.scheduler.usage_wanted()
+
+
 async def test_a_unary_call_streams_only_while_the_kv_plan_wants_its_progress():
     clock = ManualClock()
     binner = FixedBinner(())

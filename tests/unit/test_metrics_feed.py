@@ -233,3 +233,23 @@ async def test_an_engine_gauge_without_model_name_is_matched_against_all_of_the_
     await feed.poll_once()
     own.unstarted = {"b": 1}
     assert feed.engine_waiting() == {"": 1.0}
+
+
+async def test_scrape_soon_scrapes_before_the_interval_is_up() -> None:
+    """``scrape_soon``: the next scrape comes without waiting out the interval (an
+    hour here), and the interval then counts from it."""
+    source = FakeSource(metrics(), metrics(), metrics())
+    delivered: list[EngineSnapshot | None] = []
+    feed = MetricsFeed(source, interval=3600.0, stale_after=7200.0, clock=ManualClock(), on_snapshot=delivered.append)
+    task = asyncio.create_task(feed.run())
+    try:
+        async with asyncio.timeout(10):
+            await source.fetched.wait()  # the first scrape, at start
+            source.fetched.clear()
+            feed.scrape_soon()
+            await source.fetched.wait()  # the early one
+        assert len(source.outcomes) == 1 and len(delivered) >= 1
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
