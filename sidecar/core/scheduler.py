@@ -26,6 +26,7 @@ first time (the driver resolves its caller then), and ``totals`` counts outcomes
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
@@ -726,9 +727,13 @@ class Scheduler:
         plan = self.core.kv_plan
         if plan is None or plan.capacity is None or not plan.usage_live or plan.shared_seen or not self._pending:
             return False
-        streamed = sum(1 for slot in self.ledger.held() for r in slot.requests
-                       if r.engine_prompt_tokens is not None and r.engine_generated and r in self._open)  # fmt: skip
-        return streamed >= SHARED_MIN_SEQS
+        return sum(1 for _ in self._streamed()) >= SHARED_MIN_SEQS
+
+    def _streamed(self) -> Iterator[Request]:
+        """The open requests in flight whose stream said how many tokens the engine
+        counted in their prompt and generated (at least one: past their prefill)."""
+        return (r for slot in self.ledger.held() for r in slot.requests
+                if r.engine_prompt_tokens is not None and r.engine_generated and r in self._open)  # fmt: skip
 
     def _observe_usage(self, snapshot: EngineSnapshot) -> None:
         """Show the KV plan what the engine's cache holds against what it counts of the
@@ -741,8 +746,7 @@ class Scheduler:
         block = plan.block
         # the cache holds a sequence's prompt and every token it generated but the last (whose KV the next step writes)
         held = [(-(-(r.engine_prompt_tokens + r.engine_generated - 1) // block) * block, float(r.engine_prompt_tokens))
-                for slot in self.ledger.held() for r in slot.requests
-                if r.engine_prompt_tokens is not None and r.engine_generated and r in self._open]  # fmt: skip
+                for r in self._streamed()]  # fmt: skip
         plan.observe_usage(snapshot.kv_usage_ratio * plan.capacity, held)
 
     # -- reload and shutdown -----------------------------------------------------------

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_SECONDS = 5.0
 ERROR_LOG_EVERY_SECONDS = 60.0  # a repeated failure is logged at most this often
-EARLY_GAP_SECONDS = 0.1  # scrape_soon: at most this often
+EARLY_GAP_SECONDS = 0.1  # scrape_soon: the soonest an early scrape follows the one before
 NO_SOURCE_KIND = "none"  # MetricsSourceStatus.kind without a source (else the source's kind)
 
 
