@@ -189,6 +189,7 @@ class KvPlan:
     # only then does it compare with what the sidecar counts in flight now
     usage_live: bool = True
     shared_seen: deque[float] = field(default_factory=lambda: deque(maxlen=SHARED_WINDOW))  # the last scrapes' estimates
+    shared_stale: bool = False  # a preemption put the estimate in doubt: the next scrape must allow it
 
     def observe_prompt(self, estimated: float, counted: float | None) -> None:
         """The engine counted ``counted`` tokens in a prompt estimated at ``estimated``:
@@ -200,7 +201,7 @@ class KvPlan:
         weight = max(PROMPT_SCALE_EWMA, 1.0 / self.prompts_seen)
         self.prompt_scale += weight * (counted / estimated - self.prompt_scale)
 
-    def observe_usage(self, used: float, held: Sequence[tuple[float, float]]) -> None:
+    def observe_usage(self, used: float, held: Sequence[tuple[float, float]], waiting: float = 0.0) -> None:
         """The engine's cache holds ``used`` tokens (its usage, whole blocks) while it
         runs, among others, the sequences ``held``: (the tokens each holds in the
         cache as the engine counted them, in whole blocks; the tokens of its prompt),
@@ -214,12 +215,32 @@ class KvPlan:
         prefix cache shares whole blocks only), at most the shortest prompt.  Without
         it, 32 requests sharing an 886-token prompt on the real vLLM test server were
         planned 4 at a time where the engine ran all 32: 0.57x direct's throughput,
-        1.05x with it (docs/results/2026-11-29-shared-prefix-real-vllm.md)."""
+        1.05x with it (docs/results/2026-11-29-shared-prefix-real-vllm.md).
+
+        ``waiting`` sequences wait in the engine: any of ``held`` may be one it
+        preempted, which holds nothing.  The figure then leaves the ``waiting``
+        largest out of the sum, so it stays one the engine's cache proves.
+
+        After a preemption over uncertain lengths (``on_snapshot``) the plan keeps its
+        estimate as far as the next scrape allows it: ``(sum held - used) / (n - 1)``
+        with every sequence counted as held, the most sharing the cache could show
+        (and a block more: a sequence's count may be a token, so a block, off the engine's).
+        If the prompts stopped beginning alike, the engine holds each whole and that
+        figure falls to about nothing.  Dropping the estimate at every preemption
+        instead held a burst behind one system prompt on the embedded engine at
+        0.88-0.92x direct's throughput, where keeping it gave 0.95-0.98x."""
         if len(held) < SHARED_MIN_SEQS or not self.usage_live:
             return
         top = min(prompt for _, prompt in held)
-        estimate = (sum(tokens for tokens, _ in held) - used) / (len(held) - 1)
-        self.shared_seen.append(min(max(estimate, 0.0), top))
+        tokens = sorted(t for t, _ in held)
+        if self.shared_stale:  # none of the scrapes before counts for more than this one allows
+            self.shared_stale = False
+            most = (sum(tokens) - used) / (len(held) - 1) + self.block  # a sequence's count may be a block off
+            self.shared_seen = deque((min(x, most) for x in self.shared_seen), maxlen=SHARED_WINDOW)
+        sure = tokens[: len(tokens) - math.ceil(max(waiting, 0.0))]
+        if len(sure) >= SHARED_MIN_SEQS:
+            estimate = (sum(sure) - used) / (len(held) - 1)
+            self.shared_seen.append(min(max(estimate, 0.0), top))
 
     @property
     def shared(self) -> float:
@@ -246,9 +267,10 @@ class KvPlan:
             self.step_seconds = step
         if preempted:
             self.preemptions_seen += preempted
-            self.shared_seen.clear()  # the prompts may no longer begin alike: counted whole until the engine shows it again
-            if certain:
+            if certain:  # no uncertain length explains it: the prompts may no longer begin alike either
+                self.shared_seen.clear()
                 self.headroom = max(FLOOR, self.headroom * SHRINK)
+            self.shared_stale = bool(self.shared_seen)
         elif preempted is not None:
             self.headroom = min(1.0, self.headroom + RECOVER)
 

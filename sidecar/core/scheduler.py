@@ -696,8 +696,7 @@ class Scheduler:
             core.kv_plan.on_snapshot(
                 snapshot.kv_capacity_tokens, snapshot.kv_block_tokens, snapshot.tpot_seconds, preempted, certain
             )
-            if not preempted:
-                self._observe_usage(snapshot)
+            self._observe_usage(snapshot)
         if snapshot is not None and snapshot.fresh:
             self._pending.set_tpot(snapshot.tpot_seconds)  # aging at the engine's pace (admission.py)
         if core.admission.follow_engine and snapshot is not None and snapshot.fresh:
@@ -719,8 +718,9 @@ class Scheduler:
         """Would the engine's KV usage, read now, teach the KV plan what it does not
         know yet and is holding requests back for: how much of the prompts in flight
         vLLM's prefix cache holds once (``_observe_usage``)?  True while the plan has
-        no estimate (a fresh sidecar; a preemption cleared it), requests wait here,
-        and enough of those in flight have streamed past their prefill.  The
+        no estimate (a fresh sidecar; a preemption with every length known cleared
+        it), requests wait here, and enough of those in flight have streamed past
+        their prefill.  The
         dispatcher then asks the metrics feed for an early scrape: a burst behind one
         system prompt at a fresh sidecar ran 4 at a time until the next scrape (half
         a second at the default interval) where the engine alone ran 28."""
@@ -738,16 +738,16 @@ class Scheduler:
     def _observe_usage(self, snapshot: EngineSnapshot) -> None:
         """Show the KV plan what the engine's cache holds against what it counts of the
         requests in flight that streamed past their prefill (``KvPlan.observe_usage``:
-        the prompt blocks vLLM's prefix cache shares).  Only while nothing waits in the
+        the prompt blocks vLLM's prefix cache shares), with how many wait in the
         engine: a sequence preempted there holds nothing it is counted for."""
         plan = self.core.kv_plan
-        if plan is None or plan.capacity is None or snapshot.kv_usage_ratio is None or snapshot.waiting != 0:
+        if plan is None or plan.capacity is None or snapshot.kv_usage_ratio is None or snapshot.waiting is None:
             return
         block = plan.block
         # the cache holds a sequence's prompt and every token it generated but the last (whose KV the next step writes)
         held = [(-(-(r.engine_prompt_tokens + r.engine_generated - 1) // block) * block, float(r.engine_prompt_tokens))
                 for r in self._streamed()]  # fmt: skip
-        plan.observe_usage(snapshot.kv_usage_ratio * plan.capacity, held)
+        plan.observe_usage(snapshot.kv_usage_ratio * plan.capacity, held, snapshot.waiting)
 
     # -- reload and shutdown -----------------------------------------------------------
 

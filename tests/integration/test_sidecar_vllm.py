@@ -120,16 +120,16 @@ async def test_the_kv_plan_counts_a_prompt_prefix_vllm_caches_once(vllm_server, 
     test server: 4 at a time where vLLM ran 32, 0.57x direct's throughput).  It
     learns the shared blocks from the engine's own KV usage: whole blocks of the
     common prefix, never more than a prompt.  What it learned is read as it learns
-    it: a preemption clears it by design, and one near the end of the burst left
-    the gauge at 0 once after the last answer."""
+    it: a scrape after a preemption may lower it, and one near the end of the burst
+    left the gauge at 0 once after the last answer."""
     from binbatch_operator import builders
     from binbatch_sidecar.core.kv_plan import KvPlan
 
     learned: list[float] = []
     observe = KvPlan.observe_usage
 
-    def spy(plan: KvPlan, used: float, held) -> None:
-        observe(plan, used, held)
+    def spy(plan: KvPlan, used: float, held, waiting: float = 0.0) -> None:
+        observe(plan, used, held, waiting)
         learned.append(plan.shared_blocks)
 
     monkeypatch.setattr(KvPlan, "observe_usage", spy)

@@ -351,12 +351,13 @@ def test_prompt_blocks_the_engine_holds_once_are_counted_once():
     assert plan.fits(inflight, new)  # at its end each holds 32 + 100 -> 160 tokens in blocks: 5 x 160 <= 1280
 
 
-def test_the_shared_prompt_estimate_takes_the_most_a_recent_scrape_showed_and_forgets_it_at_a_preemption():
+def test_the_shared_prompt_estimate_takes_the_most_a_recent_scrape_showed_and_a_preemption_puts_it_to_the_test():
     """A scrape taken while sequences were still prefilling (their blocks in the
     usage, not in the count) shows less sharing than there is: the plan keeps the
-    most of the last scrapes, never more than the shortest prompt, needs two
-    sequences to say anything, and drops it all when the engine preempts (the
-    prompts may have stopped beginning alike)."""
+    most of the last scrapes, never more than the shortest prompt, and needs two
+    sequences to say anything.  A preemption over uncertain lengths keeps it until a
+    scrape shows the prompts stopped beginning alike; one where every length was
+    known drops it at once."""
     plan = KvPlan(capacity=4096, block=32)
     plan.observe_usage(100, [(864, 800)])
     assert plan.shared == 0  # one sequence: nothing to share with
@@ -368,12 +369,37 @@ def test_the_shared_prompt_estimate_takes_the_most_a_recent_scrape_showed_and_fo
     plan.observe_usage(64, [(928, 900)] * 3)
     assert plan.shared == 900  # (3 x 928 - 64) / 2 = 1360, but no more than a prompt is shared
     plan.on_snapshot(None, None, None, 1.0, certain=False)
-    assert (plan.shared, plan.budget) == (0, 4096)
+    assert (plan.shared, plan.budget) == (900, 4096 - 896)  # the plan's quantile explains a preemption
+    plan.observe_usage(4 * 928 - 3 * 900, [(928, 900)] * 4)  # the same prompt, still held once
+    assert plan.shared == 900
+    plan.on_snapshot(None, None, None, 1.0, certain=False)
+    plan.observe_usage(4 * 864, [(864, 800)] * 4)  # the engine holds each prompt whole now
+    assert plan.shared_blocks <= 32  # a block's slack: a sequence's count may be a block off the engine's
+    plan.observe_usage(1152, [(864, 800)] * 4)
+    assert plan.shared == 768
+    plan.on_snapshot(None, None, None, 1.0, certain=True)  # every length known: its counts were wrong
+    assert (plan.shared, plan.budget) == (0, pytest.approx(0.9 * 4096))  # and the headroom shrinks
     plan.observe_usage(5000, [(864, 800)] * 4)  # the engine holds more than counted: nothing shared
     assert plan.shared == 0
     late = KvPlan(capacity=4096, block=32, usage_live=False)  # usage read through Prometheus, seconds late
     late.observe_usage(1152, [(864, 800)] * 4)
     assert late.shared == 0
+
+
+def test_a_scrape_while_sequences_wait_in_the_engine_shows_only_the_sharing_its_cache_proves():
+    """Five sequences of an 800-token prompt (768 shared) counted at 864 each, one of
+    them preempted (it waits in the engine and holds nothing): the cache holds 768 +
+    4 x 96.  Counting all five as held would show 792 shared, more than there is;
+    leaving the largest out, one per waiting sequence, shows 576, which the cache
+    proves.  With all five waiting nothing is shown."""
+    plan = KvPlan(capacity=4096, block=32)
+    used = 768 + 4 * 96
+    plan.observe_usage(used, [(864, 800)] * 4 + [(896, 800)], waiting=5)
+    assert plan.shared == 0
+    plan.observe_usage(used, [(864, 800)] * 4 + [(896, 800)], waiting=1)
+    assert plan.shared == pytest.approx((4 * 864 - used) / 4)  # 576 <= 768
+    plan.observe_usage(used, [(864, 800)] * 4 + [(896, 800)], waiting=1.0)  # vLLM's gauge is a float
+    assert plan.shared == pytest.approx(576)
 
 
 def test_the_plan_learns_shared_prompts_only_from_the_engines_own_metrics():
@@ -391,7 +417,7 @@ def test_the_scheduler_learns_the_shared_prompt_from_the_engines_usage_and_admit
     """Through the scheduler: requests whose streams say 800 prompt tokens and 10
     generated, the engine's usage showing one shared copy of 768 tokens.  A
     sequence that has not streamed a token yet (in prefill) is left out of the
-    count, and a scrape while something waits in the engine teaches nothing (a
+    count, and a scrape while something waits in the engine teaches less (a
     preempted sequence there holds nothing)."""
     s, _ = _scheduler(KvPlan())
     plan = s.core.kv_plan
@@ -409,7 +435,7 @@ def test_the_scheduler_learns_the_shared_prompt_from_the_engines_usage_and_admit
     used = 768 + 3 * 64 + 32 * 2  # the shared copy, three streamed sequences' own blocks, the prefilling one's so far
     s.on_snapshot(EngineSnapshot(kv_capacity_tokens=4096, kv_block_tokens=32, kv_usage_ratio=used / 4096, running=4,
                                  waiting=1, tpot_seconds=0.01, fresh=True), 0.1)  # fmt: skip
-    assert plan.shared == 0  # something waits in the engine: no lesson
+    assert plan.shared_blocks == 320  # one waits in the engine (preempted?): the largest left out, (2 x 832 - 1024) / 2
     s.on_snapshot(EngineSnapshot(kv_capacity_tokens=4096, kv_block_tokens=32, kv_usage_ratio=used / 4096, running=4,
                                  waiting=0, tpot_seconds=0.01, fresh=True), 0.2)  # fmt: skip
     assert plan.shared_blocks == 736  # (3 x 832 - 1024) / 2 = 736: the prefill's blocks hide some of it
