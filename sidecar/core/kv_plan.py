@@ -237,7 +237,7 @@ class KvPlan:
             self.shared_stale = False
             most = (sum(tokens) - used) / (len(held) - 1) + self.block  # a sequence's count may be a block off
             self.shared_seen = deque((min(x, most) for x in self.shared_seen), maxlen=SHARED_WINDOW)
-        sure = tokens[: len(tokens) - math.ceil(max(waiting, 0.0))]
+        sure = tokens[: max(len(tokens) - math.ceil(max(waiting, 0.0)), 0)]
         if len(sure) >= SHARED_MIN_SEQS:
             estimate = (sum(sure) - used) / (len(held) - 1)
             self.shared_seen.append(min(max(estimate, 0.0), top))

@@ -9,6 +9,8 @@ import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from binbatch_sidecar.core.admission import AdmissionOrder, Drain
 from binbatch_sidecar.core.binner import FixedBinner
@@ -400,6 +402,51 @@ def test_a_scrape_while_sequences_wait_in_the_engine_shows_only_the_sharing_its_
     assert plan.shared == pytest.approx((4 * 864 - used) / 4)  # 576 <= 768
     plan.observe_usage(used, [(864, 800)] * 4 + [(896, 800)], waiting=1.0)  # vLLM's gauge is a float
     assert plan.shared == pytest.approx(576)
+
+
+def _scrape(shared: int, own: list[int], preempted: int, extra: int, block: int) -> tuple[int, list[tuple[float, float]]]:
+    """The engine's usage and the sidecar's counts when ``len(own)`` sequences begin
+    with the same ``shared`` tokens and each holds ``own[i]`` blocks of its own; the
+    first ``preempted`` of them (the engine's waiting ones) hold nothing, and
+    ``extra`` blocks are held by what is not counted (prefills, other clients)."""
+    held = [(float(shared + o * block), float(shared + 1)) for o in own]
+    kept = own[preempted:]
+    used = (shared if kept else 0) + sum(kept) * block + extra * block
+    return used, held
+
+
+@settings(max_examples=300, deadline=None)
+@given(shared=st.integers(0, 24), own=st.lists(st.integers(1, 40), min_size=2, max_size=24), data=st.data())
+def test_no_scrape_shows_more_sharing_than_the_engine_holds_once(shared: int, own: list[int], data) -> None:
+    """Whatever of ours the engine preempted (waiting) and whatever else it holds,
+    a scrape's figure is at most the prefix the prompts share; with nothing waiting
+    and nothing else held it is that prefix exactly."""
+    block = 16
+    preempted = data.draw(st.integers(0, len(own)))
+    extra = data.draw(st.integers(0, 64))
+    others_waiting = data.draw(st.integers(0, 4))
+    plan = KvPlan(capacity=1e9, block=block)
+    used, held = _scrape(shared * block, own, preempted, extra, block)
+    plan.observe_usage(used, held, waiting=preempted + others_waiting)
+    assert plan.shared <= shared * block
+    if preempted == extra == others_waiting == 0:
+        assert plan.shared == shared * block
+
+
+@settings(max_examples=300, deadline=None)
+@given(before=st.integers(1, 24), after=st.integers(0, 24), own=st.lists(st.integers(1, 40), min_size=2, max_size=24))
+def test_after_a_preemption_the_next_scrape_caps_what_was_learned(before: int, after: int, own: list[int]) -> None:
+    """Learned from prompts sharing ``before`` blocks; a preemption over uncertain
+    lengths; then a scrape of prompts sharing ``after`` blocks, nothing waiting: the
+    plan holds the new prefix, a block's slack at most above it."""
+    block = 16
+    plan = KvPlan(capacity=1e9, block=block)
+    plan.observe_usage(*_scrape(before * block, own, 0, 0, block))
+    assert plan.shared == before * block
+    plan.on_snapshot(None, None, None, 1.0, certain=False)
+    assert plan.shared == before * block  # the quantile explains a preemption: kept until a scrape says otherwise
+    plan.observe_usage(*_scrape(after * block, own, 0, 0, block))
+    assert after * block <= plan.shared <= (after + 1) * block
 
 
 def test_the_plan_learns_shared_prompts_only_from_the_engines_own_metrics():
