@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -61,12 +62,32 @@ def run_to_end(main: Coroutine[Any, Any, T]) -> T:
         raise
 
 
+# free_port's ports: from here up to the kernel's ephemeral range (Linux's default start below)
+PORT_FLOOR, EPHEMERAL_START = 10000, 32768
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1 (for a process that must be
-    restarted on the same port, so port 0 will not do)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on 127.0.0.1 a moment ago, for a server told its port before it
+    binds (a process restarted on the same port, the operator's webhook): port 0 will
+    not do.  It lies below the kernel's ephemeral range, so no outgoing connection
+    and no bind to port 0 can take it in the meantime; one taken from that range
+    (bind to 0, close, hand on) was once taken so before the operator's webhook
+    bound it.  Never the same port twice in a process."""
+    try:
+        start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        start = EPHEMERAL_START
+    ports = [p for p in random.sample(range(PORT_FLOOR, max(start, PORT_FLOOR + 1000)), 64) if p not in _GIVEN]
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free port on 127.0.0.1 among {len(ports)} tried below {start}")
 
 
 def rss_and_fds(pid: int) -> tuple[int, int] | None:

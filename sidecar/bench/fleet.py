@@ -53,6 +53,7 @@ from binbatch_operator.builders import INJECTED_ANNOTATION, POLICY_LABEL, SIDECA
 from binbatch_operator.crd import GROUP, KIND, PLURAL, VERSION
 
 from .chaos_load import percentile
+from .chaos_processes import free_port
 
 POLICIES_PER_NAMESPACE = 100
 PEERING = "binbatch"  # the chart's peering, and so its Lease's name (in binbatch-system)
@@ -503,14 +504,6 @@ async def until_webhook(port: int, timeout: float = 120.0) -> None:
             if time.monotonic() - start > timeout:
                 raise RuntimeError(f"the operator's webhook never listened on 127.0.0.1:{port}") from None
             await asyncio.sleep(0.2)  # ok-sleep: waiting for a process to listen, bounded
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

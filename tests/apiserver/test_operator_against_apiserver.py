@@ -32,6 +32,7 @@ from kube_support import Cluster, wait_for
 
 from binbatch_operator import crd
 from binbatch_operator.builders import CONFIG_KEY, SIDECAR_CONTAINER, child_name
+from binbatch_sidecar.bench.chaos_processes import free_port
 
 pytestmark = pytest.mark.apiserver
 
@@ -40,12 +41,6 @@ POLICY = "llm"
 SELECTOR = {"matchLabels": {"app": "vllm"}}
 # cpu: 1 unquoted, as a Pod spec allows; the injected container carries it to the pod.
 RESOURCES = {"requests": {"cpu": "250m", "memory": "128Mi"}, "limits": {"cpu": 1, "memory": "256Mi"}}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServiceProxy:

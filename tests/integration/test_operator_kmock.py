@@ -21,7 +21,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import ssl
 import sys
 import time
@@ -47,6 +46,7 @@ from binbatch_operator.builders import (
 )
 from binbatch_operator.crd import GROUP, KIND, PLURAL, VERSION
 from binbatch_operator.kube import RESTART_ANNOTATION
+from binbatch_sidecar.bench.chaos_processes import free_port
 from binbatch_sidecar.bench.fleet import kmock_emulator
 from binbatch_sidecar.emulator import running_emulator
 
@@ -77,12 +77,6 @@ def obj(api: kmock.KubernetesEmulator, resource: str, name: str, namespace: str 
         if str(res.plural) == resource and ns == namespace and nm == name and not found.deleted:
             return found.raw
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -119,6 +113,7 @@ async def operator(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
     monkeypatch.setenv("POD_NAMESPACE", "binbatch-system")
     monkeypatch.setenv("BINBATCH_WEBHOOK_CONFIG", WEBHOOK_CONFIG)
     monkeypatch.setenv("BINBATCH_WEBHOOK_PORT", str(port))
+    monkeypatch.setenv("BINBATCH_WEBHOOK_ADDRESS", "127.0.0.1")
     monkeypatch.setenv("BINBATCH_SIDECAR_IMAGE", "registry.test/binbatch:1")
     stop, ready = asyncio.Event(), asyncio.Event()
     vault = Vault()
@@ -499,7 +494,7 @@ async def test_the_charts_operator_command_runs_as_a_process(cluster: Any, tmp_p
                for a in container["command"]]  # fmt: skip
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     env |= {"POD_NAMESPACE": "binbatch-system", "BINBATCH_WEBHOOK_PORT": str(hook_port),
-            "BINBATCH_WEBHOOK_CONFIG": WEBHOOK_CONFIG, "KUBECONFIG": os.environ["KUBECONFIG"],
+            "BINBATCH_WEBHOOK_ADDRESS": "127.0.0.1", "BINBATCH_WEBHOOK_CONFIG": WEBHOOK_CONFIG, "KUBECONFIG": os.environ["KUBECONFIG"],
             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path)}  # fmt: skip
     # The chart's default is two replicas with kopf peering: the operator makes its peering object.
     peering = next(a.split("=", 1)[1] for a in command if a.startswith("--peering="))
