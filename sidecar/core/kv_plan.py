@@ -223,12 +223,13 @@ class KvPlan:
 
         After a preemption over uncertain lengths (``on_snapshot``) the plan keeps its
         estimate as far as the next scrape allows it: ``(sum held - used) / (n - 1)``
-        with every sequence counted as held, the most sharing the cache could show
-        (and a block more: a sequence's count may be a token, so a block, off the engine's).
-        If the prompts stopped beginning alike, the engine holds each whole and that
-        figure falls to about nothing.  Dropping the estimate at every preemption
-        instead held a burst behind one system prompt on the embedded engine at
-        0.88-0.92x direct's throughput, where keeping it gave 0.95-0.98x."""
+        with every sequence counted as held, the most sharing the cache could show,
+        and a block more (a sequence's count may be a token, so a block, off the
+        engine's).  If the prompts stopped beginning alike, the engine holds each
+        whole and that figure falls to about nothing.  Dropping the estimate at every
+        preemption instead held a burst behind one system prompt on the embedded
+        engine at 0.92x direct's throughput, where keeping it gave 0.98x (five runs
+        each, docs/results/2026-11-29-system-prompt-preemption.md)."""
         if len(held) < SHARED_MIN_SEQS or not self.usage_live:
             return
         top = min(prompt for _, prompt in held)

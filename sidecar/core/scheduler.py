@@ -720,10 +720,10 @@ class Scheduler:
         vLLM's prefix cache holds once (``_observe_usage``)?  True while the plan has
         no estimate (a fresh sidecar; a preemption with every length known cleared
         it), requests wait here, and enough of those in flight have streamed past
-        their prefill.  The
-        dispatcher then asks the metrics feed for an early scrape: a burst behind one
-        system prompt at a fresh sidecar ran 4 at a time until the next scrape (half
-        a second at the default interval) where the engine alone ran 28."""
+        their prefill.  The dispatcher then asks the metrics feed for an early
+        scrape: a burst behind one system prompt at a fresh sidecar ran 4 at a time
+        until the next scrape (half a second at the default interval) where the
+        engine alone ran 28."""
         plan = self.core.kv_plan
         if plan is None or plan.capacity is None or not plan.usage_live or plan.shared_seen or not self._pending:
             return False
