@@ -67,6 +67,14 @@ PORT_FLOOR, EPHEMERAL_START = 10000, 32768
 _GIVEN: set[int] = set()
 
 
+def ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return EPHEMERAL_START
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 a moment ago, for a server told its port before it
     binds (a process restarted on the same port, the operator's webhook): port 0 will
@@ -74,10 +82,7 @@ def free_port() -> int:
     and no bind to port 0 can take it in the meantime; one taken from that range
     (bind to 0, close, hand on) was once taken so before the operator's webhook
     bound it.  Never the same port twice in a process."""
-    try:
-        start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        start = EPHEMERAL_START
+    start = ephemeral_start()
     ports = [p for p in random.sample(range(PORT_FLOOR, max(start, PORT_FLOOR + 1000)), 64) if p not in _GIVEN]
     for port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -4,18 +4,14 @@ a process restarted on the same port)."""
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
-from binbatch_sidecar.bench.chaos_processes import EPHEMERAL_START, PORT_FLOOR, free_port
+from binbatch_sidecar.bench.chaos_processes import PORT_FLOOR, ephemeral_start, free_port
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_not_handed_out_twice():
     """No outgoing connection and no bind to port 0 can take one before its server
     binds it: the kernel hands those out from the ephemeral range only."""
-    try:
-        start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except OSError:
-        start = EPHEMERAL_START
+    start = ephemeral_start()
     ports = [free_port() for _ in range(40)]
     assert len(set(ports)) == len(ports)
     assert all(PORT_FLOOR <= p < max(start, PORT_FLOOR + 1000) for p in ports)
