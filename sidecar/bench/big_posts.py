@@ -44,9 +44,8 @@ from binbatch_operator.builders import DEFAULT_RESOURCES
 
 from ..config import MAX_QUEUED_BYTES_DEFAULT, MAX_REQUEST_BYTES_DEFAULT
 from .bench_processes import EngineProcess, EngineShape, served_model, sidecar_doc, start_sidecar
-from .chaos_processes import run_to_end
+from .chaos_processes import http_port, run_to_end
 from .e2e import policy_default
-from .overhead import http_port
 
 MIB = 1024 * 1024
 # Slow enough that the posts queue: ~50 ms a step, at most 4 sequences, each prompt ~4,100 tokens

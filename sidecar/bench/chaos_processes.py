@@ -30,6 +30,8 @@ import yaml
 STARTUP_SECONDS = 60.0
 _EMULATOR_READY = re.compile(r"binbatch emulate-engine: .* on http://127\.0\.0\.1:(\d+)")
 SIDECAR_READY = re.compile(r"serving gRPC on 127\.0\.0\.1:(\d+)")
+_HTTP_PORT = re.compile(r"HTTP on :(\d+)")  # in the sidecar's "serving gRPC on ..." line
+_METRICS_PORT = re.compile(r"metrics on :(\d+)")  # likewise
 
 
 T = TypeVar("T")
@@ -207,6 +209,23 @@ class EmulatorProcess(ChildProcess):
         await self.signal_and_wait(signal.SIGTERM, 15)
 
 
+def http_port(lines: list[str]) -> int:
+    """The HTTP door's port from the sidecar's start-up lines (the process was
+    started with ``--http-port 0``; ``serving gRPC on ...`` names both ports)."""
+    for line in lines:
+        if match := _HTTP_PORT.search(line):
+            return int(match.group(1))
+    raise RuntimeError("the sidecar named no HTTP port:\n" + "".join(lines[-20:]))
+
+
+def metrics_port(lines: list[str]) -> int:
+    """The sidecar's metrics port from its start-up lines (as ``http_port``)."""
+    for line in lines:
+        if match := _METRICS_PORT.search(line):
+            return int(match.group(1))
+    raise RuntimeError("the sidecar named no metrics port:\n" + "".join(lines[-20:]))
+
+
 class SidecarProcess(ChildProcess):
     """``binbatch sidecar --config FILE`` on free ports; JSON logs on stderr."""
 
@@ -219,6 +238,11 @@ class SidecarProcess(ChildProcess):
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible HTTP door, as its start-up line named it."""
+        return f"http://127.0.0.1:{http_port(self.lines)}"
 
     async def start(self) -> None:
         args = ["-m", "binbatch_sidecar.cli", "sidecar", "--config", str(self.config_path),

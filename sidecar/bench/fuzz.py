@@ -65,9 +65,9 @@ from binbatch_api.v1 import binbatch_pb2 as pb
 
 from ..config import ConfigError, parse_config, parse_config_bytes
 from .bench_processes import sidecar_doc, started_engine
-from .chaos_processes import SidecarProcess, rss_and_fds, run_to_end
+from .chaos_processes import SidecarProcess, http_port, rss_and_fds, run_to_end
 from .e2e import policy_default
-from .overhead import INSTANT, http_port
+from .overhead import INSTANT
 
 TARGETS = ("http", "grpc", "config")
 CONCURRENCY = 32

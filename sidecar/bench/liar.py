@@ -48,14 +48,13 @@ from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
 from . import workloads
-from .bench_clients import (RunResult, Sample, closed_loop, direct_caller, length_fields, replay, steady_rate,
+from .bench_clients import (RunResult, Sample, closed_loop, completions_caller, length_fields, replay, steady_rate,
                             streamed_sample)  # fmt: skip
 from .bench_processes import (EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar,
                               write_answer_lengths)  # fmt: skip
 from .chaos_load import percentile
-from .chaos_processes import SidecarProcess, run_to_end
+from .chaos_processes import SidecarProcess, metrics_port, run_to_end
 from .e2e import KV_LIMITED, policy_default
-from .overhead import metrics_port
 
 LIAR_CLASS = "liar"
 LIE_FACTOR = 8
@@ -208,7 +207,7 @@ async def run_async(cfg: LiarConfig, say: Callable[[str], None]) -> dict[str, An
         try:
             async with aiohttp.ClientSession() as session:
                 model, _ = await served_model(session, engine.url)
-                loop, spans = await closed_loop(loop_requests, direct_caller(session, engine.url, model),
+                loop, spans = await closed_loop(loop_requests, completions_caller(session, engine.url, model),
                                                 cfg.capacity_concurrency)  # fmt: skip
                 if loop.failures:
                     raise RuntimeError(f"capacity: {len(loop.failures)} direct requests failed: {loop.failures[0]}")

@@ -40,7 +40,6 @@ import contextlib
 import io
 import os
 import pstats
-import re
 import signal
 import sys
 import tempfile
@@ -62,12 +61,10 @@ from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 from .bench_clients import CallFailed, completion_body, exactly
 from .bench_processes import EngineProcess, EngineShape, served_model, sidecar_doc
 from .chaos_load import percentile
-from .chaos_processes import SIDECAR_READY, SidecarProcess, run_to_end
+from .chaos_processes import SIDECAR_READY, SidecarProcess, http_port, metrics_port, run_to_end
 from .e2e import policy_default
 
 JSON_KEYS = ("added_p50_ms", "added_p99_ms", "max_requests_per_s", "http_added_p50_ms", "http_added_p99_ms")
-_HTTP_PORT = re.compile(r"HTTP on :(\d+)")  # in the sidecar's "serving gRPC on ..." line
-_METRICS_PORT = re.compile(r"metrics on :(\d+)")  # likewise
 INSTANT = EngineShape(step_a=0.0, step_c=0.0, num_gpu_blocks=65536, block_size=16, max_num_seqs=1024,
                       max_model_len=512)  # fmt: skip
 # The reference row: admission must never be what limits it: a static size far above
@@ -274,23 +271,6 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
         out["profile_top"] = hot_spots(cfg.profile)
         say("sidecar hot spots (cProfile, by own time):\n" + out["profile_top"])
     return out
-
-
-def http_port(lines: list[str]) -> int:
-    """The HTTP door's port from the sidecar's start-up lines (the process was
-    started with ``--http-port 0``; ``serving gRPC on ...`` names both ports)."""
-    for line in lines:
-        if match := _HTTP_PORT.search(line):
-            return int(match.group(1))
-    raise RuntimeError("the sidecar named no HTTP port:\n" + "".join(lines[-20:]))
-
-
-def metrics_port(lines: list[str]) -> int:
-    """The sidecar's metrics port from its start-up lines (as ``http_port``)."""
-    for line in lines:
-        if match := _METRICS_PORT.search(line):
-            return int(match.group(1))
-    raise RuntimeError("the sidecar named no metrics port:\n" + "".join(lines[-20:]))
 
 
 def hot_spots(path: str, limit: int = 20) -> str:

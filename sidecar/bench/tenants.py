@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import re
 import sys
 import tempfile
 import time
@@ -44,7 +43,6 @@ from .chaos_processes import run_to_end
 
 TENANT_HEADER = "x-llm-d-inference-fairness-id"
 STEADY, FLOOD = "steady", "flood"
-_HTTP_PORT = re.compile(r"HTTP on :(\d+)")
 # bench e2e's KV-limited engine four times slower: about nine 64-token answers fit at once, some 4 answers a
 # second (low rates: the
 # client, the sidecar and the engine share the machine's cores, and the flood must not measure their contention)
@@ -207,8 +205,7 @@ async def run_async(cfg: TenantsConfig, say: Callable[[str], None]) -> dict[str,
         doc = sidecar_doc(engine.url, model, sidecar_overrides(cfg))
         side = await start_sidecar(doc, tmp / "sidecar.yaml", tmp)
         stack.push_async_callback(side.signal_and_wait, 15, 20)
-        port = next(int(m.group(1)) for line in side.lines if (m := _HTTP_PORT.search(line)))
-        client = Client(session, f"http://127.0.0.1:{port}", model, cfg)
+        client = Client(session, side.http_url, model, cfg)
         say(f"engine {ENGINE.describe()}; measuring capacity")
         cap = await capacity(client, cfg)
         steady_rate = cap * cfg.total_load / 2
