@@ -217,10 +217,12 @@ def length_fields(req: BenchRequest, recorded: bool) -> dict[str, Any]:
     return {"max_tokens": req.max_tokens}
 
 
-def direct_caller(
+def completions_caller(
     session: aiohttp.ClientSession, url: str, model: str, *, priority: bool = False, recorded: bool = False
 ) -> Callable[[BenchRequest], Awaitable[Sample]]:
-    """Streams each request straight to the engine's ``/v1/completions``; with
+    """Streams each request to ``url``'s ``/v1/completions``: the engine called
+    directly, or a sidecar's OpenAI-compatible HTTP door (the same client, so the
+    two compare only the hop between); with
     ``priority`` its true length is its vLLM ``priority`` (shortest first: an
     engine started with ``--scheduling-policy priority``, told the hints);
     ``recorded``: see ``length_fields``."""

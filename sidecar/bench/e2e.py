@@ -31,6 +31,11 @@ Scenarios (DESIGN §3.6, issue 11):
   k = 1 gains against an ideal gang client that knows every length
   (batch-locked engines).
 
+In every scenario the policy default, no hint, is judged (``DEFAULT_CLIENT``)
+through the gRPC door, and again through the OpenAI-compatible HTTP door by
+direct's own client (``DEFAULT_HTTP_CLIENT``): what vLLM's clients and gateways
+speak, differing from direct by the sidecar's hop alone.
+
 Capacity is direct's *steady-state* saturated throughput, the rate the
 issue's loads are fractions of ("95% of direct's saturated throughput"): a
 closed loop keeps ``capacity_concurrency`` chat requests outstanding (each
@@ -94,7 +99,7 @@ from binbatch_operator import builders
 from ..engine.model_file import save_model
 from ..engine.training_records import train
 from . import sharegpt, workloads
-from .bench_clients import (RunResult, closed_loop, direct_caller, ideal_gang, replay, sidecar_caller,
+from .bench_clients import (RunResult, closed_loop, completions_caller, ideal_gang, replay, sidecar_caller,
                             steady_rate)  # fmt: skip
 from .chaos_load import percentile
 from .bench_processes import (EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar,
@@ -200,6 +205,7 @@ class Client:
     sidecar: str | None = None  # key of the sidecar process it goes through
     hint: bool = True
     engine: str | None = None  # the engine it calls, if not the scenario's ("kv-priority")
+    door: str = "grpc"  # the sidecar's door: GenerateStream, or "http" (/v1/completions, direct's own client)
 
 
 @dataclass(frozen=True)
@@ -231,6 +237,12 @@ FREE = Client("free", "sidecar continuous k=4 hint, no SLO", "continuous", 4, "a
 DEFAULT_KV = Client("default", "sidecar, policy default, no hint", "continuous", 4, "kv-default", hint=False)
 DEFAULT_AMPLE = Client("default", "sidecar, policy default, no hint", "continuous", 4, "ample-default", hint=False)
 DEFAULT_SYSTEM = Client("default", "sidecar, policy default, no hint", "continuous", 4, "system-default", hint=False)
+# The same through the OpenAI-compatible HTTP door, the one vLLM's clients and gateways speak, with the very
+# client that calls the engine directly; each its own sidecar, so neither learns from the other's run
+DEFAULT_KV_HTTP = Client("default-http", "sidecar, policy default, no hint, HTTP door", "continuous", 4,
+                         "kv-default-http", hint=False, door="http")  # fmt: skip
+DEFAULT_AMPLE_HTTP = replace(DEFAULT_KV_HTTP, sidecar="ample-default-http")
+DEFAULT_SYSTEM_HTTP = replace(DEFAULT_KV_HTTP, sidecar="system-default-http")
 IDEAL1 = Client("ideal1", "ideal gang k=1", "ideal-gang", 1)
 IDEAL4 = Client("ideal4", "ideal gang k=4", "ideal-gang", 4)
 GANG1 = Client("gang1", "sidecar gang k=1", "gang", 1, "ample-gang1")
@@ -240,16 +252,21 @@ GANG8 = Client("gang8", "sidecar gang k=8", "gang", 8, "ample-gang8")
 # The ShareGPT replay's sidecars: as a new user runs one (no hint; the judged row), and the
 # oracle (the recorded length as the hint), the yardstick
 SG_LEARNED = Client("learned", "sidecar, policy default, no hint, Learned (warm start)", "continuous", 4, "sg-learned", hint=False)
+SG_LEARNED_HTTP = Client("learned-http", "sidecar, policy default, no hint, Learned (warm start), HTTP door",
+                         "continuous", 4, "sg-learned-http", hint=False, door="http")  # fmt: skip
 SG_COLD = Client("cold", "sidecar, policy default, no hint, Learned (cold start)", "continuous", 4, "sg-cold", hint=False)
 SG_ONLINE = Client("online", "sidecar, no hint, Online", "continuous", 4, "sg-online", hint=False)
 SG_HINT = Client("hint", "sidecar, true length as hint (oracle)", "continuous", 4, "sg-hint")
 # the judged sidecar handing its order to an engine started with --scheduling-policy priority
 SG_ENGINE_ORDER = Client("learned-engine-order", "sidecar, no hint, Learned (warm start), order in engine",
                          "continuous", 4, "sg-engine-order", hint=False, engine="sharegpt-priority")  # fmt: skip
-CLIENT_NAMES = tuple(c.key for c in (DIRECT, PRIORITY, HINT, ENGINE_ORDER, PACKED, ONLINE, FREE, DEFAULT_KV, IDEAL1,
-                                     IDEAL4, IDEAL8, GANG1, GANG4, GANG8, SG_LEARNED, SG_COLD, SG_ENGINE_ORDER))  # fmt: skip
-# the client judged as "the default" in each scenario (the ShareGPT replay's is warm-started: SHAREGPT_JUDGED)
+CLIENT_NAMES = tuple(c.key for c in (DIRECT, PRIORITY, HINT, ENGINE_ORDER, PACKED, ONLINE, FREE, DEFAULT_KV,
+                                     DEFAULT_KV_HTTP, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8, SG_LEARNED,
+                                     SG_LEARNED_HTTP, SG_COLD, SG_ENGINE_ORDER))  # fmt: skip
+# the client judged as "the default" in each scenario (the ShareGPT replay's is warm-started: SHAREGPT_JUDGED),
+# and the same through the HTTP door
 DEFAULT_CLIENT = {"sharegpt": "learned"}
+DEFAULT_HTTP_CLIENT = {"sharegpt": "learned-http"}
 
 
 def scenarios(cfg: E2EConfig) -> list[Scenario]:
@@ -257,20 +274,21 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
     there = cfg.engine_url is None or cfg.priority_engine_url is not None
     chat = [Scenario(f"chat@{x:g}", f"chat load {x:g}", "kv", "chat", cfg.load_requests, x,
                      (DIRECT, *((PRIORITY,) if there else ()), HINT, *((ENGINE_ORDER,) if there else ()), ONLINE,
-                      DEFAULT_KV), cfg.scale) for x in cfg.loads]  # fmt: skip
+                      DEFAULT_KV, DEFAULT_KV_HTTP), cfg.scale) for x in cfg.loads]  # fmt: skip
     plan = [
         *chat,
         Scenario("chat@burst", "chat burst, KV pressure", "kv", "chat", cfg.requests, None,
-                 (DIRECT, HINT, PACKED, ONLINE, DEFAULT_KV), cfg.scale),  # fmt: skip
+                 (DIRECT, HINT, PACKED, ONLINE, DEFAULT_KV, DEFAULT_KV_HTTP), cfg.scale),  # fmt: skip
         Scenario("short@ample", "short burst, ample KV", "ample", "short", cfg.requests, None,
-                 (DIRECT, FREE, DEFAULT_AMPLE), cfg.scale),  # fmt: skip
+                 (DIRECT, FREE, DEFAULT_AMPLE, DEFAULT_AMPLE_HTTP), cfg.scale),  # fmt: skip
         Scenario("mixed@gang", "mixed burst, gang", "ample", "mixed", cfg.gang_requests, None,
-                 (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8, DEFAULT_AMPLE), cfg.gang_scale),  # fmt: skip
+                 (DIRECT, IDEAL1, IDEAL4, IDEAL8, GANG1, GANG4, GANG8, DEFAULT_AMPLE, DEFAULT_AMPLE_HTTP),
+                 cfg.gang_scale),  # fmt: skip
         Scenario("system@burst", "chat burst, one system prompt, prefix cache", "system", "system", cfg.requests, None,
-                 (DIRECT, DEFAULT_SYSTEM), cfg.scale),  # fmt: skip
+                 (DIRECT, DEFAULT_SYSTEM, DEFAULT_SYSTEM_HTTP), cfg.scale),  # fmt: skip
         Scenario("sharegpt", f"ShareGPT replay, load {cfg.sharegpt_load:g}", "sharegpt", "sharegpt",
                  cfg.sharegpt_requests, cfg.sharegpt_load,
-                 (DIRECT, SG_LEARNED, SG_COLD, SG_ONLINE, SG_HINT, *((SG_ENGINE_ORDER,) if there else ())), 1.0),  # fmt: skip
+                 (DIRECT, SG_LEARNED, SG_LEARNED_HTTP, SG_COLD, SG_ONLINE, SG_HINT, *((SG_ENGINE_ORDER,) if there else ())), 1.0),  # fmt: skip
     ]
     if cfg.only:
         plan = [sc for sc in plan if sc.key in cfg.only or sc.shape in cfg.only]
@@ -281,7 +299,8 @@ def scenarios(cfg: E2EConfig) -> list[Scenario]:
 
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default --max-num-seqs
 # The sidecars whose config is the policy default (policy_default): scraped at the default interval too
-POLICY_DEFAULT = {"sg-learned", "sg-cold", "sg-online", "sg-hint", "kv-default", "ample-default", "system-default"}
+POLICY_DEFAULT = {"sg-learned", "sg-learned-http", "sg-cold", "sg-online", "sg-hint", "kv-default", "ample-default",
+                  "system-default", "kv-default-http", "ample-default-http", "system-default-http"}  # fmt: skip
 
 
 def policy_default(predictor: dict[str, Any]) -> dict[str, Any]:
@@ -292,7 +311,7 @@ def policy_default(predictor: dict[str, Any]) -> dict[str, Any]:
     doc = builders.sidecar_config({"selector": {}, "predictor": predictor})
     doc.pop("server")
     return doc
-WARM_STARTED = {"sg-learned", "sg-engine-order"}  # the sidecars that start from the training split's model
+WARM_STARTED = {"sg-learned", "sg-learned-http", "sg-engine-order"}  # the sidecars that start from the training split's model
 
 
 def sharegpt_cap(cfg: E2EConfig) -> int:
@@ -344,6 +363,9 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
         "kv-default": ("kv", policy_default({})),
         "ample-default": ("ample", policy_default({})),
         "system-default": ("system", policy_default({})),
+        "kv-default-http": ("kv", policy_default({})),
+        "ample-default-http": ("ample", policy_default({})),
+        "system-default-http": ("system", policy_default({})),
         "ample-free": ("ample", {"predictor": {"kind": "Hint"},
                                  "bins": {"count": 4, "maxOutputTokens": workloads.longest("short", cfg.scale)},
                                  "batch": cont}),  # fmt: skip
@@ -353,6 +375,7 @@ def sidecar_overrides(cfg: E2EConfig, warm_start: str = "") -> dict[str, tuple[s
         # the ShareGPT replay: a new user's sidecar, exactly what the operator renders for a policy that sets
         # only its predictor (policy_default); the oracle is the same sidecar told the true lengths
         "sg-learned": ("sharegpt", policy_default({"warmStart": warm_start})),
+        "sg-learned-http": ("sharegpt", policy_default({"warmStart": warm_start})),
         "sg-cold": ("sharegpt", policy_default({})),
         "sg-online": ("sharegpt", policy_default({"kind": "Online"})),
         "sg-hint": ("sharegpt", policy_default({"kind": "Hint"})),
@@ -517,6 +540,7 @@ def compute_ratios(accs: dict[tuple[str, str], _Acc], cfg: E2EConfig) -> tuple[d
             out[f"gang_k{k}_gain_vs_ideal"] = _ratio(_ratio(g[f"gang{k}"], g["gang1"]),
                                                      _ratio(g[f"ideal{k}"], g["ideal1"]))  # fmt: skip
     notes["default_by_scenario"] = default_ratios(accs, rows)
+    notes["default_http_by_scenario"] = default_ratios(accs, rows, DEFAULT_HTTP_CLIENT, "default-http")
     by_client = sharegpt_ratios(accs, rows)
     out["sharegpt"] = by_client.get(SHAREGPT_JUDGED, dict.fromkeys(SHAREGPT_RATIO_KEYS))
     if by_client:
@@ -547,12 +571,14 @@ def sharegpt_ratios(accs: dict[tuple[str, str], _Acc], rows: dict[tuple[str, str
             for scenario, client in accs if scenario == "sharegpt" and client != "direct"}
 
 
-def default_ratios(accs: dict[tuple[str, str], _Acc], rows: dict[tuple[str, str], dict[str, Any]]
+def default_ratios(accs: dict[tuple[str, str], _Acc], rows: dict[tuple[str, str], dict[str, Any]],
+                   judged: dict[str, str] = DEFAULT_CLIENT, usual: str = "default",
                    ) -> dict[str, dict[str, float | None]]:  # fmt: skip
-    """The policy default over direct in every scenario that ran both (``DEFAULT_CLIENT``): what a
-    user installs must not lose to its engine called directly anywhere."""
+    """The policy default over direct in every scenario that ran both (``judged``, else ``usual``:
+    through the gRPC door, or ``DEFAULT_HTTP_CLIENT`` through the HTTP door): what a user installs
+    must not lose to its engine called directly anywhere."""
     return {scenario: _over_direct(accs, rows, scenario, client) for scenario, client in accs
-            if client == DEFAULT_CLIENT.get(scenario, "default") and (scenario, "direct") in accs}
+            if client == judged.get(scenario, usual) and (scenario, "direct") in accs}
 
 
 async def run_async(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any]:
@@ -609,6 +635,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     used = {c.sidecar for sc in plan for c in sc.clients}
     warm_start = await asyncio.to_thread(_warm_start, cfg, tmp / "sharegpt-train.npz") if used & WARM_STARTED else ""
     channels: dict[str, grpc.aio.Channel] = {}
+    doors: dict[str, str] = {}  # each sidecar's HTTP door
     for key, (engine, overrides) in sidecar_overrides(cfg, warm_start).items():
         if key not in used:
             continue
@@ -616,6 +643,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         proc = await start_sidecar(doc, tmp / f"{key}.yaml", tmp)
         stack.push_async_callback(proc.signal_and_wait, signal.SIGTERM, 15)
         channels[key] = await stack.enter_async_context(grpc.aio.insecure_channel(proc.target))
+        doors[key] = proc.http_url
         # connect before measuring: a burst on an idle channel pays the connection
         # setup inside the run and reaches the sidecar out of order (in gang mode that
         # reshuffles the k = 1 batches: 13% more model service time on mixed@gang)
@@ -631,8 +659,10 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         if client.mode == "ideal-gang":
             result = await ideal_gang(session, url, model, requests, k=client.k, batch=cfg.gang_batch)
         elif client.sidecar is None:
-            result = await replay(requests, direct_caller(session, url, model, priority=client is PRIORITY,
+            result = await replay(requests, completions_caller(session, url, model, priority=client is PRIORITY,
                                                           recorded=recorded))  # fmt: skip
+        elif client.door == "http":  # no hint: a caller of the HTTP door says nothing of the length here
+            result = await replay(requests, completions_caller(session, doors[client.sidecar], model, recorded=recorded))
         else:
             result = await replay(requests, sidecar_caller(channels[client.sidecar], hint=client.hint, recorded=recorded))
         after = await preemptions(session, url)
@@ -740,7 +770,7 @@ async def _steady_capacity(
     loop, its tokens per second over the mean answer of the ``replayed`` workload
     (whose lengths the loop sends: the chat loads' repeated, the ShareGPT replay's
     first turns and more of them)."""
-    result, spans = await closed_loop(loop, direct_caller(session, url, model, recorded=recorded),
+    result, spans = await closed_loop(loop, completions_caller(session, url, model, recorded=recorded),
                                       cfg.capacity_concurrency)  # fmt: skip
     if result.failures:
         raise RuntimeError(f"capacity: {len(result.failures)} direct requests failed, first: {result.failures[0]}")
@@ -788,8 +818,10 @@ def print_tables(doc: dict[str, Any]) -> None:
     for key, value in doc["ratios"].items():
         if not isinstance(value, dict):
             print(f"  {key:32} {_fmt(value, 1, 3)}")
-    for scenario, got in setup.get("default_by_scenario", {}).items():
-        print(f"  the policy default, no hint, {scenario}: " + ", ".join(f"{k} {_fmt(v, 1, 3)}" for k, v in got.items()))
+    for note, door in (("default_by_scenario", "gRPC"), ("default_http_by_scenario", "HTTP")):
+        for scenario, got in setup.get(note, {}).items():
+            print(f"  the policy default, no hint, {door} door, {scenario}: "
+                  + ", ".join(f"{k} {_fmt(v, 1, 3)}" for k, v in got.items()))
     for client, got in setup.get("sharegpt_by_client", {}).items():
         judged = " (judged: ratios.sharegpt)" if client == SHAREGPT_JUDGED else ""
         print(f"  ShareGPT replay, {client}{judged}: " + ", ".join(f"{k} {_fmt(v, 1, 3)}" for k, v in got.items()))

@@ -15,8 +15,9 @@ _CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metri
 # bench e2e's scenario keys and shapes (bench/e2e.py SCENARIO_NAMES; the CLI imports benches lazily)
 _E2E_SCENARIOS = ("chat", "short", "mixed", "system", "chat@burst", "short@ample", "mixed@gang", "system@burst",
                   "sharegpt")  # fmt: skip
-_E2E_CLIENTS = ("direct", "priority", "hint", "engine-order", "packed", "online", "free", "default", "ideal1", "ideal4", "ideal8",
-                "gang1", "gang4", "gang8", "learned", "cold", "learned-engine-order")  # fmt: skip
+_E2E_CLIENTS = ("direct", "priority", "hint", "engine-order", "packed", "online", "free", "default", "default-http",
+                "ideal1", "ideal4", "ideal8", "gang1", "gang4", "gang8", "learned", "learned-http", "cold",
+                "learned-engine-order")  # fmt: skip
 
 
 def _bench_theory(args: argparse.Namespace) -> int:

@@ -57,7 +57,16 @@ async def test_quick_e2e_bench_prints_runs_direct_first_and_ratios_from_the_same
     assert {"direct", "engine-priority", "continuous", "gang", "ideal-gang"} == {r["mode"] for r in runs}
 
     # the setup carries what the figures came from, the policy default's ratios in every scenario among it
-    assert doc["setup"]["engine"].startswith("embedded") and set(doc["setup"]["default_by_scenario"]) >= {"chat@burst"}
+    setup = doc["setup"]
+    assert setup["engine"].startswith("embedded") and set(setup["default_by_scenario"]) >= {"chat@burst"}
+    # and the same sidecar configuration through the OpenAI HTTP door, called by direct's own client, in
+    # every scenario the gRPC door was judged in; its ratios come from its rows and direct's
+    assert set(setup["default_http_by_scenario"]) == set(setup["default_by_scenario"])
+    short = {c: _row(runs, mode=m, load=None, k=k, name_has="short burst", client=c)
+             for c, m, k in [("direct", "direct", 1), ("sidecar, policy default, no hint, HTTP door", "continuous", 4)]}
+    assert setup["default_http_by_scenario"]["short@ample"]["throughput"] == pytest.approx(
+        short["sidecar, policy default, no hint, HTTP door"]["requests_per_s"] / short["direct"]["requests_per_s"])
+    assert "learned-http" in setup["sharegpt_by_client"]
     ratios = doc["ratios"]
     assert tuple(ratios) == (*RATIO_KEYS, "sharegpt")
     assert tuple(ratios["sharegpt"]) == SHAREGPT_RATIO_KEYS

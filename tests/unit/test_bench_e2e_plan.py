@@ -122,10 +122,11 @@ def _clients_at_95(cfg: e2e.E2EConfig) -> list[str]:
 def test_vllms_priority_scheduling_is_measured_where_an_engine_runs_it():
     """The embedded engine starts one with --scheduling-policy priority; against
     the user's engine the client needs --priority-engine, else it is left out."""
-    assert _clients_at_95(e2e.E2EConfig()) == ["direct", "priority", "hint", "engine-order", "online", "default"]
-    assert _clients_at_95(e2e.E2EConfig(engine_url="http://127.0.0.1:8000")) == ["direct", "hint", "online", "default"]
+    judged = ["default", "default-http"]
+    assert _clients_at_95(e2e.E2EConfig()) == ["direct", "priority", "hint", "engine-order", "online", *judged]
+    assert _clients_at_95(e2e.E2EConfig(engine_url="http://127.0.0.1:8000")) == ["direct", "hint", "online", *judged]
     both = e2e.E2EConfig(engine_url="http://127.0.0.1:8000", priority_engine_url="http://127.0.0.1:8001")
-    assert _clients_at_95(both) == ["direct", "priority", "hint", "engine-order", "online", "default"]
+    assert _clients_at_95(both) == ["direct", "priority", "hint", "engine-order", "online", *judged]
     assert e2e.sidecar_overrides(both)["kvp-hint"][0] == e2e.ENGINE_ORDER.engine == "kv-priority"
     assert e2e.PRIORITY.engine == "kv-priority" and e2e.PRIORITY.sidecar is None
 
@@ -136,7 +137,7 @@ def _sharegpt_clients(cfg: e2e.E2EConfig) -> list[str]:
 
 
 def test_the_sharegpt_replay_hands_the_judged_sidecars_order_to_vllm_where_an_engine_runs_priority_scheduling():
-    judged = ["direct", "learned", "cold", "online", "hint"]
+    judged = ["direct", "learned", "learned-http", "cold", "online", "hint"]
     assert _sharegpt_clients(e2e.E2EConfig()) == [*judged, "learned-engine-order"]
     assert _sharegpt_clients(e2e.E2EConfig(engine_url="http://127.0.0.1:8000")) == judged
     both = e2e.E2EConfig(engine_url="http://127.0.0.1:8000", priority_engine_url="http://127.0.0.1:8001")
@@ -218,3 +219,17 @@ def test_the_judged_sharegpt_sidecar_is_what_a_policy_that_sets_only_its_model_r
     for row in ("sg-cold", "sg-online", "sg-hint"):  # the yardsticks beside it differ only in the predictor
         _, other = e2e.sidecar_overrides(e2e.E2EConfig(), "model.npz")[row]
         assert set(other) == {"predictor"} and row in e2e.POLICY_DEFAULT
+
+
+def test_every_judged_default_has_a_twin_through_the_http_door_with_the_same_config_and_its_own_sidecar():
+    cfg = e2e.E2EConfig()
+    overrides = e2e.sidecar_overrides(cfg, warm_start="model.npz")
+    for sc in e2e.scenarios(cfg):
+        by_key = {c.key: c for c in sc.clients}
+        grpc_door = by_key[e2e.DEFAULT_CLIENT.get(sc.key, "default")]
+        http_door = by_key[e2e.DEFAULT_HTTP_CLIENT.get(sc.key, "default-http")]
+        assert (grpc_door.door, http_door.door) == ("grpc", "http"), sc.key
+        assert not grpc_door.hint and not http_door.hint, sc.key  # judged with predicted lengths only
+        # its own process (neither learns from the other's runs), with the very config the judged one has
+        assert http_door.sidecar != grpc_door.sidecar and overrides[http_door.sidecar] == overrides[grpc_door.sidecar]
+        assert {grpc_door.sidecar, http_door.sidecar} <= e2e.POLICY_DEFAULT
