@@ -304,7 +304,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e2 = bench_sub.add_parser(
         "e2e", help="the sidecar vs your engine called directly, same run",
         description="The sidecar against calling the engine directly, same workload, same run, reported as ratios of "
-                    "sidecar over direct; the embedded engine unless --engine URL (~14 min; --quick < 1 min).",
+                    "sidecar over direct; the embedded engine unless --engine URL (15-20 min; --quick about 2 min).",
     )  # fmt: skip
     e2.add_argument("--engine", metavar="URL", help="an OpenAI-compatible server (e.g. vLLM); default: the embedded engine")
     e2.add_argument("--priority-engine", metavar="URL",
