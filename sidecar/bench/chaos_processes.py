@@ -209,21 +209,23 @@ class EmulatorProcess(ChildProcess):
         await self.signal_and_wait(signal.SIGTERM, 15)
 
 
+def _named_port(lines: list[str], pattern: re.Pattern[str], what: str) -> int:
+    """The port ``pattern`` finds first in the sidecar's start-up ``lines``."""
+    for line in lines:
+        if match := pattern.search(line):
+            return int(match.group(1))
+    raise RuntimeError(f"the sidecar named no {what} port:\n" + "".join(lines[-20:]))
+
+
 def http_port(lines: list[str]) -> int:
     """The HTTP door's port from the sidecar's start-up lines (the process was
     started with ``--http-port 0``; ``serving gRPC on ...`` names both ports)."""
-    for line in lines:
-        if match := _HTTP_PORT.search(line):
-            return int(match.group(1))
-    raise RuntimeError("the sidecar named no HTTP port:\n" + "".join(lines[-20:]))
+    return _named_port(lines, _HTTP_PORT, "HTTP")
 
 
 def metrics_port(lines: list[str]) -> int:
     """The sidecar's metrics port from its start-up lines (as ``http_port``)."""
-    for line in lines:
-        if match := _METRICS_PORT.search(line):
-            return int(match.group(1))
-    raise RuntimeError("the sidecar named no metrics port:\n" + "".join(lines[-20:]))
+    return _named_port(lines, _METRICS_PORT, "metrics")
 
 
 class SidecarProcess(ChildProcess):
