@@ -373,6 +373,16 @@ class Scheduler:
         for _, req in pending.pop_expired(now):
             if self.end(req, "expired"):
                 out.expired.append(req)
+        # what is in flight, listed once in this pass and kept as it admits (a burst's pass
+        # admits dozens: listing it again for each made the pass quadratic, 6 ms for 31)
+        listed: list[Seq] | None = None
+
+        def inflight() -> list[Seq]:
+            nonlocal listed
+            if listed is None:
+                listed = self._inflight_left(now)
+            return listed
+
         while self.breaker.allows_dispatch(self.inflight_requests):
             while (batch := self._take_continuous(pending)) is not None:
                 out.batches.append(batch)
@@ -382,7 +392,7 @@ class Scheduler:
             # what is in flight is listed only when read: once arrivals have stopped (the drain
             # order: the critical-path rule or first fit decreasing), and by the KV plan once the
             # engine has room (``_kv_fits``), at most once
-            left = self._inflight_left(now) if pending.arrivals_stopped(now) else None
+            left = inflight() if pending.arrivals_stopped(now) else None
             packing = (left is not None and pending.order.drain == "longest_fit_first" and pending.order.order != "fifo"
                        and self._kv_planned())  # fmt: skip
             backlog = None if left is None or packing else self._backlog(left, max(sizes))
@@ -405,9 +415,10 @@ class Scheduler:
                 continue
             if self.inflight_requests >= self._bin_limit(batch.bin, sizes):
                 return
-            if packing or self._kv_fits(req, now, left):
+            planned = self._kv_planned()
+            if packing or self._kv_fits(req, now, inflight() if planned else None):
                 self._take(pending, req, packing or skipped, now, backlog)
-            elif not skipped and (behind := self._backfill(pending, req, now, left, sizes)) is not None:
+            elif not skipped and (behind := self._backfill(pending, req, now, inflight(), sizes)) is not None:
                 batch, req = behind
                 pending.remove(req)
             else:
@@ -416,8 +427,10 @@ class Scheduler:
                 if self.end(req, "expired"):
                     out.expired.append(req)
                 continue
-            req.kv_planned = self._kv_planned()
-            out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now), batch, (req,)))
+            req.kv_planned = planned
+            listing = inflight() if self.core.kv_plan is not None else listed  # the plan reads it (reads_progress)
+            out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now, inflight=listing),
+                                           batch, (req,)))  # fmt: skip
 
     @staticmethod
     def _take(pending: FairAdmissionQueue, req: Request, packed: bool, now: float, backlog: Backlog | None) -> None:
@@ -431,12 +444,15 @@ class Scheduler:
         """(tokens held, tokens left) of every open request in flight (of ``tenant``'s
         only, if given): the KV plan's count from what its engine stream said, or its
         estimate from the time since it went in; without a plan its whole predicted length."""
+        return [self._in_flight(r, now - slot.acquired_at) for slot in self.ledger.held() for r in slot.requests
+                if r in self._open and (tenant is None or r.tenant == tenant)]  # fmt: skip
+
+    def _in_flight(self, r: Request, elapsed: float) -> Seq:
+        """One request of ``_inflight_left``, in flight for ``elapsed`` seconds."""
         plan = self.core.kv_plan
-        inflight = ((r, now - slot.acquired_at) for slot in self.ledger.held() for r in slot.requests
-                    if r in self._open and (tenant is None or r.tenant == tenant))  # fmt: skip
         if plan is None:
-            return [Seq(float(r.prompt_tokens), expected_tokens(r)) for r, _ in inflight]
-        return [_held(plan, r, elapsed) for r, elapsed in inflight]
+            return Seq(float(r.prompt_tokens), expected_tokens(r))
+        return _held(plan, r, elapsed)
 
     def _backlog(self, left: list[Seq], size: int) -> Backlog:
         """The engine's remaining work (``left``: ``_inflight_left``), for the
@@ -539,16 +555,21 @@ class Scheduler:
             batch = former.take_partial()
         return batch
 
-    def _enter(self, bin_: int, reqs: tuple[Request, ...], *, batch: bool, now: float) -> Slot:
+    def _enter(self, bin_: int, reqs: tuple[Request, ...], *, batch: bool, now: float,
+               inflight: list[Seq] | None = None) -> Slot:  # fmt: skip
+        """``inflight``: the pass's listing of what is in flight (``_inflight_left``), if made:
+        ``reqs`` join it."""
         slot = self.ledger.acquire(bin_, reqs, batch=batch, now=now)
         for req in reqs:
             self._slot_of[req] = slot
             self._release_bytes(req)
+            if inflight is not None:
+                inflight.append(self._in_flight(req, 0.0))
         if not batch:
-            reqs[0].progress_read = self.reads_progress(now)
+            reqs[0].progress_read = self.reads_progress(now, inflight)
         return slot
 
-    def reads_progress(self, now: float) -> bool:
+    def reads_progress(self, now: float, inflight: list[Seq] | None = None) -> bool:
         """Does the KV plan want the progress of the request sent now, from its engine
         stream's chunks (so a unary call streams, ``Dispatcher._run_single``)?  While it
         learns the engine's prompt count (its first ``PROGRESS_LEARN`` answers: a fresh
@@ -568,7 +589,9 @@ class Scheduler:
             return True
         if plan.budget is None:  # the engine's cache is not known: the plan refuses nothing
             return False
-        return sum(s.held + s.left for s in self._inflight_left(now)) >= PROGRESS_LOAD * plan.budget
+        if inflight is None:
+            inflight = self._inflight_left(now)
+        return sum(s.held + s.left for s in inflight) >= PROGRESS_LOAD * plan.budget
 
     # -- answers -----------------------------------------------------------------------
 

@@ -154,6 +154,34 @@ def test_the_scheduler_holds_a_request_the_cache_would_not_hold_to_its_end():
     assert [r.id for d in s.step(0.8).dispatches for r in d.requests] == ["r2"]
 
 
+def test_a_burst_is_admitted_listing_what_is_in_flight_once_and_the_listing_stays_exact(monkeypatch):
+    """One pass admits a burst: what is in flight is listed once and grows with each admission
+    (listing it again for each made a 64-request burst's pass quadratic), and it ends equal to a
+    fresh listing, so each admission was judged on what was really in flight."""
+    s, clock = _scheduler(KvPlan(prompt_scale=1.0))
+    s.on_snapshot(EngineSnapshot(kv_capacity_tokens=2_000, kv_block_tokens=1, tpot_seconds=0.01, fresh=True), 0.0)
+    early = Request(id="early", arrival=0.0, prompt_tokens=30, max_tokens=200, hint_tokens=120)
+    s.submit(early)
+    assert len(s.step(0.0).dispatches) == 1
+    for i in range(40):  # 10 + 1 + 80 = 91 tokens each at its end: the cache holds about 20 beside "early"
+        s.submit(Request(id=f"r{i}", arrival=0.5, prompt_tokens=10, max_tokens=80, hint_tokens=80))
+    listings = []
+    real = s._inflight_left
+
+    def counted(now, tenant=None):
+        listings.append(real(now, tenant))
+        return listings[-1]
+
+    monkeypatch.setattr(s, "_inflight_left", counted)
+    admitted = s.step(0.5).dispatches
+    assert 10 < len(admitted) < 40 and len(listings) == 1
+    # the pass's listing, kept as it admitted, is what is in flight now (in another order)
+    assert sorted(listings[0], key=repr) == sorted(real(0.5), key=repr)
+    head = next(r for _, r in s._pending if r.id == f"r{len(admitted)}")  # the first one refused: it does not fit
+    assert not s.core.kv_plan.fits(real(0.5), s._queued_seq(head))
+    assert all(r.progress_read == s.reads_progress(0.5) for d in admitted for r in d.requests)
+
+
 def test_with_the_plan_on_the_engines_full_cache_queue_does_not_cap_admission():
     """followEngineQueue beside the KV plan: the engine queues with its cache full (a
     preemption); the plan, not a cap at what the engine runs, bounds what goes in."""
