@@ -26,7 +26,17 @@ and behind it runs a token-step engine that batches the way vLLM does:
   (``priority``, arrival) order, a preempted sequence goes back into it by the
   same key, and the running sequence with the largest key is the one preempted;
   under the default "fcfs" a request's ``priority`` is accepted and has no
-  effect, as in vLLM 0.32. Chunked prefill and ``max_num_batched_tokens`` are not modelled.
+  effect, as in vLLM 0.32.
+* **Chunked prefill.** With ``--max-num-batched-tokens N`` (vLLM's flag; its
+  OpenAI server's default is 2048 on CPUs and most GPUs) a step computes at most N
+  tokens: running sequences first, in admission order (a decode is one token, an
+  unfinished prefill the rest of it, or what is left), then waiting ones while some
+  is left; a prefill that does not fit is cut and goes on in the next steps, and its
+  sequence's first token comes in the step that ends it.  A sequence's blocks are
+  still all taken at admission (vLLM takes them a chunk at a time).  The default, 0,
+  sets no budget: every prefill is done whole in its first step, as the bench's
+  engines run (the ample-KV bursts measured both ways through the sidecar: a budget
+  of 2048 left their ratios to direct within the spread of repeats).
 * **Tokens.** The emulated tokenizer counts one token per whitespace-separated word
   of the prompt (a chat prompt is rendered with a tiny template first, see
   :func:`render_chat`; a prompt given as token ids counts its ids). Every output

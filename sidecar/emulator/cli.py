@@ -17,14 +17,23 @@ DESCRIPTION = "A vLLM-compatible engine emulator: OpenAI API, /metrics, paged KV
 EXIT_CANNOT_START = 2  # a bad flag, or the port cannot be bound (docs/api.md: exit codes)
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _whole(text: str) -> int:
+    """A whole number >= 0."""
+    return _int_at_least(text, 0)
 
 
 def port_number(text: str) -> int:
@@ -78,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="as vLLM's flag (on by default there): the full KV blocks of a prompt are held once "
                              "for every running sequence whose prompt begins with the same words, and not "
                              "prefilled again (default: off)")  # fmt: skip
+    parser.add_argument("--max-num-batched-tokens", type=_whole, default=d.max_num_batched_tokens,
+                        help="as vLLM's flag: the tokens one step computes (a decode is one, a prefill its prompt), "
+                             "running sequences first; a prefill that does not fit is chunked over the next steps "
+                             "(vLLM's OpenAI server: 2048 on CPUs; default 0: no budget, every prefill whole)")  # fmt: skip
     parser.add_argument("--max-model-len", type=_positive_int, default=d.max_model_len,
                         help=f"longest prompt + output in tokens (default {d.max_model_len})")  # fmt: skip
     parser.add_argument("--legacy-names", action="store_true",

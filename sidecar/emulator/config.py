@@ -40,6 +40,12 @@ class EmulatorConfig:
     with the same tokens (a block is one if its words and every word before it are),
     and their tokens are not prefilled again.  Off here by default, so the bench's
     older shapes keep what they measured."""
+    max_num_batched_tokens: int = 0
+    """vLLM's ``--max-num-batched-tokens``: the tokens one step computes, a decode
+    one and a prefill its prompt; running sequences take theirs first, and a prefill
+    that does not fit what is left is chunked over the next steps (vLLM v1's chunked
+    prefill: its OpenAI server's default is 2048 on CPUs and most GPUs).  0 sets no
+    budget: every prefill is done whole in its first step, however long."""
     max_model_len: int = 2048
     """Longest prompt + output, tokens; must fit in the KV cache, as vLLM requires."""
     legacy_names: bool = False
@@ -74,6 +80,8 @@ class EmulatorConfig:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError(f"max_num_batched_tokens: must be >= 0 (0: no budget), got {self.max_num_batched_tokens!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: expected one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")  # fmt: skip

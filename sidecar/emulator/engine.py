@@ -13,8 +13,8 @@ from .model import SeqEvent, SeqStatus, Sequence, append_token
 
 
 def step_seconds(config: EmulatorConfig, plan: StepPlan) -> float:
-    """How long the step ``plan`` takes: every sequence in its batch decodes, and the
-    ones it admits are prefilled (a preempted one's prompt and generated tokens again)."""
+    """How long the step ``plan`` takes: every sequence in its batch decodes or
+    prefills (a chunk of) its prompt (a preempted one's prompt and generated tokens again)."""
     return config.step_seconds(len(plan.batch), plan.prefill_tokens)
 
 
@@ -42,7 +42,8 @@ class EmulatedEngine:
         self.metrics = metrics
         self.scheduler = BlockScheduler(config.num_gpu_blocks, config.block_size, config.max_num_seqs,
                                         priority=config.scheduling_policy == "priority",
-                                        prefix_caching=config.enable_prefix_caching)  # fmt: skip
+                                        prefix_caching=config.enable_prefix_caching,
+                                        max_num_batched_tokens=config.max_num_batched_tokens)  # fmt: skip
         self.stats = EngineStats()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -153,7 +154,7 @@ class EmulatedEngine:
         self._deadline = max(self._deadline, now - tau) + tau
         await asyncio.sleep(max(0.0, self._deadline - now))
         now = loop.time()
-        emitted = [seq for seq in plan.batch if seq.status is SeqStatus.RUNNING]
+        emitted = [seq for seq in plan.emits if seq.status is SeqStatus.RUNNING]
         for seq in emitted:
             self._emit(seq, now)
         self.metrics.generation_tokens.inc(len(emitted))

@@ -1,9 +1,10 @@
 """vLLM's scheduler in miniature: paged KV blocks, FIFO (or priority) admission,
-recompute preemption."""
+recompute preemption, and (with a token budget) chunked prefill."""
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -19,7 +20,15 @@ class StepPlan:
     preempted: list[Sequence]
     prefill_tokens: int = 0
     """Tokens this step prefills: every admitted sequence's prompt and, for one
-    preempted before, the tokens it had generated (recompute)."""
+    preempted before, the tokens it had generated (recompute) -- with a token
+    budget, only the chunk of them that fits this step."""
+    emitting: list[Sequence] | None = None
+    """The sequences this step gives a token: those decoding and those whose prefill
+    ends in it (None: the whole batch -- every prefill fits its first step)."""
+
+    @property
+    def emits(self) -> list[Sequence]:
+        return self.batch if self.emitting is None else self.emitting
 
 
 class BlockScheduler:
@@ -27,7 +36,7 @@ class BlockScheduler:
 
     def __init__(
         self, num_blocks: int, block_size: int, max_num_seqs: int, *, priority: bool = False,
-        prefix_caching: bool = False,
+        prefix_caching: bool = False, max_num_batched_tokens: int = 0,
     ) -> None:  # fmt: skip
         if num_blocks < 2:
             raise ValueError(f"num_blocks: must be >= 2 (one is the null block), got {num_blocks}")
@@ -46,6 +55,10 @@ class BlockScheduler:
         # for every running sequence whose prompt begins with it; the count of those sequences
         self.prefix_caching = prefix_caching
         self.block_refs: dict[int, int] = {}
+        # vLLM's --max-num-batched-tokens: the tokens one step computes (a decode is one, a
+        # prefill its prompt), running sequences first; a prefill larger than what is left is
+        # chunked over steps (vLLM v1's chunked prefill).  0: no budget, every prefill whole.
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     @property
     def used_blocks(self) -> int:
@@ -74,11 +87,43 @@ class BlockScheduler:
         self.waiting.insert(bisect.bisect(keys, seq.priority_key), seq)
 
     def schedule(self) -> StepPlan:
-        """Grow the running sequences (preempting if needed), then admit waiting ones."""
+        """Grow the running sequences (preempting if needed), then admit waiting ones;
+        with a token budget, hand it out in that order (``_chunk``)."""
         preempted = self._grow_running()
         admitted = [] if preempted else self._admit_waiting()
-        prefill = sum(seq.context_tokens - seq.cached_tokens for seq in admitted)
-        return StepPlan(batch=list(self.running), admitted=admitted, preempted=preempted, prefill_tokens=prefill)
+        if not self.max_num_batched_tokens:
+            prefill = sum(seq.prefill_left for seq in admitted)
+            for seq in admitted:
+                seq.prefill_left = 0
+            return StepPlan(batch=list(self.running), admitted=admitted, preempted=preempted, prefill_tokens=prefill)
+        return self._chunk(admitted, preempted)
+
+    def _chunk(self, admitted: list[Sequence], preempted: list[Sequence]) -> StepPlan:
+        """vLLM v1's token budget: running sequences in order, then those just admitted,
+        each takes what its step computes -- one token to decode, the rest of its prefill
+        -- or what is left of the budget; a sequence the budget does not reach waits a step
+        (it keeps its blocks), one whose prefill is cut emits nothing until it ends."""
+        budget = self.max_num_batched_tokens
+        batch: list[Sequence] = []
+        emitting: list[Sequence] = []
+        prefill = 0
+        for seq in self.running:  # the just admitted are at its end, in admission order
+            if budget <= 0:
+                break
+            if not seq.prefill_left:  # decoding: one token
+                budget -= 1
+                batch.append(seq)
+                emitting.append(seq)
+                continue
+            take = min(seq.prefill_left, budget)
+            budget -= take
+            prefill += take
+            seq.prefill_left -= take
+            batch.append(seq)
+            if not seq.prefill_left:
+                emitting.append(seq)
+        return StepPlan(batch=batch, admitted=admitted, preempted=preempted, prefill_tokens=prefill,
+                        emitting=emitting)  # fmt: skip
 
     def _grow_running(self) -> list[Sequence]:
         """Give every running sequence the blocks of its next step, in admission
@@ -102,16 +147,27 @@ class BlockScheduler:
         return preempted
 
     def _admit_waiting(self) -> list[Sequence]:
-        """FIFO admission while blocks and sequence slots last (no skipping ahead)."""
+        """FIFO admission while blocks and sequence slots last (no skipping ahead), and,
+        with a token budget, while some of it is left after the running sequences'."""
         admitted: list[Sequence] = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        budget = self._budget_left()
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             if not self._reserve(self.waiting[0]):
                 break
             seq = self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
+            seq.prefill_left = seq.context_tokens - seq.cached_tokens
+            if self.max_num_batched_tokens:
+                budget -= seq.prefill_left
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _budget_left(self) -> float:
+        """What the running sequences leave of the step's token budget (no budget: unbounded)."""
+        if not self.max_num_batched_tokens:
+            return math.inf
+        return self.max_num_batched_tokens - sum(seq.prefill_left or 1 for seq in self.running)
 
     def _reserve(self, seq: Sequence) -> bool:
         """Allocate the blocks ``seq`` lacks for its next step, if they are free."""

@@ -123,6 +123,8 @@ class Sequence:
     """The keys of the prompt blocks it holds in the prefix cache while it runs."""
     cached_tokens: int = 0
     """Prompt tokens the prefix cache held already when it was last admitted (not prefilled)."""
+    prefill_left: int = 0
+    """Tokens of its prefill still to compute since it was last admitted (a chunked prefill)."""
 
     @property
     def context_tokens(self) -> int:
