@@ -151,19 +151,74 @@ def peak_bound(seqs: Sequence[Seq], block: int = 1) -> float:
     ``PLAN_Z`` times half the root of their squares (a Bernoulli's standard
     deviation is at most half its value).  Far below the budget, as in a cache with
     room to spare, it answers ``fits`` without the peak (the same answer)."""
-    certain, horizon, unsure = 0.0, 1.0, []
+    sums = BoundSums(block)
     for s in seqs:
+        sums.add(s)
+    return sums.value()
+
+
+class BoundSums:
+    """``peak_bound`` as running sums, so a sequence more costs one step, not a pass over all."""
+
+    __slots__ = ("block", "certain", "horizon", "unsure", "held", "squares")
+
+    def __init__(self, block: int = 1) -> None:
+        self.block = block
+        self.certain = 0.0  # the known ones, each at the most it holds
+        self.horizon = 1.0  # the last step the peak looks at
+        self.unsure = 0  # uncertain ones: how many, their held tokens and those squared
+        self.held = 0.0
+        self.squares = 0.0
+
+    def add(self, s: Seq) -> None:
+        block = self.block
         if s.length is None:
             left = max(s.left, 1.0)
-            certain += s.held + left + (block if s.exact and block > 1 else 0)
-            horizon = max(horizon, left)
+            self.certain += s.held + left + (block if s.exact and block > 1 else 0)
+            self.horizon = max(self.horizon, left)
         else:
-            horizon = max(horizon, s.length.points[-1] - s.produced, s.left)
-            unsure.append(s.held + (block - 1) / 2 * s.exact)
-    if not unsure:
-        return certain
-    tops = [h + horizon for h in unsure]
-    return certain + sum(tops) + max(PLAN_Z, 0.0) * 0.5 * math.sqrt(sum(t * t for t in tops))
+            self.horizon = max(self.horizon, s.length.points[-1] - s.produced, s.left)
+            held = s.held + (block - 1) / 2 * s.exact
+            self.unsure += 1
+            self.held += held
+            self.squares += held * held
+
+    def plus(self, s: Seq) -> BoundSums:
+        """These sums with ``s`` added (these stay as they are)."""
+        more = BoundSums(self.block)
+        more.certain, more.horizon, more.unsure = self.certain, self.horizon, self.unsure
+        more.held, more.squares = self.held, self.squares
+        more.add(s)
+        return more
+
+    def value(self) -> float:
+        """The bound: each uncertain one tops out at held + horizon (sum and root of squares expanded)."""
+        if not self.unsure:
+            return self.certain
+        h, n = self.horizon, self.unsure
+        tops = self.held + n * h
+        squares = self.squares + 2 * h * self.held + n * h * h
+        return self.certain + tops + max(PLAN_Z, 0.0) * 0.5 * math.sqrt(squares)
+
+
+class InFlight(list):
+    """The sequences in flight (``Seq``s, a list) with the sums a pass of admissions reads
+    kept as it grows (``append``): ``peak_bound``'s (``KvPlan.fits``) and the tokens they
+    are planned to hold (``planned``).  A pass admitting a burst of n then costs O(n), not
+    O(n^2): on a 2-core machine, 64 admissions took 3 ms with one listing and a bound over
+    all per admission, 6 ms with a listing per admission as well."""
+
+    def __init__(self, seqs: Iterable[Seq] = (), block: int = 1) -> None:
+        super().__init__()
+        self.sums = BoundSums(block)
+        self.planned = 0.0  # the sum of held + left
+        for s in seqs:
+            self.append(s)
+
+    def append(self, s: Seq) -> None:
+        super().append(s)
+        self.sums.add(s)
+        self.planned += s.held + s.left
 
 
 # peak_bound is compared with this share of the budget: its float rounding can never flip an answer
@@ -335,13 +390,20 @@ class KvPlan:
         budget = self.budget
         if budget is None:
             return True
-        seqs = list(inflight)
-        if not seqs:
-            return True  # an empty engine takes anything that fits its context at all
-        seqs.append(new)
-        if peak_bound(seqs, self.block) <= budget * (1.0 - BOUND_SLACK):  # room to spare: the peak is lower still
+        if isinstance(inflight, InFlight) and inflight.sums.block == self.block:
+            if not inflight:
+                return True
+            bound = inflight.sums.plus(new).value()  # its sums: no pass over what is in flight
+            seqs: list[Seq] | None = None
+        else:
+            seqs = list(inflight)
+            if not seqs:
+                return True  # an empty engine takes anything that fits its context at all
+            seqs.append(new)
+            bound = peak_bound(seqs, self.block)
+        if bound <= budget * (1.0 - BOUND_SLACK):  # room to spare: the peak is lower still
             return True
-        return peak_tokens(seqs, self.block) <= budget
+        return peak_tokens([*inflight, new] if seqs is None else seqs, self.block) <= budget
 
     def start_step(self, inflight: Iterable[Seq], new: Seq) -> float:
         """The engine step from which the cache holds ``new`` (0: now): the first

@@ -37,7 +37,7 @@ from .breaker import EngineBreaker
 from .clock import Clock
 from .former import Batch, BatchFormer, QueueFull
 from .inflight import InflightLedger, Slot
-from .kv_plan import SHARED_MIN_SEQS, KvPlan, Seq, peak_tokens
+from .kv_plan import SHARED_MIN_SEQS, InFlight, KvPlan, Seq, peak_tokens
 from .predictor import AccuracyTracker, LengthPredictor
 from .queue_wait import ServiceRate, refusal
 from .request import Request, expected_tokens, predicted_length
@@ -375,9 +375,9 @@ class Scheduler:
                 out.expired.append(req)
         # what is in flight, listed once in this pass and kept as it admits (a burst's pass
         # admits dozens: listing it again for each made the pass quadratic, 6 ms for 31)
-        listed: list[Seq] | None = None
+        listed: InFlight | None = None
 
-        def inflight() -> list[Seq]:
+        def inflight() -> InFlight:
             nonlocal listed
             if listed is None:
                 listed = self._inflight_left(now)
@@ -440,12 +440,14 @@ class Scheduler:
         else:
             pending.pop(now, backlog)
 
-    def _inflight_left(self, now: float, tenant: str | None = None) -> list[Seq]:
+    def _inflight_left(self, now: float, tenant: str | None = None) -> InFlight:
         """(tokens held, tokens left) of every open request in flight (of ``tenant``'s
         only, if given): the KV plan's count from what its engine stream said, or its
         estimate from the time since it went in; without a plan its whole predicted length."""
-        return [self._in_flight(r, now - slot.acquired_at) for slot in self.ledger.held() for r in slot.requests
-                if r in self._open and (tenant is None or r.tenant == tenant)]  # fmt: skip
+        plan = self.core.kv_plan
+        return InFlight((self._in_flight(r, now - slot.acquired_at) for slot in self.ledger.held() for r in slot.requests
+                         if r in self._open and (tenant is None or r.tenant == tenant)),
+                        1 if plan is None else plan.block)  # fmt: skip
 
     def _in_flight(self, r: Request, elapsed: float) -> Seq:
         """One request of ``_inflight_left``, in flight for ``elapsed`` seconds."""
@@ -556,7 +558,7 @@ class Scheduler:
         return batch
 
     def _enter(self, bin_: int, reqs: tuple[Request, ...], *, batch: bool, now: float,
-               inflight: list[Seq] | None = None) -> Slot:  # fmt: skip
+               inflight: InFlight | None = None) -> Slot:  # fmt: skip
         """``inflight``: the pass's listing of what is in flight (``_inflight_left``), if made:
         ``reqs`` join it."""
         slot = self.ledger.acquire(bin_, reqs, batch=batch, now=now)
@@ -569,7 +571,7 @@ class Scheduler:
             reqs[0].progress_read = self.reads_progress(now, inflight)
         return slot
 
-    def reads_progress(self, now: float, inflight: list[Seq] | None = None) -> bool:
+    def reads_progress(self, now: float, inflight: InFlight | None = None) -> bool:
         """Does the KV plan want the progress of the request sent now, from its engine
         stream's chunks (so a unary call streams, ``Dispatcher._run_single``)?  While it
         learns the engine's prompt count (its first ``PROGRESS_LEARN`` answers: a fresh
@@ -591,7 +593,7 @@ class Scheduler:
             return False
         if inflight is None:
             inflight = self._inflight_left(now)
-        return sum(s.held + s.left for s in inflight) >= PROGRESS_LOAD * plan.budget
+        return inflight.planned >= PROGRESS_LOAD * plan.budget
 
     # -- answers -----------------------------------------------------------------------
 

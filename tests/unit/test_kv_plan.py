@@ -16,7 +16,7 @@ from binbatch_sidecar.core.admission import AdmissionOrder, Drain
 from binbatch_sidecar.core.binner import FixedBinner
 from binbatch_sidecar.core.clock import ManualClock
 from binbatch_sidecar.core.former import BatchFormer
-from binbatch_sidecar.core.kv_plan import FLOOR, KvPlan, Seq, peak_bound, peak_tokens
+from binbatch_sidecar.core.kv_plan import FLOOR, InFlight, KvPlan, Seq, peak_bound, peak_tokens
 from binbatch_sidecar.core.length_dist import PLAN_LEVEL, LengthDist
 from binbatch_sidecar.core.predictor import HintPredictor
 from binbatch_sidecar.core.request import Request
@@ -720,3 +720,22 @@ def test_fits_answers_as_the_peak_does_with_or_without_room_to_spare():
         for capacity in (peak * 0.9, peak * 1.0000001, peak * 1.5, peak_bound(seqs, 16) * 1.01, 1e12):
             plan = KvPlan(capacity=capacity, block=16)
             assert plan.fits(seqs[:-1], seqs[-1]) == (peak <= capacity), (trial, capacity)
+            # and from the running sums a pass keeps (InFlight), the same answer
+            assert plan.fits(InFlight(seqs[:-1], 16), seqs[-1]) == (peak <= capacity), (trial, capacity)
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_the_running_sums_give_the_bound_of_a_pass_over_all(block):
+    """InFlight keeps peak_bound as sums while it grows: equal to the bound over the whole list
+    (to float rounding), and what the sums add for one more leaves them as they were."""
+    rng = random.Random(block + 1)
+    for n in [1, 2, 5, 30] * 30:
+        seqs = _random_seqs(rng, n)
+        inflight = InFlight(seqs[:-1], block)
+        assert inflight == seqs[:-1]
+        assert inflight.planned == pytest.approx(sum(s.held + s.left for s in seqs[:-1]))
+        before = inflight.sums.value()
+        assert inflight.sums.plus(seqs[-1]).value() == pytest.approx(peak_bound(seqs, block), rel=1e-12)
+        assert inflight.sums.value() == before
+        inflight.append(seqs[-1])
+        assert inflight.sums.value() == pytest.approx(peak_bound(seqs, block), rel=1e-12)
