@@ -205,8 +205,7 @@ class InFlight(list):
     """The sequences in flight (``Seq``s, a list) with the sums a pass of admissions reads
     kept as it grows (``append``): ``peak_bound``'s (``KvPlan.fits``) and the tokens they
     are planned to hold (``planned``).  A pass admitting a burst of n then costs O(n), not
-    O(n^2): on a 2-core machine, 64 admissions took 3 ms with one listing and a bound over
-    all per admission, 6 ms with a listing per admission as well."""
+    O(n^2) as when each admission listed and bounded everything in flight again."""
 
     def __init__(self, seqs: Iterable[Seq] = (), block: int = 1) -> None:
         super().__init__()

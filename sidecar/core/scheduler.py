@@ -373,8 +373,8 @@ class Scheduler:
         for _, req in pending.pop_expired(now):
             if self.end(req, "expired"):
                 out.expired.append(req)
-        # what is in flight, listed once in this pass and kept as it admits (a burst's pass
-        # admits dozens: listing it again for each made the pass quadratic, 6 ms for 31)
+        # what is in flight, listed once in this pass and kept as it admits (InFlight): a burst's
+        # pass admits dozens, and listing it again for each made the pass quadratic
         listed: InFlight | None = None
 
         def inflight() -> InFlight:

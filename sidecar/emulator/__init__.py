@@ -36,7 +36,7 @@ and behind it runs a token-step engine that batches the way vLLM does:
   still all taken at admission (vLLM takes them a chunk at a time).  The default, 0,
   sets no budget: every prefill is done whole in its first step, as the bench's
   engines run (the ample-KV bursts measured both ways through the sidecar: a budget
-  of 2048 left their ratios to direct within the spread of repeats).
+  of 2048 moved their ratios to direct by 0.02 at most, and not in its favour).
 * **Tokens.** The emulated tokenizer counts one token per whitespace-separated word
   of the prompt (a chat prompt is rendered with a tiny template first, see
   :func:`render_chat`; a prompt given as token ids counts its ids). Every output
