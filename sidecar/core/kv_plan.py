@@ -205,7 +205,8 @@ class InFlight(list):
     """The sequences in flight (``Seq``s, a list) with the sums a pass of admissions reads
     kept as it grows (``append``): ``peak_bound``'s (``KvPlan.fits``) and the tokens they
     are planned to hold (``planned``).  A pass admitting a burst of n then costs O(n), not
-    O(n^2) as when each admission listed and bounded everything in flight again."""
+    O(n^2) as when each admission listed and bounded everything in flight again.  Only
+    ``append`` keeps the sums: it is never changed any other way."""
 
     def __init__(self, seqs: Iterable[Seq] = (), block: int = 1) -> None:
         super().__init__()
