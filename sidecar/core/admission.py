@@ -61,7 +61,13 @@ is ours to choose (issue 11, win 1):
     arrivals go on, a queue does not drain, so the order stays shortest first
     (this rule triggering there cost a third more mean latency at load 0.95
     in simulation).  The KV-pressure burst of the bench (64 chat requests): 612
-    -> 498 engine steps with exact lengths, mean latency +17%;
+    -> 498 engine steps with exact lengths, mean latency +17%.  Beside this
+    order, while the KV plan admits, the scheduler sends the longest requests the
+    cache holds to their end (``packed`` below) as long as those so sent hold
+    under half of the plan's budget at their planned ends (and under half of the
+    engine's own sequence limit where that holds its queue: ``engine_cap``;
+    ``scheduler.PACKED_SHARE``): long answers overlap the short ones from the
+    start and the short ones keep the other half;
   - or, with ``drain`` "longest_fit_first" (``batch.drainOrder: LongestFitFirst``)
     and the KV plan (kv_plan.py) admitting, first fit decreasing once arrivals
     have stopped: the longest waiting request the cache holds to its end goes

@@ -56,6 +56,8 @@ class Request:
     # its engine call streams for the KV plan (Scheduler.reads_progress), though its caller asked for one answer
     progress_read: bool = True
     kv_held: tuple[tuple[Any, ...], Any] | None = None  # the KV plan's last Seq of it, and its inputs (scheduler._held)
+    # the KV it holds at its planned end if it went in on the drain's packed share (scheduler.PACKED_SHARE), else 0
+    packed_tokens: float = 0.0
     kv_planned: bool = False  # it went in under the KV plan, the engine's cache known (not sent blind)
 
     def expired(self, now: float) -> bool:

@@ -56,6 +56,11 @@ BACKFILL_LOOKAHEAD = 8
 # this, or once what is in flight could fill this share of its budget (``Scheduler.reads_progress``).
 PROGRESS_LEARN = 8
 PROGRESS_LOAD = 0.25
+# Once a burst's arrivals stop, the default drain order (shortest first) sends the longest requests the
+# KV cache holds to their end while those it sent so hold less than this share of the plan's budget at
+# their planned ends (``Request.packed_tokens``) -- and, where the engine's own sequence limit holds its
+# queue (``engine_cap``), are fewer than this share of it; the rest goes shortest first (``_admit_continuous``).
+PACKED_SHARE = 0.5
 Verdict = Literal["completed", "failed", "requeued"]
 
 
@@ -376,12 +381,25 @@ class Scheduler:
         # what is in flight, listed once in this pass and kept as it admits (InFlight): a burst's
         # pass admits dozens, and listing it again for each made the pass quadratic
         listed: InFlight | None = None
+        share: list[float] | None = None  # the requests in flight sent on the packed share: KV at their ends, count
 
         def inflight() -> InFlight:
             nonlocal listed
             if listed is None:
                 listed = self._inflight_left(now)
             return listed
+
+        def packed_room() -> bool:
+            """Do the requests in flight sent on the packed share hold under ``PACKED_SHARE`` of the
+            plan's budget, and of the engine's own sequence limit where it holds its queue (``engine_cap``)?"""
+            nonlocal share
+            if share is None:
+                ends = [r.packed_tokens for slot in self.ledger.held() for r in slot.requests
+                        if r in self._open and r.packed_tokens > 0]  # fmt: skip
+                share = [sum(ends), len(ends)]
+            budget = self.core.kv_plan.budget if self.core.kv_plan is not None else None
+            cap = self.engine_cap
+            return budget is not None and share[0] < PACKED_SHARE * budget and (cap is None or share[1] < PACKED_SHARE * cap)
 
         while self.breaker.allows_dispatch(self.inflight_requests):
             while (batch := self._take_continuous(pending)) is not None:
@@ -393,13 +411,16 @@ class Scheduler:
             # order: the critical-path rule or first fit decreasing), and by the KV plan once the
             # engine has room (``_kv_fits``), at most once
             left = inflight() if pending.arrivals_stopped(now) else None
-            packing = (left is not None and pending.order.drain == "longest_fit_first" and pending.order.order != "fifo"
-                       and self._kv_planned())  # fmt: skip
+            # a batch is left: first fit decreasing (admission.py), for all of it or for its share
+            packing = (left is not None and pending.order.order != "fifo" and self._kv_planned()
+                       and (pending.order.drain == "longest_fit_first" or packed_room()))  # fmt: skip
+            head = None
+            if packing:  # the longest request the KV cache holds goes next
+                head = pending.packed(now, lambda r: self._kv_fits(r, now, left) and not self._over_share(r, now, sizes))
+                packing = head is not None or pending.order.drain == "longest_fit_first"
             backlog = None if left is None or packing else self._backlog(left, max(sizes))
             skipped = False
-            if packing:  # a batch is left: the longest request the KV cache holds goes next (admission.py)
-                head = pending.packed(now, lambda r: self._kv_fits(r, now, left) and not self._over_share(r, now, sizes))
-            else:
+            if not packing:
                 head = pending.peek(now, backlog)
                 if head is not None and head[1] in self._open and self._over_share(head[1], now, sizes):
                     # its tenant holds its share of the engine: the next tenant's head, if one waits and may
@@ -431,6 +452,13 @@ class Scheduler:
             listing = inflight() if self.core.kv_plan is not None else listed  # the plan reads it (reads_progress)
             out.dispatches.append(Dispatch(self._enter(batch.bin, (req,), batch=False, now=now, inflight=listing),
                                            batch, (req,)))  # fmt: skip
+            req.packed_tokens = 0.0
+            if packing and pending.order.drain == "shortest_first":  # sent on the packed share: it counts there
+                seq = self._in_flight(req, 0.0)
+                req.packed_tokens = seq.held + seq.left
+                assert share is not None  # packed_room counted it
+                share[0] += req.packed_tokens
+                share[1] += 1
 
     @staticmethod
     def _take(pending: FairAdmissionQueue, req: Request, packed: bool, now: float, backlog: Backlog | None) -> None:
