@@ -414,7 +414,6 @@ class Scheduler:
             # a batch is left: first fit decreasing (admission.py), for all of it or for its share
             packing = (left is not None and pending.order.order != "fifo" and self._kv_planned()
                        and (pending.order.drain == "longest_fit_first" or packed_room()))  # fmt: skip
-            head = None
             if packing:  # the longest request the KV cache holds goes next
                 head = pending.packed(now, lambda r: self._kv_fits(r, now, left) and not self._over_share(r, now, sizes))
                 packing = head is not None or pending.order.drain == "longest_fit_first"
