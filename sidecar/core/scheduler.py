@@ -25,6 +25,7 @@ first time (the driver resolves its caller then), and ``totals`` counts outcomes
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -472,16 +473,24 @@ class Scheduler:
         only, if given): the KV plan's count from what its engine stream said, or its
         estimate from the time since it went in; without a plan its whole predicted length."""
         plan = self.core.kv_plan
-        return InFlight((self._in_flight(r, now - slot.acquired_at) for slot in self.ledger.held() for r in slot.requests
-                         if r in self._open and (tenant is None or r.tenant == tenant)),
-                        1 if plan is None else plan.block)  # fmt: skip
+        if plan is None:
+            return InFlight(Seq(float(r.prompt_tokens), expected_tokens(r)) for slot in self.ledger.held()
+                            for r in slot.requests if r in self._open and (tenant is None or r.tenant == tenant))  # fmt: skip
+        # a pass lists this for each burst's request it takes in (turns.py): the loop is kept lean
+        listing, context, open_ = InFlight(block=plan.block), _plan_context(plan), self._open
+        for slot in self.ledger.held():
+            elapsed = now - slot.acquired_at
+            for r in slot.requests:
+                if r in open_ and (tenant is None or r.tenant == tenant):
+                    listing.append(_held(plan, r, elapsed, context))
+        return listing
 
     def _in_flight(self, r: Request, elapsed: float) -> Seq:
         """One request of ``_inflight_left``, in flight for ``elapsed`` seconds."""
         plan = self.core.kv_plan
         if plan is None:
             return Seq(float(r.prompt_tokens), expected_tokens(r))
-        return _held(plan, r, elapsed)
+        return _held(plan, r, elapsed, _plan_context(plan))
 
     def _backlog(self, left: list[Seq], size: int) -> Backlog:
         """The engine's remaining work (``left``: ``_inflight_left``), for the
@@ -861,16 +870,26 @@ def fmt(values) -> str:
     return "[" + ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values) + "]"
 
 
-def _held(plan: KvPlan, r: Request, elapsed: float) -> Seq:
+def _plan_context(plan: KvPlan) -> tuple[float, int, float | None, float]:
+    """What every request's plan (``KvPlan.held``) reads of the plan itself."""
+    return plan.prompt_scale, plan.block, plan.step_seconds, plan.shared_blocks
+
+
+def _held(plan: KvPlan, r: Request, elapsed: float, context: tuple[float, int, float | None, float]) -> Seq:
     """``plan.held`` of ``r``, in flight for ``elapsed`` seconds, kept on ``r`` while nothing
-    it reads changed: every admission lists each request in flight, whose plan moves only when
-    its stream tells more (or, before its first chunk, with the time)."""
-    generated, length = r.engine_generated, predicted_length(r)
-    key = (generated, r.engine_prompt_tokens, elapsed if generated is None else None, r.prompt_tokens, length,
-           plan.prompt_scale, plan.block, plan.step_seconds, plan.shared_blocks)  # fmt: skip
+    it reads changed (``context``: ``_plan_context(plan)``): every admission pass lists each
+    request in flight, whose plan moves only when its stream tells more, or, before its first
+    chunk, with the engine steps the time covers (not with every pass, as a burst taken in one
+    request a turn makes them).  Its length is ``predicted_length(r)``, which reads only the
+    fields in the key."""
+    generated, step = r.engine_generated, context[2]
+    steps = None if generated is not None or not step or elapsed <= 0 else math.floor(elapsed / step)  # as plan.held
+    length = r.length if r.length is not None else (r.predicted_tokens, r.max_tokens)
+    key = (generated, r.engine_prompt_tokens, steps, r.prompt_tokens, length, context)
     memo = r.kv_held
     if memo is not None and memo[0] == key:
         return memo[1]
-    seq = plan.held(r.prompt_tokens, length, elapsed, generated=generated, engine_prompt=r.engine_prompt_tokens)
+    seq = plan.held(r.prompt_tokens, predicted_length(r), elapsed, generated=generated,
+                    engine_prompt=r.engine_prompt_tokens)  # fmt: skip
     r.kv_held = (key, seq)
     return seq

@@ -537,29 +537,38 @@ def test_the_kv_plan_of_a_request_in_flight_is_kept_only_while_what_it_reads_is_
     # every admission lists each request in flight: the memo must give plan.held's very answer, whatever changed
     from binbatch_sidecar.core.kv_plan import KvPlan
     from binbatch_sidecar.core.length_dist import LEVELS, LengthDist
-    from binbatch_sidecar.core.scheduler import _held
+    from binbatch_sidecar.core.request import predicted_length
+    from binbatch_sidecar.core.scheduler import _held, _plan_context
 
     plan = KvPlan(capacity=10_000, step_seconds=0.02)
     r = Request("r", 0.0, prompt_tokens=40, max_tokens=500)
     r.length = LengthDist.scaled(100, [0.2 + 0.15 * i for i in range(len(LEVELS))], 500)
 
+    def held(elapsed: float):
+        return _held(plan, r, elapsed, _plan_context(plan))
+
     def fresh(elapsed: float):
-        return plan.held(r.prompt_tokens, r.length, elapsed, generated=r.engine_generated,
+        return plan.held(r.prompt_tokens, predicted_length(r), elapsed, generated=r.engine_generated,
                          engine_prompt=r.engine_prompt_tokens)  # fmt: skip
 
     seen = []
     for elapsed in (0.0, 0.1, 0.5):  # before its first chunk: the plan moves with the time
-        seen.append(_held(plan, r, elapsed))
+        seen.append(held(elapsed))
         assert seen[-1] == fresh(elapsed)
     assert seen[0] != seen[2]
+    assert held(0.505) is seen[2]  # within one engine step of it: the same plan, not worked out again
     r.engine_generated = 30  # its stream said how far it is
-    kept = _held(plan, r, 0.6)
-    assert kept == fresh(0.6) and _held(plan, r, 5.0) is kept  # then the time alone changes nothing
+    kept = held(0.6)
+    assert kept == fresh(0.6) and held(5.0) is kept  # then the time alone changes nothing
     plan.observe_prompt(40, 120)  # the engine counts three times the estimated prompt tokens
-    assert _held(plan, r, 5.0) == fresh(5.0) != kept
+    assert held(5.0) == fresh(5.0) != kept
     r.engine_prompt_tokens = 77
-    assert _held(plan, r, 5.0) == fresh(5.0)
+    assert held(5.0) == fresh(5.0)
     r.engine_generated = 120  # outran its median
-    assert _held(plan, r, 5.0) == fresh(5.0)
+    assert held(5.0) == fresh(5.0)
     r.length = LengthDist.exact(150, 500)  # predicted anew (a requeue)
-    assert _held(plan, r, 5.0) == fresh(5.0)
+    assert held(5.0) == fresh(5.0)
+    r.length, r.predicted_tokens = None, 90.0  # a predictor that gives only a number
+    assert held(5.0) == fresh(5.0)
+    r.predicted_tokens = 200.0
+    assert held(5.0) == fresh(5.0)
