@@ -52,6 +52,9 @@ Caller authentication (``auth.callerTokensDir``, ``caller_auth``): when on, ever
 shape with ``WWW-Authenticate: Bearer`` (the ``openai`` package's ``AuthenticationError``), before
 the body is read; the caller's token is never forwarded to the engine (``EngineClient.forward``).
 
+A burst's requests are taken in one per turn of the event loop (``turns``), so the
+engine starts on its first requests while the rest are read.
+
 A client that disconnects is gone for good: the runner cancels its handler
 (``handler_cancellation``) and the request is withdrawn -- out of its bin, or
 its engine call aborted.
@@ -80,6 +83,7 @@ from .connection_limits import BodyTooLarge, StreamedBody, read_body
 from .front import DIGITS, REQUEST_ID_LIMIT, Fields, Front, InvalidRequest, Ticket, read_slo, read_tenant
 from .openai_bodies import ChatBody, CompletionBody, include_usage, parse_body, read_json, to_fields
 from .trace_context import read_trace_context
+from .turns import Turns
 
 log = logging.getLogger("binbatch.http")
 
@@ -265,6 +269,7 @@ class OpenAIDoor:
         self.ready = ready
         self.max_request_bytes = front.config().server.max_request_bytes  # app() reads it again, as it builds
         self.read_timeout = front.config().server.http_request_read_timeout_milliseconds / 1000
+        self.turns = Turns()
 
     def app(self) -> web.Application:
         """The routes; ``server.maxRequestBytes`` and ``server.httpRequestReadTimeoutMilliseconds``
@@ -317,6 +322,7 @@ class OpenAIDoor:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        await self.turns.take()  # a burst's requests go on one per turn of the loop (turns.py)
         given = request.headers.getall(REQUEST_ID, [])
         if len(given) > 1 or (given and not _VISIBLE.fullmatch(given[0])):
             problem = f"{REQUEST_ID}: one value of 1 to {REQUEST_ID_LIMIT} visible ASCII characters"

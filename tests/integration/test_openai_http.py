@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import sys
@@ -440,3 +441,40 @@ async def test_the_engines_own_refusal_keeps_its_status(tmp_path):
             await d.client.completions.create(model="no-such-model", prompt="x", max_tokens=3)
         assert err.value.status_code == 404 and err.value.code == "engine_refused"
         assert "engine: The model `no-such-model` does not exist." in err.value.message
+
+
+async def test_a_burst_reaches_the_engine_while_the_door_still_reads_the_rest(tmp_path):
+    """32 requests written to the door before its loop runs once (so aiohttp starts all their
+    handlers in the same turn): the first reaches the engine -- here in the same event loop, a
+    few turns after the door sent it -- while the door has taken in under half of them, not
+    after all 32 (turns.py: before it, the engine saw nothing until the door had queued the
+    whole burst)."""
+    n, seen = 32, []
+    sidecar: list[Any] = []
+
+    @web.middleware
+    async def first_arrival(request: web.Request, handler):
+        if request.path == "/v1/completions" and not seen:
+            seen.append(sidecar[0].dispatcher.totals["accepted"])  # what the door had taken in by then
+        return await handler(request)
+
+    emulator = Emulator(FAST)
+    emulator.app.middlewares.append(first_arrival)
+    async with emulator, running_sidecar(sidecar_config(emulator.base_url), tmp_path) as sc:
+        sidecar.append(sc.sidecar)
+        body = json.dumps({"model": emulator.config.model, "prompt": "hello", "max_tokens": 2, "ignore_eos": True})
+        raw = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}").encode()  # fmt: skip
+        socks = [socket.create_connection(("127.0.0.1", sc.sidecar.http_port), timeout=WAIT) for _ in range(n)]
+        for s in socks:  # blocking writes, the loop not running: the kernel holds them all for it
+            s.sendall(raw)
+        answers = []
+        async with asyncio.timeout(WAIT):
+            for s in socks:
+                s.setblocking(False)
+                reader, writer = await asyncio.open_connection(sock=s)
+                answers.append(await reader.read())
+                writer.close()
+        assert all(a.startswith(b"HTTP/1.1 200") for a in answers), answers[0][:200]
+        assert (await sc.stats()).totals.accepted == n
+    assert seen and seen[0] <= n // 2, f"the engine's first request came after the door took in {seen[0]} of {n}"
