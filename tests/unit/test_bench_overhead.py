@@ -37,7 +37,7 @@ def test_cpu_seconds_of_a_process_that_is_gone_is_none():
 def test_the_table_shows_each_process_cpu_per_request(capsys):
     doc = {
         "added_p50_ms": 0.5, "added_p99_ms": 1.5, "max_requests_per_s": 900.0,
-        "http_added_p50_ms": 0.3, "http_added_p99_ms": 1.0,  # the HTTP door's, where the bench has one
+        "http_added_p50_ms": 0.3, "http_added_p99_ms": 1.0, "http_max_requests_per_s": 1000.0,
         "latency_ms": {"direct": {"p50": 0.5, "p99": 1.0}, "sidecar": {"p50": 1.0, "p99": 2.5},
                        "http": {"p50": 0.8, "p99": 2.0}},
         "rates": [
@@ -45,12 +45,16 @@ def test_the_table_shows_each_process_cpu_per_request(capsys):
              "cpu_us_per_request": {"client": 120.0, "sidecar": 2.0, "engine": 140.0}},
             {"path": "sidecar", "concurrency": 16, "requests_per_s": 900.0, "target_batch_size": 256,
              "cpu_us_per_request": {"client": 300.0, "sidecar": 850.0, "engine": None}},
+            {"path": "http", "concurrency": 16, "requests_per_s": 1000.0,
+             "cpu_us_per_request": {"client": 280.0, "sidecar": 800.0, "engine": 150.0}},
         ],
     }  # fmt: skip
     print_table(doc)
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert ["sidecar", "16", "900", "256", "300", "850", "-"] in rows
     assert ["direct", "16", "3000", "-", "120", "2", "140"] in rows
+    assert ["http", "16", "1000", "-", "280", "800", "150"] in rows
+    assert rows[-1][-1] == "1000"  # the HTTP door's most requests per second closes the table
 
 
 ENGINE = "http://127.0.0.1:9"
