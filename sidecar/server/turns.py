@@ -15,7 +15,7 @@ order, so requests are admitted, sent and written while the next are read.  A lo
 request, or requests arriving in different turns, never wait.  One a turn paid a
 dispatcher pass per request and took the door's most requests per second under 64
 callers from about 800 to about 610; two a turn kept it and gained as much on the
-bursts (``docs/results/2026-11-30-http-turns``).  The gRPC door needs none of this:
+bursts (``docs/results/2026-11-30-turns-http``).  The gRPC door needs none of this:
 gRPC hands its calls to Python one at a time.
 """
 
