@@ -879,8 +879,8 @@ def _held(plan: KvPlan, r: Request, elapsed: float, context: tuple[float, int, f
     """``plan.held`` of ``r``, in flight for ``elapsed`` seconds, kept on ``r`` while nothing
     it reads changed (``context``: ``_plan_context(plan)``): every admission pass lists each
     request in flight, whose plan moves only when its stream tells more, or, before its first
-    chunk, with the engine steps the time covers (not with every pass, as a burst taken in one
-    request a turn makes them).  Its length is ``predicted_length(r)``, which reads only the
+    chunk, with the engine steps the time covers (not with every pass: the HTTP door takes a
+    burst in two requests a turn, and a pass follows each turn).  Its length is ``predicted_length(r)``, which reads only the
     fields in the key."""
     generated, step = r.engine_generated, context[2]
     steps = None if generated is not None or not step or elapsed <= 0 else math.floor(elapsed / step)  # as plan.held

@@ -52,7 +52,7 @@ Caller authentication (``auth.callerTokensDir``, ``caller_auth``): when on, ever
 shape with ``WWW-Authenticate: Bearer`` (the ``openai`` package's ``AuthenticationError``), before
 the body is read; the caller's token is never forwarded to the engine (``EngineClient.forward``).
 
-A burst's requests are taken in one per turn of the event loop (``turns``), so the
+A burst's requests are taken in two per turn of the event loop (``turns``), so the
 engine starts on its first requests while the rest are read.
 
 A client that disconnects is gone for good: the runner cancels its handler
@@ -322,7 +322,7 @@ class OpenAIDoor:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        await self.turns.take()  # a burst's requests go on one per turn of the loop (turns.py)
+        await self.turns.take()  # a burst's requests go on two per turn of the loop (turns.py)
         given = request.headers.getall(REQUEST_ID, [])
         if len(given) > 1 or (given and not _VISIBLE.fullmatch(given[0])):
             problem = f"{REQUEST_ID}: one value of 1 to {REQUEST_ID_LIMIT} visible ASCII characters"
