@@ -16,8 +16,11 @@ The sidecar's config is what the operator renders for a policy that sets nothing
 (``e2e.policy_default``), with one change: ``engine.maxRequestBodyBytes`` is raised
 above the bodies (and the engine's own limit with it), since with the default
 (768 KiB, below vLLM's 1 MiB) a ~4 MiB prompt is refused when it leaves the queue
-and never reaches the engine.  The second run lowers ``batch.maxQueuedBytes`` and
-sends only bodies under the limit, to show the 429 path on its own.
+and never reaches the engine.  The second run lowers ``batch.maxQueuedBytes``, sends
+only bodies under the limit and holds the engine to ``HELD`` requests at a time
+(``batch.sizing: Static``), to show the 429 path on its own: the HTTP door takes a
+burst in a few requests a turn (``server/turns.py``) and sends them on at once to an
+engine with room, so without the hold the queue would never fill.
 
 The peak is compared with the memory the operator gives the sidecar container
 (``builders.DEFAULT_RESOURCES``: the limit, which the request is raised to in a
@@ -57,6 +60,7 @@ MARGIN = 4096  # bytes under / over server.maxRequestBytes
 ANSWER_TOKENS = 8
 CALL_TIMEOUT_S = 600.0
 KINDS = ("under", "over", "over-chunked")  # of every 4 posts: 2 under, 1 over, 1 over chunked
+HELD = 2  # the second run's batch.staticSize: the rest of its posts queue in the sidecar
 
 
 @dataclass(frozen=True)
@@ -124,12 +128,14 @@ async def _post(http: aiohttp.ClientSession, url: str, body: bytes, chunked: boo
 
 
 async def _one_run(cfg: MemoryConfig, label: str, queued_bytes: int, kinds: tuple[str, ...], tmp: Path,
-                   engine_url: str, model: str, say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+                   engine_url: str, model: str, say: Callable[[str], None], held: int | None = None) -> dict[str, Any]:  # fmt: skip
     import psutil
 
     doc = sidecar_doc(engine_url, model, policy_default({}))
     doc["engine"]["maxRequestBodyBytes"] = 2 * cfg.max_request_bytes  # the bodies reach the engine (docstring)
     doc["batch"] = {**doc.get("batch", {}), "maxQueuedBytes": queued_bytes}
+    if held is not None:  # at most this many in the engine: the rest queue here (docstring)
+        doc["batch"] |= {"sizing": "Static", "staticSize": held}
     doc["server"]["maxRequestBytes"] = cfg.max_request_bytes
     sidecar = await start_sidecar(doc, tmp / f"sidecar-{label}.yaml", tmp)
     try:
@@ -210,7 +216,7 @@ async def run_async(cfg: MemoryConfig, say: Callable[[str], None]) -> dict[str, 
                                    engine.url, model, say)]  # fmt: skip
             if cfg.lowered_queued_bytes:
                 runs.append(await _one_run(cfg, "under only, lowered maxQueuedBytes", cfg.lowered_queued_bytes, ("under",), tmp,
-                                           engine.url, model, say))  # fmt: skip
+                                           engine.url, model, say, held=HELD))  # fmt: skip
         finally:
             await engine.stop()
     stated = stated_bytes()
