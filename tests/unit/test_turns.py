@@ -50,9 +50,9 @@ async def test_a_lone_caller_goes_on_without_yielding_to_the_loop():
     asyncio.get_running_loop().call_soon(ran.append, "the loop ran")
     await turns.take()
     assert ran == []  # take() returned before anything else the loop had ready
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # ok-sleep: one turn of the loop, the unit under test
     assert ran == ["the loop ran"]
-    await asyncio.sleep(0)  # a turn later the turn is free again: no wait
+    await asyncio.sleep(0)  # ok-sleep: a turn later the turn is free again: no wait
     await turns.take()
     assert ran == ["the loop ran"]
 
@@ -65,12 +65,12 @@ async def test_a_caller_that_leaves_while_waiting_gives_its_turn_to_the_next():
         went.append(i)
 
     tasks = [asyncio.create_task(caller(i)) for i in range(4)]
-    await asyncio.sleep(0)  # all four asked: 0 went on, 1-3 wait
+    await asyncio.sleep(0)  # ok-sleep: one turn: all four asked, 0 went on, 1-3 wait
     tasks[1].cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert went == [0, 2, 3]
     assert tasks[1].cancelled()
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # ok-sleep: one turn, for the last _next
     await asyncio.wait_for(turns.take(), timeout=1)  # nothing was left holding a turn
 
 
