@@ -366,8 +366,8 @@ class KvPlan:
             done = float(generated)
         else:
             done = 0.0
-            if self.step_seconds and elapsed > 0:  # one step less: it may have started a step late
-                done = min(max(math.floor(elapsed / self.step_seconds) - 1, 0), max(length.plan - 1.0, 0.0))
+            if (steps := self.steps_in(elapsed)) is not None:  # one step less: it may have started a step late
+                done = min(max(steps - 1, 0), max(length.plan - 1.0, 0.0))
         if not length.known:
             left = max(length.remaining(PLAN_LEVEL, done), 1.0)
         elif done <= length.median:
@@ -379,6 +379,13 @@ class KvPlan:
         if generated is not None and engine_prompt is not None:
             return Seq(max(engine_prompt - shared, 0.0) + done, left, True, unsure, done)
         return Seq(max(prompt * self.prompt_scale - shared, 0.0) + done + self.margin, left, False, unsure, done)
+
+    def steps_in(self, elapsed: float) -> int | None:
+        """The whole engine steps ``elapsed`` seconds cover (None: no step time known, or no time
+        yet): all ``held`` reads of the time, so what ``scheduler._held`` keeps its plans by."""
+        if not self.step_seconds or elapsed <= 0:
+            return None
+        return math.floor(elapsed / self.step_seconds)
 
     @property
     def margin(self) -> float:

@@ -25,7 +25,6 @@ first time (the driver resolves its caller then), and ``totals`` counts outcomes
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -474,7 +473,7 @@ class Scheduler:
         estimate from the time since it went in; without a plan its whole predicted length."""
         plan = self.core.kv_plan
         if plan is None:
-            return InFlight(Seq(float(r.prompt_tokens), expected_tokens(r)) for slot in self.ledger.held()
+            return InFlight(self._in_flight(r, 0.0) for slot in self.ledger.held()
                             for r in slot.requests if r in self._open and (tenant is None or r.tenant == tenant))  # fmt: skip
         # a pass lists this for each burst's request it takes in (turns.py): the loop is kept lean
         listing, context, open_ = InFlight(block=plan.block), _plan_context(plan), self._open
@@ -879,11 +878,11 @@ def _held(plan: KvPlan, r: Request, elapsed: float, context: tuple[float, int, f
     """``plan.held`` of ``r``, in flight for ``elapsed`` seconds, kept on ``r`` while nothing
     it reads changed (``context``: ``_plan_context(plan)``): every admission pass lists each
     request in flight, whose plan moves only when its stream tells more, or, before its first
-    chunk, with the engine steps the time covers (not with every pass: the HTTP door takes a
-    burst in two requests a turn, and a pass follows each turn).  Its length is ``predicted_length(r)``, which reads only the
-    fields in the key."""
-    generated, step = r.engine_generated, context[2]
-    steps = None if generated is not None or not step or elapsed <= 0 else math.floor(elapsed / step)  # as plan.held
+    chunk, with the engine steps the time covers (``KvPlan.steps_in``; not with every pass: the
+    HTTP door takes a burst in two requests a turn, and a pass follows each turn).  Its length
+    is ``predicted_length(r)``, which reads only the fields in the key."""
+    generated = r.engine_generated
+    steps = None if generated is not None else plan.steps_in(elapsed)  # step_seconds is in the context
     length = r.length if r.length is not None else (r.predicted_tokens, r.max_tokens)
     key = (generated, r.engine_prompt_tokens, steps, r.prompt_tokens, length, context)
     memo = r.kv_held
