@@ -431,6 +431,7 @@ class EngineClient:
                 resp = await self._send("POST", path, encoded, headers=request.trace_headers)
         except TimeoutError:
             raise timed_out from None
+        reader: _SSEReader | None = None
         try:
             if resp.status != 200:
                 async with asyncio.timeout_at(deadline):
@@ -443,9 +444,9 @@ class EngineClient:
             token_chunks = 0  # chunks that carried a token (the count without continuous usage)
             while True:
                 payload = await reader.next()
-                if payload is None or payload.strip() == "[DONE]":
+                if payload is None or payload.strip() == b"[DONE]":
                     break
-                event = _json_object(payload.encode())
+                event = _json_object(payload)
                 if "error" in event:
                     raise _payload_error(event)
                 chunk_usage = _usage(event) if event.get("usage") else None
@@ -490,6 +491,9 @@ class EngineClient:
         except BaseException:  # EngineError, cancellation, the consumer leaving early
             resp.close()
             raise
+        finally:
+            if reader is not None:
+                reader.close()
         resp.release()
         yield EngineResult("".join(pieces), finish, usage[0], usage[1])
 
@@ -617,21 +621,37 @@ class EngineClient:
 
 
 class _SSEReader:
-    """Server-sent events from a response: ``next()`` gives each event's data.
+    """Server-sent events from a response: ``next()`` gives each event's data, as bytes.
 
     It takes whatever the connection holds (``readany``) and splits the lines itself:
     the engine sends an event per token, several often arriving in one read, where a
     ``readline`` per line (two per event) with a deadline armed around each cost more
-    than the parsing.  Every wait for more data ends at ``deadline`` (the loop's clock:
-    TimeoutError); a line longer than aiohttp's own bound for ``readline`` fails the stream."""
+    than the parsing.  The engine's usual event, one ``data: `` line and a blank one,
+    is cut out of the buffer whole; any other shape (comments, ``\\r\\n``, several data
+    lines) is read line by line.  One timer ends the stream at ``deadline`` (the loop's
+    clock): it fails the connection's reader with TimeoutError, which the next wait
+    for data raises (``close`` disarms it).  A line longer than aiohttp's own bound
+    for ``readline`` fails the stream."""
 
     def __init__(self, resp: aiohttp.ClientResponse, deadline: float) -> None:
         self._content = resp.content
-        self._deadline = deadline
         self._limit = resp.content.get_read_buffer_limits()[1]  # what readline allows a line
         self._buf = b""
         self._pos = 0  # where the unread part of _buf starts
         self._eof = False
+        self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._content.set_exception(TimeoutError("the stream's deadline passed"))
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+    async def _read(self) -> None:
+        """What the connection holds next, after the unread part of the buffer."""
+        chunk = await self._content.readany()
+        self._buf, self._pos = self._buf[self._pos :] + chunk, 0
+        self._eof = not chunk
 
     async def _line(self) -> bytes:
         """The next line with its newline (the last may lack it); b"" at the end."""
@@ -643,33 +663,38 @@ class _SSEReader:
             elif len(self._buf) - self._pos > self._limit:
                 line = self._buf[self._pos :]
             else:
-                async with asyncio.timeout_at(self._deadline):
-                    chunk = await self._content.readany()
-                self._buf, self._pos = self._buf[self._pos :] + chunk, 0
-                self._eof = not chunk
+                await self._read()
                 continue
             if len(line) > self._limit:
                 shown = f"{line[:100]!r}..."
                 raise EngineError("internal", 200, f"unreadable stream line: over {self._limit} bytes: {shown}")
             return line
 
-    async def next(self) -> str | None:
+    async def next(self) -> bytes | None:
         """The next event's data (lines joined by newlines); None at the end."""
-        data: list[str] = []
+        while self._buf.find(b"\n", self._pos) < 0 and not self._eof and len(self._buf) - self._pos <= self._limit:
+            await self._read()  # not a whole line yet
+        buf, pos = self._buf, self._pos
+        if buf.startswith(b"data: ", pos):  # the usual event, if whole in the buffer: b"data: {...}\n\n"
+            end = buf.find(b"\n", pos)
+            if 0 <= end < pos + self._limit and buf.startswith(b"\n", end + 1) and buf.find(b"\r", pos, end) < 0:
+                self._pos = end + 2
+                return buf[pos + 6 : end]
+        data: list[bytes] = []
         while True:
             raw = await self._line()
             if not raw:
-                return "\n".join(data) if data else None
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                return b"\n".join(data) if data else None
+            line = raw.rstrip(b"\r\n")
             if not line:
                 if data:
-                    return "\n".join(data)
+                    return b"\n".join(data)
                 continue
-            if line.startswith(":"):
+            if line.startswith(b":"):
                 continue  # a comment / keep-alive
-            name, _, value = line.partition(":")
-            if name == "data":
-                data.append(value[1:] if value.startswith(" ") else value)
+            name, _, value = line.partition(b":")
+            if name == b"data":
+                data.append(value[1:] if value.startswith(b" ") else value)
 
 
 def _encode(body: dict[str, Any]) -> bytes:
@@ -786,6 +811,8 @@ def _payload_error(event: dict[str, Any]) -> EngineError:
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(raw)
+    except UnicodeDecodeError:  # bytes that are not UTF-8 read as U+FFFD, as a text decoder would
+        return _json_object(raw.decode("utf-8", errors="replace").encode())
     except ValueError:
         raise EngineError("internal", 200, "the engine's reply is not JSON") from None
     if not isinstance(obj, dict):

@@ -214,6 +214,13 @@ class _Shape:
         self.created = int(time.time())
         self.usage_chunks = usage_chunks  # include_usage: chunks carry "usage": null, the last one the counts
         self.first = True
+        # a piece of text's event is the same envelope every time: rendered once, the text put in between
+        head = _json({"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                      "created": self.created, "model": model})[:-1]  # fmt: skip
+        self._text_head = b"data: " + head + (b',"choices":[{"index":0,"delta":{"content":' if chat
+                                              else b',"choices":[{"index":0,"text":')  # fmt: skip
+        self._text_tail = ((b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null}]'
+                           + (b',"usage":null' if usage_chunks else b"") + b"}\n\n")  # fmt: skip
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -243,6 +250,14 @@ class _Shape:
         out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
         return out | {"usage": None} if self.usage_chunks else out
 
+    def text_event(self, text: str) -> bytes:
+        """The server-sent event of ``chunk(text)``: the envelope rendered once, around the text
+        (a chat's first chunk, which names the role, is built whole)."""
+        if self.first and self.chat:
+            return _event(self.chunk(text))
+        self.first = False
+        return self._text_head + json.dumps(text).encode() + self._text_tail
+
     def usage_chunk(self, c: Completion) -> dict[str, Any]:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": _usage(c)}
 
@@ -253,8 +268,16 @@ def _usage(c: Completion) -> dict[str, int]:
             "total_tokens": r.prompt_tokens + r.completion_tokens}  # fmt: skip
 
 
-async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+def _json(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event of a JSON payload."""
+    return b"data: " + _json(payload) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
 
 
 class OpenAIDoor:
@@ -395,7 +418,7 @@ class OpenAIDoor:
                             piece += call.deltas.get_nowait()
                         if piece:
                             response = response or await self._open(request, ticket, None)
-                            await _sse(response, shape.chunk(piece))
+                            await response.write(shape.text_event(piece))
                     completion = call.future.result()
             except TimeoutError:
                 raise Rejected("deadline", f"{TIMEOUT}: the deadline passed") from None
@@ -403,19 +426,19 @@ class OpenAIDoor:
             log.debug("failed: %s", exc, extra=ticket.log_extra)
             if response is None:
                 return error_response(exc, ticket.req.id)
-            await _sse(response, status_of(exc)[1])
-            await response.write(b"data: [DONE]\n\n")
+            await response.write(_event(status_of(exc)[1]) + DONE)
             return response
         self.front.finished(ticket, completion)
+        events = []  # the end goes in one write, with the stream's last chunk
         if response is None:  # gang mode (the text comes whole) or an empty completion
             response = await self._open(request, ticket, completion)
             if completion.result.text:
-                await _sse(response, shape.chunk(completion.result.text))
-        await _sse(response, shape.chunk(None if shape.chat else "", completion.result.finish_reason))
+                events.append(shape.text_event(completion.result.text))
+        events.append(_event(shape.chunk(None if shape.chat else "", completion.result.finish_reason)))
         if include_usage(body):
-            await _sse(response, shape.usage_chunk(completion))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            events.append(_event(shape.usage_chunk(completion)))
+        events.append(DONE)
+        await response.write_eof(b"".join(events))
         return response
 
     async def _open(self, request: web.Request, ticket: Ticket, completion: Completion | None) -> web.StreamResponse:
