@@ -10,7 +10,11 @@ In one run, interleaved call by call:
   added p50/p99 = a door's percentile minus the direct path's;
 * **most requests per second**: closed-loop callers (each sends its next request
   when the last one is answered) at a few concurrencies for a fixed time, through
-  the sidecar's two doors and, for reference, direct.
+  the sidecar's two doors and, for reference, direct;
+* **a streamed request's cost** (the ``stream`` path): the same closed loop through
+  the HTTP door, each request streaming ``STREAM_TOKENS`` tokens with no hint, so
+  the sidecar predicts its length and relays a chunk a token: its CPU a request
+  (``stream_sidecar_cpu_us_per_request``, at the most callers) is mostly the relay's.
 
 The bench client, the sidecar and the engine are three processes on this
 machine's cores, so the figures say what the whole stack reaches here; the
@@ -38,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import pstats
 import signal
@@ -65,7 +70,10 @@ from .chaos_processes import SIDECAR_READY, SidecarProcess, http_port, metrics_p
 from .e2e import policy_default
 
 JSON_KEYS = ("added_p50_ms", "added_p99_ms", "max_requests_per_s", "http_added_p50_ms", "http_added_p99_ms",
-             "http_max_requests_per_s")
+             "http_max_requests_per_s", "stream_sidecar_cpu_us_per_request")
+# The streamed path's answers: a short chat reply's length, so the sidecar relays as many
+# chunks a request as a real stream (its CPU a request is mostly the relay's).
+STREAM_TOKENS = 24
 INSTANT = EngineShape(step_a=0.0, step_c=0.0, num_gpu_blocks=65536, block_size=16, max_num_seqs=1024,
                       max_model_len=512)  # fmt: skip
 # The reference row: admission must never be what limits it: a static size far above
@@ -223,8 +231,22 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
                 if tokens != 1:
                     raise CallFailed(f"the HTTP door answered {tokens} tokens, asked for 1")
 
+            async def through_http_streamed(i: int) -> None:  # a client that sends no hint, as the judged rows
+                body = {"model": model, "prompt": f"overhead {i}", "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                tokens = None
+                async with session.post(door, json=body) as resp:
+                    if resp.status != 200:
+                        raise CallFailed(f"the HTTP door answered HTTP {resp.status}: {await resp.text()}")
+                    async for line in resp.content:
+                        if line.startswith(b"data: {") and b'"usage":{' in line:
+                            tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                if tokens != STREAM_TOKENS:
+                    raise CallFailed(f"the HTTP door streamed {tokens} tokens, asked for {STREAM_TOKENS}")
+
             paths: tuple[tuple[str, Callable[[int], Awaitable[None]]], ...] = (
                 ("direct", direct), ("sidecar", through(stubs["sidecar"])), ("http", through_http),
+                ("stream", through_http_streamed),
                 *((("tuned", through(stubs["tuned"])),) if cfg.tuned else ()))  # fmt: skip
             for i in range(20):  # warm every path (connections, first-call imports)
                 for _, call in paths:
@@ -264,6 +286,9 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
         "http_max_requests_per_s": max(r["requests_per_s"] for r in rates if r["path"] == "http"),
         "http_added_p50_ms": (p["http"][0] - p["direct"][0]) * 1e3,
         "http_added_p99_ms": (p["http"][1] - p["direct"][1]) * 1e3,
+        # the judged sidecar's CPU a streamed request, at the most callers (mostly relaying its chunks)
+        "stream_sidecar_cpu_us_per_request": next(
+            r["cpu_us_per_request"]["sidecar"] for r in reversed(rates) if r["path"] == "stream"),
         "latency_ms": {name: {"p50": v[0] * 1e3, "p99": v[1] * 1e3} for name, v in p.items()},
         "rates": rates,
     }
@@ -289,7 +314,7 @@ def print_table(doc: dict[str, Any]) -> None:
     print("binbatch bench overhead: one sidecar in front of an instant engine (emulator, zero step time)")
     print("sidecar/http: the policy default (gRPC and HTTP doors); tuned: hand-tuned (Hint predictor, Static 1024)")
     print(f"{'path':10} {'p50 ms':>8} {'p99 ms':>8}")
-    for name in ("direct", "sidecar", "http", "tuned"):
+    for name in ("direct", "sidecar", "http", "stream", "tuned"):
         if name in lat:
             print(f"{name:10} {lat[name]['p50']:8.2f} {lat[name]['p99']:8.2f}")
     print(f"{'added':10} {doc['added_p50_ms']:8.2f} {doc['added_p99_ms']:8.2f}  (gRPC door)")
@@ -304,6 +329,9 @@ def print_table(doc: dict[str, Any]) -> None:
         shown = " ".join("       -" if cpu.get(p) is None else f"{cpu[p]:8.0f}" for p in procs)
         cap = "-" if r.get("target_batch_size") is None else str(r["target_batch_size"])
         print(f"{r['path']:10} {r['concurrency']:8d} {r['requests_per_s']:8.0f} {cap:>6}   {'':20}{shown}")
+    if doc.get("stream_sidecar_cpu_us_per_request") is not None:
+        print(f"sidecar CPU a streamed request ({STREAM_TOKENS} tokens, no hint): "
+              f"{doc['stream_sidecar_cpu_us_per_request']:.0f} us")  # fmt: skip
     print(f"max requests/s through the sidecar (policy default): {doc['max_requests_per_s']:.0f}; "
           f"through its HTTP door: {doc['http_max_requests_per_s']:.0f}")
     sys.stdout.flush()

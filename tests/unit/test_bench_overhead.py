@@ -38,6 +38,7 @@ def test_the_table_shows_each_process_cpu_per_request(capsys):
     doc = {
         "added_p50_ms": 0.5, "added_p99_ms": 1.5, "max_requests_per_s": 900.0,
         "http_added_p50_ms": 0.3, "http_added_p99_ms": 1.0, "http_max_requests_per_s": 1000.0,
+        "stream_sidecar_cpu_us_per_request": 4321.0,
         "latency_ms": {"direct": {"p50": 0.5, "p99": 1.0}, "sidecar": {"p50": 1.0, "p99": 2.5},
                        "http": {"p50": 0.8, "p99": 2.0}},
         "rates": [
@@ -55,6 +56,7 @@ def test_the_table_shows_each_process_cpu_per_request(capsys):
     assert ["direct", "16", "3000", "-", "120", "2", "140"] in rows
     assert ["http", "16", "1000", "-", "280", "800", "150"] in rows
     assert rows[-1][-1] == "1000"  # the HTTP door's most requests per second closes the table
+    assert rows[-2][-2:] == ["4321", "us"]  # after the sidecar's CPU a streamed request
 
 
 ENGINE = "http://127.0.0.1:9"
