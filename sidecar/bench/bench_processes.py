@@ -13,6 +13,7 @@ prints when it serves (see :mod:`.chaos_processes`), never a sleep.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -27,6 +28,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..engine.engine_client import KEEPALIVE_SECONDS
 from .chaos_processes import ChildProcess, SidecarProcess
 
 _ENGINE_READY = re.compile(r"binbatch emulate-engine: .* on http://127\.0\.0\.1:(\d+)")
@@ -147,15 +149,35 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> tuple[str, i
     return str(data[0]["id"]), context if type(context) is int else None
 
 
-async def preemptions(session: aiohttp.ClientSession, url: str) -> float | None:
+METRICS_RETRY_SECONDS = 0.2  # between reads of the engine's metrics that failed
+
+
+def bench_session(timeout_s: float) -> aiohttp.ClientSession:
+    """A bench client's session: as many connections as callers, each pooled for less than
+    vLLM's (uvicorn's) 5 s keep-alive, as the sidecar's own engine client keeps them: a
+    connection the server closed while idle fails the next request sent on it."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
+async def preemptions(session: aiohttp.ClientSession, url: str, attempts: int = 3) -> float | None:
     """The engine's cumulative preemption count from ``/metrics`` (summed over
-    its label sets), or None when the engine exposes none."""
-    try:
-        async with session.get(f"{url}/metrics") as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-    except aiohttp.ClientError:
+    its label sets), or None when the engine exposes none or its metrics cannot
+    be read in ``attempts`` tries: a GET, so a broken connection or an error status
+    is tried again a moment later (one lost read left a real-vLLM run's row without
+    its count)."""
+    text = None
+    for attempt in range(attempts):
+        if attempt:
+            await asyncio.sleep(METRICS_RETRY_SECONDS)
+        try:
+            async with session.get(f"{url}/metrics") as resp:
+                if resp.status == 200:
+                    text = await resp.text()
+                    break
+        except aiohttp.ClientError:
+            pass
+    if text is None:
         return None
     total = None
     for family in text_string_to_metric_families(text):

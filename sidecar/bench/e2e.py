@@ -102,8 +102,8 @@ from . import sharegpt, workloads
 from .bench_clients import (RunResult, closed_loop, completions_caller, ideal_gang, replay, sidecar_caller,
                             steady_rate)  # fmt: skip
 from .chaos_load import percentile
-from .bench_processes import (EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar,
-                              write_answer_lengths)  # fmt: skip
+from .bench_processes import (EngineProcess, EngineShape, bench_session, preemptions, served_model, sidecar_doc,
+                              start_sidecar, write_answer_lengths)  # fmt: skip
 from .chaos_processes import run_to_end
 
 # GPU-like: the fixed step cost dominates (a large model's weights are read once
@@ -616,9 +616,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
             stack.push_async_callback(engine.stop)
             urls[name] = engine.url
             say(f"embedded engine ({name}): {shape.describe()} on {engine.url}")
-    session = await stack.enter_async_context(
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
-    )
+    session = await stack.enter_async_context(bench_session(600))
     served = {name: await served_model(session, url) for name, url in urls.items()}
     models = {name: model for name, (model, _) in served.items()}
     context, needed = served.get("sharegpt", ("", None))[1], sharegpt_context(cfg)

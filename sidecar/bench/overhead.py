@@ -64,7 +64,7 @@ from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
 from .bench_clients import CallFailed, completion_body, exactly
-from .bench_processes import EngineProcess, EngineShape, served_model, sidecar_doc
+from .bench_processes import EngineProcess, EngineShape, bench_session, served_model, sidecar_doc
 from .chaos_load import percentile
 from .chaos_processes import SIDECAR_READY, SidecarProcess, http_port, metrics_port, run_to_end
 from .e2e import policy_default
@@ -187,8 +187,7 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
             engine = EngineProcess(INSTANT, tmp)
             await engine.start()
             stack.push_async_callback(engine.stop)
-            session = await stack.enter_async_context(aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)))  # fmt: skip
+            session = await stack.enter_async_context(bench_session(60))
             model, _ = await served_model(session, engine.url)
             sidecar = await _start_sidecar(judged_sidecar_doc(engine.url, model), tmp / "sidecar.yaml", tmp, cfg.profile)
             stack.push_async_callback(sidecar.signal_and_wait, signal.SIGTERM, 30)
