@@ -214,9 +214,9 @@ class _Shape:
         self.created = int(time.time())
         self.usage_chunks = usage_chunks  # include_usage: chunks carry "usage": null, the last one the counts
         self.first = True
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"  # a stream's chunks' "object"
         # a piece of text's event is the same envelope every time: rendered once, the text put in between
-        head = _json({"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
-                      "created": self.created, "model": model})[:-1]  # fmt: skip
+        head = _json({"id": self.id, "object": self.chunk_object, "created": self.created, "model": model})[:-1]
         self._text_head = b"data: " + head + (b',"choices":[{"index":0,"delta":{"content":' if chat
                                               else b',"choices":[{"index":0,"text":')  # fmt: skip
         self._text_tail = ((b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null}]'
@@ -247,7 +247,7 @@ class _Shape:
             choice["text"] = text or ""
         self.first = False
         choice |= {"logprobs": None, "finish_reason": finish_reason}
-        out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        out = self._envelope(self.chunk_object, [choice])
         return out | {"usage": None} if self.usage_chunks else out
 
     def text_event(self, text: str) -> bytes:
@@ -259,7 +259,7 @@ class _Shape:
         return self._text_head + json.dumps(text).encode() + self._text_tail
 
     def usage_chunk(self, c: Completion) -> dict[str, Any]:
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": _usage(c)}
+        return self._envelope(self.chunk_object, []) | {"usage": _usage(c)}
 
 
 def _usage(c: Completion) -> dict[str, int]:
