@@ -63,7 +63,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
-from .bench_clients import CallFailed, completion_body, exactly
+from .bench_clients import CallFailed, completion_body, exactly, steady_heap
 from .bench_processes import EngineProcess, EngineShape, bench_session, served_model, sidecar_doc
 from .chaos_load import percentile
 from .chaos_processes import SIDECAR_READY, SidecarProcess, http_port, metrics_port, run_to_end
@@ -158,9 +158,10 @@ async def _closed_loop(call: Callable[[int], Awaitable[None]], concurrency: int,
             i += 1
             done += 1
 
-    t0 = loop.time()
-    await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    return done / (loop.time() - t0), done
+    with steady_heap():
+        t0 = loop.time()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        return done / (loop.time() - t0), done
 
 
 async def _start_sidecar(doc: dict[str, Any], path: Path, cwd: Path, profile: str | None) -> SidecarProcess:
@@ -251,12 +252,13 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
                 for _, call in paths:
                     await call(i)
             lat: dict[str, list[float]] = {name: [] for name, _ in paths}
-            for i in range(cfg.latency_calls):
-                k = i % len(paths)
-                for name, call in paths[k:] + paths[:k]:  # each path first in turn
-                    t0 = time.perf_counter()
-                    await call(i)
-                    lat[name].append(time.perf_counter() - t0)
+            with steady_heap():
+                for i in range(cfg.latency_calls):
+                    k = i % len(paths)
+                    for name, call in paths[k:] + paths[:k]:  # each path first in turn
+                        t0 = time.perf_counter()
+                        await call(i)
+                        lat[name].append(time.perf_counter() - t0)
             p = {name: (percentile(v, 0.5), percentile(v, 0.99)) for name, v in lat.items()}
             say(f"one at a time, {cfg.latency_calls} calls each: "
                 + ", ".join(f"{name} p50 {v[0] * 1e3:.2f} ms" for name, v in p.items()))  # fmt: skip

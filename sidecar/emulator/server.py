@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -386,6 +387,10 @@ async def serve(host: str, port: int, config: EmulatorConfig) -> None:
               f"(step {config.step_a * 1e3:g} ms + {config.step_c * 1e3:g} ms/seq "
               f"+ {config.prefill_per_token * 1e3:g} ms/prefilled token, "
               f"{config.num_gpu_blocks}x{config.block_size} KV tokens)", file=sys.stderr, flush=True)  # fmt: skip
+        # as vLLM's API server does once started: the start-up heap is marked static, so the
+        # oldest generation's collections (a stall of the whole loop) walk only what serving made
+        gc.collect()
+        gc.freeze()
         handled = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
