@@ -109,8 +109,8 @@ def steady_heap() -> Iterator[None]:
     walks every object the process holds (workloads, earlier runs' samples, the libraries):
     in a bench process it stalled the event loop ~50-60 ms, at a point set by allocation
     counts.  Landing inside one client's burst, it delayed that client's sends and reads
-    alone: a 64-request burst through a sidecar read 0.89x direct's throughput in that run
-    and 0.97-0.99x in the others.  Frozen, a collection walks only what the run made."""
+    alone: a 64-request burst through a sidecar read 0.88-0.91x direct's throughput in that
+    run and 0.96-0.98x in the runs around it.  Frozen, a collection walks only what the run made."""
     gc.collect()
     gc.freeze()
     try:
@@ -320,24 +320,25 @@ async def ideal_gang(
     distinct length (one ``max_tokens`` per call, as the sidecar groups them),
     and holds the engine until its longest member is done."""
     result = RunResult()
-    t0 = time.perf_counter()
     lengths = [r.output_tokens for r in requests]
-    for members in equal_mass_bins(lengths, k):
-        for start in range(0, len(members), batch):
-            groups: dict[int, list[int]] = {}  # the chunk's requests (their indices) by length
-            for i in members[start : start + batch]:
-                groups.setdefault(requests[i].output_tokens, []).append(i)
-            outcomes = await asyncio.gather(
-                *(_list_call(session, url, model, [requests[i] for i in ids]) for ids in groups.values()),
-                return_exceptions=True,
-            )
-            done = time.perf_counter() - t0  # every request of the batch arrived at t0
-            for ids, outcome in zip(groups.values(), outcomes, strict=True):
-                if isinstance(outcome, BaseException):
-                    result.failures.extend(f"{type(outcome).__name__}: {outcome}"[:300] for _ in ids)
-                else:
-                    result.samples.extend(Sample(done, done, requests[i].output_tokens, i) for i in ids)
-    result.elapsed_s = time.perf_counter() - t0
+    with steady_heap():
+        t0 = time.perf_counter()
+        for members in equal_mass_bins(lengths, k):
+            for start in range(0, len(members), batch):
+                groups: dict[int, list[int]] = {}  # the chunk's requests (their indices) by length
+                for i in members[start : start + batch]:
+                    groups.setdefault(requests[i].output_tokens, []).append(i)
+                outcomes = await asyncio.gather(
+                    *(_list_call(session, url, model, [requests[i] for i in ids]) for ids in groups.values()),
+                    return_exceptions=True,
+                )
+                done = time.perf_counter() - t0  # every request of the batch arrived at t0
+                for ids, outcome in zip(groups.values(), outcomes, strict=True):
+                    if isinstance(outcome, BaseException):
+                        result.failures.extend(f"{type(outcome).__name__}: {outcome}"[:300] for _ in ids)
+                    else:
+                        result.samples.extend(Sample(done, done, requests[i].output_tokens, i) for i in ids)
+        result.elapsed_s = time.perf_counter() - t0
     return result
 
 

@@ -100,7 +100,7 @@ from ..engine.model_file import save_model
 from ..engine.training_records import train
 from . import sharegpt, workloads
 from .bench_clients import (RunResult, closed_loop, completions_caller, ideal_gang, replay, sidecar_caller,
-                            steady_heap, steady_rate)  # fmt: skip
+                            steady_rate)  # fmt: skip
 from .chaos_load import percentile
 from .bench_processes import (EngineProcess, EngineShape, bench_session, preemptions, served_model, sidecar_doc,
                               start_sidecar, write_answer_lengths)  # fmt: skip
@@ -655,8 +655,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         url, model = urls[engine], models[engine]
         before = await preemptions(session, url)
         if client.mode == "ideal-gang":
-            with steady_heap():
-                result = await ideal_gang(session, url, model, requests, k=client.k, batch=cfg.gang_batch)
+            result = await ideal_gang(session, url, model, requests, k=client.k, batch=cfg.gang_batch)
         elif client.sidecar is None:
             result = await replay(requests, completions_caller(session, url, model, priority=client is PRIORITY,
                                                           recorded=recorded))  # fmt: skip

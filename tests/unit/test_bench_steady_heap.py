@@ -7,8 +7,8 @@ import gc
 
 import pytest
 
-from binbatch_sidecar.bench import workloads
-from binbatch_sidecar.bench.bench_clients import Sample, closed_loop, replay, steady_heap
+from binbatch_sidecar.bench import bench_clients, workloads
+from binbatch_sidecar.bench.bench_clients import Sample, closed_loop, ideal_gang, replay, steady_heap
 
 
 @pytest.fixture(autouse=True)
@@ -57,4 +57,17 @@ async def test_every_call_of_a_run_goes_with_the_heap_frozen(runner):
 
     result = await replay(reqs, call) if runner == "replay" else (await closed_loop(reqs, call, 2))[0]
     assert len(result.samples) == 6 and len(seen) == 6 and min(seen) > 1000
+    assert gc.get_freeze_count() == 0
+
+
+async def test_the_ideal_gang_clients_list_calls_go_with_the_heap_frozen(monkeypatch):
+    reqs = workloads.build("mixed", 8, rate=None, seed=1)
+    seen: list[int] = []
+
+    async def list_call(session, url, model, batch) -> None:
+        seen.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(bench_clients, "_list_call", list_call)
+    result = await ideal_gang(None, "http://127.0.0.1:1", "m", reqs, k=2, batch=4)
+    assert len(result.samples) == 8 and seen and min(seen) > 1000
     assert gc.get_freeze_count() == 0
