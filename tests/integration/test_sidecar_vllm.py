@@ -14,10 +14,10 @@ import time
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from sidecar_harness import prompt_request, running_sidecar, sidecar_config
 
 from binbatch_api.v1 import binbatch_pb2 as pb
+from binbatch_sidecar.engine import vllm_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -29,16 +29,14 @@ def _doc(server, **sections):
 async def _until_idle(server, seconds: float = 60.0) -> None:
     """Until vLLM runs and queues nothing, read from its own gauges: what an earlier test
     left in the session's server holds KV a test's sidecar did not send."""
-    wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     deadline = time.monotonic() + seconds
     async with aiohttp.ClientSession() as session:
         while True:
             async with session.get(server.metrics_url) as resp:
-                text = await resp.text()
-            gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
-            if len(gauges) == len(wanted) and not any(gauges.values()):
+                m = vllm_metrics.parse(await resp.text())  # the sidecar's own reading of them
+            if m.running == 0 and m.waiting == 0:
                 return
-            assert time.monotonic() < deadline, f"vLLM still busy after {seconds} s: {gauges}"
+            assert time.monotonic() < deadline, f"vLLM still busy after {seconds} s: {m.running} running, {m.waiting} waiting"
             await asyncio.sleep(0.1)  # ok-sleep: polling the engine's own gauges, bounded by the deadline
 
 
