@@ -105,10 +105,10 @@ class EngineProcess(ChildProcess):
         await self.signal_and_wait(signal.SIGTERM, 15)
 
 
-async def start_sidecar(doc: dict[str, Any], path: Path, cwd: Path) -> SidecarProcess:
-    """Write ``doc`` to ``path`` and start ``binbatch sidecar --config path``."""
+async def start_sidecar(doc: dict[str, Any], path: Path, cwd: Path, cpus: frozenset[int] | None = None) -> SidecarProcess:
+    """Write ``doc`` to ``path`` and start ``binbatch sidecar --config path`` (on ``cpus`` when given)."""
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    proc = SidecarProcess(path, cwd)
+    proc = SidecarProcess(path, cwd, cpus)
     await proc.start()
     return proc
 

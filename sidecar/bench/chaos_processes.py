@@ -117,11 +117,35 @@ def read_receipts(*paths: Path) -> Counter[str]:
     return counts
 
 
-class ChildProcess:
-    """A child process whose stderr is read line by line until it ends."""
+def pin(pid: int, cpus: frozenset[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (``sched_setaffinity`` sets one
+    thread's mask; threads started after inherit their starter's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
 
-    def __init__(self, name: str) -> None:
+
+def cpus_left(sidecar: frozenset[int], available: frozenset[int]) -> frozenset[int]:
+    """The CPUs left to the bench and its engines once the sidecars have ``sidecar``
+    (``bench e2e --sidecar-cpus``): both non-empty, ``sidecar`` among ``available``."""
+    if not sidecar:
+        raise ValueError("no CPU given")
+    if not sidecar <= available:
+        raise ValueError(f"CPU {min(sidecar - available)} is not one this process may use "
+                         f"({', '.join(map(str, sorted(available)))})")  # fmt: skip
+    if sidecar == available:
+        raise ValueError(f"that is every CPU this process may use ({len(available)}): the engine and the client "
+                         "need one of their own")  # fmt: skip
+    return available - sidecar
+
+
+class ChildProcess:
+    """A child process whose stderr is read line by line until it ends; on ``cpus``
+    when given (every thread, from its start)."""
+
+    def __init__(self, name: str, cpus: frozenset[int] | None = None) -> None:
         self.name = name
+        self.cpus = cpus
         self.proc: asyncio.subprocess.Process | None = None
         self.lines: list[str] = []
         self._reader: asyncio.Task[None] | None = None
@@ -133,6 +157,8 @@ class ChildProcess:
             sys.executable, *args, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
+        if self.cpus:
+            pin(self.proc.pid, self.cpus)  # the interpreter has one thread yet
         assert self.proc.stderr is not None
         async with asyncio.timeout(STARTUP_SECONDS):
             while True:
@@ -143,6 +169,8 @@ class ChildProcess:
                 self.lines.append(line)
                 if match := ready.search(line):
                     break
+        if self.cpus:
+            pin(self.proc.pid, self.cpus)  # and any thread started before the first pin took
         self._reader = asyncio.create_task(self._read_rest())
         return int(match.group(1))
 
@@ -231,8 +259,8 @@ def metrics_port(lines: list[str]) -> int:
 class SidecarProcess(ChildProcess):
     """``binbatch sidecar --config FILE`` on free ports; JSON logs on stderr."""
 
-    def __init__(self, config_path: Path, cwd: Path) -> None:
-        super().__init__("sidecar")
+    def __init__(self, config_path: Path, cwd: Path, cpus: frozenset[int] | None = None) -> None:
+        super().__init__("sidecar", cpus)
         self.config_path = config_path
         self.cwd = cwd
         self.grpc_port = 0

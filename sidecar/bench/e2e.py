@@ -83,6 +83,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import signal
 import statistics
 import tempfile
@@ -104,7 +105,7 @@ from .bench_clients import (RunResult, closed_loop, completions_caller, ideal_ga
 from .chaos_load import percentile
 from .bench_processes import (EngineProcess, EngineShape, bench_session, preemptions, served_model, sidecar_doc,
                               start_sidecar, write_answer_lengths)  # fmt: skip
-from .chaos_processes import run_to_end
+from .chaos_processes import cpus_left, pin, run_to_end
 
 # GPU-like: the fixed step cost dominates (a large model's weights are read once
 # per step), so batching pays; the KV cache holds ~12 chat sequences at a time.
@@ -179,6 +180,8 @@ class E2EConfig:
     only: tuple[str, ...] = ()  # scenario keys ("mixed@gang") or shapes ("chat"); empty: all
     clients: tuple[str, ...] = ()  # client keys ("direct", "hint", ...) to send with; empty: all
     samples_path: str | None = None  # each answered request's timings, a JSON line each, written as runs end
+    # the sidecars on these CPUs and the bench, its client and engines on the rest (a pod's own CPU); empty: shared
+    sidecar_cpus: frozenset[int] = frozenset()
 
 
 SCENARIO_NAMES = ("chat", "short", "mixed", "system", "chat@burst", "short@ample", "mixed@gang", "system@burst",
@@ -590,6 +593,12 @@ async def run_async(cfg: E2EConfig, say: Callable[[str], None]) -> dict[str, Any
 async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: contextlib.AsyncExitStack) -> dict[str, Any]:
     urls: dict[str, str] = {}
     plan = scenarios(cfg)
+    if cfg.sidecar_cpus:  # before any child starts: the engines inherit the bench's CPUs, the sidecars get theirs
+        available = frozenset(os.sched_getaffinity(0))
+        pin(os.getpid(), cpus_left(cfg.sidecar_cpus, available))
+        stack.callback(pin, os.getpid(), available)
+        say(f"sidecars on CPU {_cpu_list(cfg.sidecar_cpus)}; this bench, its client and the engines on CPU "
+            f"{_cpu_list(available - cfg.sidecar_cpus)}")  # fmt: skip
     if cfg.engine_url:
         urls = dict.fromkeys(("kv", "ample", "sharegpt", "system"), cfg.engine_url.rstrip("/"))
         say(f"engine {urls['kv']} (every scenario on it)")
@@ -638,7 +647,7 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         if key not in used:
             continue
         doc = sidecar_doc(urls[engine], models[engine], overrides, scrape_ms=None if key in POLICY_DEFAULT else 200)
-        proc = await start_sidecar(doc, tmp / f"{key}.yaml", tmp)
+        proc = await start_sidecar(doc, tmp / f"{key}.yaml", tmp, cfg.sidecar_cpus or None)
         stack.push_async_callback(proc.signal_and_wait, signal.SIGTERM, 15)
         channels[key] = await stack.enter_async_context(grpc.aio.insecure_channel(proc.target))
         doors[key] = proc.http_url
@@ -722,6 +731,8 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
         "burst_capacity_requests_per_s": burst_capacity, "repeats": cfg.repeats, "seed": cfg.seed, "failures": failures,
         "slo": f"TTFT <= {cfg.slo_ttft_s * 1e3:g} ms and TPOT <= {cfg.slo_tpot_s * 1e3:g} ms", **notes,
     }  # fmt: skip
+    if cfg.sidecar_cpus:
+        setup["sidecar_cpus"] = sorted(cfg.sidecar_cpus)
     say("setup: " + ", ".join(f"{k} {v}" for k, v in setup.items() if k != "slo_warning"))
     if "slo_warning" in setup:
         say("WARNING: " + setup["slo_warning"])
@@ -773,6 +784,10 @@ async def _steady_capacity(
     if result.failures:
         raise RuntimeError(f"capacity: {len(result.failures)} direct requests failed, first: {result.failures[0]}")
     return steady_rate(spans, cfg.capacity_concurrency, statistics.fmean(r.output_tokens for r in replayed))
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ", ".join(map(str, sorted(cpus)))
 
 
 def write_samples(path: str, sc: Scenario, client: Client, rep: int, result: RunResult) -> None:

@@ -54,6 +54,14 @@ def share(text: str) -> float:
     return v
 
 
+def cpu_list(text: str) -> frozenset[int]:
+    """CPU numbers, comma-separated (``1`` or ``2,3``)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected CPU numbers separated by commas (e.g. 1 or 2,3), got {text!r}")
+    return frozenset(int(p) for p in parts)
+
+
 def positive_int(text: str) -> int:
     try:
         v = int(text)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from dataclasses import replace
 
-from .arguments import EXIT_CANNOT_START, byte_size, int_in, load_fraction, positive_float, positive_int, share
+from .arguments import EXIT_CANNOT_START, byte_size, cpu_list, int_in, load_fraction, positive_float, positive_int, share
 from .reporting import progress, report
 
 _CHAOS_SCENARIOS = ("overload", "engine_kill", "config_churn", "sigterm", "metrics_faults")
@@ -88,6 +89,15 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     cfg = replace(cfg, clients=tuple(args.client)) if args.client else cfg
     cfg = replace(cfg, capacity_concurrency=args.capacity_concurrency) if args.capacity_concurrency else cfg
     cfg = replace(cfg, capacity_requests=args.capacity_requests) if args.capacity_requests else cfg
+    if args.sidecar_cpus:
+        from ..bench.chaos_processes import cpus_left
+
+        try:
+            cpus_left(args.sidecar_cpus, frozenset(os.sched_getaffinity(0)))
+        except ValueError as exc:
+            given = ",".join(map(str, sorted(args.sidecar_cpus)))
+            raise SystemExit(f"binbatch bench e2e: --sidecar-cpus {given}: {exc}") from None
+        cfg = replace(cfg, sidecar_cpus=args.sidecar_cpus)
     if args.samples:
         try:
             open(args.samples, "w", encoding="utf-8").close()  # each run appends to it: start empty
@@ -346,6 +356,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e2.add_argument("--client", action="append", choices=_E2E_CLIENTS, metavar="CLIENT",
                     help=f"send only with this client (repeatable; keep direct, every ratio divides by it): "
                          f"{', '.join(_E2E_CLIENTS)}")  # fmt: skip
+    e2.add_argument("--sidecar-cpus", type=cpu_list, metavar="LIST",
+                    help="run the sidecars on these CPUs (comma-separated numbers, e.g. 1) and this bench, its "
+                         "client and the embedded engines on the others, as a pod's own CPU keeps a sidecar off "
+                         "the engine's; default: all share every CPU")  # fmt: skip
     e2.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     e2.set_defaults(func=_bench_e2e)
     oh = bench_sub.add_parser(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -233,3 +234,22 @@ def test_every_judged_default_has_a_twin_through_the_http_door_with_the_same_con
         # its own process (neither learns from the other's runs), with the very config the judged one has
         assert http_door.sidecar != grpc_door.sidecar and overrides[http_door.sidecar] == overrides[grpc_door.sidecar]
         assert {grpc_door.sidecar, http_door.sidecar} <= e2e.POLICY_DEFAULT
+
+
+def test_cli_sidecar_cpus_reach_the_run_and_a_bad_list_names_the_flag(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(e2e, "run", lambda cfg, say: seen.setdefault("cfg", cfg) and {"runs": [], "ratios": {}})
+    monkeypatch.setattr(e2e, "print_tables", lambda doc: None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert cli.main(["bench", "e2e", "--sidecar-cpus", "2,3", "--quiet"]) == 0
+    assert seen["cfg"].sidecar_cpus == frozenset({2, 3})
+    for given, problem in (("0,1,2,3", "that is every CPU this process may use (4): the engine and the client need one of their own"),
+                           ("7", "CPU 7 is not one this process may use (0, 1, 2, 3)")):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", "e2e", "--sidecar-cpus", given, "--quiet"])
+        assert str(exc.value.code) == f"binbatch bench e2e: --sidecar-cpus {given}: {problem}"
+    for given in ("", "1,", "one", "-1"):
+        with pytest.raises(SystemExit):
+            cli.main(["bench", "e2e", "--sidecar-cpus", given, "--quiet"])
+        assert "argument --sidecar-cpus: expected CPU numbers separated by commas" in capsys.readouterr().err
+    assert e2e.E2EConfig().sidecar_cpus == frozenset()  # the default: everything shares every CPU
