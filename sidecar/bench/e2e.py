@@ -595,10 +595,10 @@ async def _run(cfg: E2EConfig, say: Callable[[str], None], tmp: Path, stack: con
     plan = scenarios(cfg)
     if cfg.sidecar_cpus:  # before any child starts: the engines inherit the bench's CPUs, the sidecars get theirs
         available = frozenset(os.sched_getaffinity(0))
-        pin(os.getpid(), cpus_left(cfg.sidecar_cpus, available))
+        rest = cpus_left(cfg.sidecar_cpus, available)
+        pin(os.getpid(), rest)
         stack.callback(pin, os.getpid(), available)
-        say(f"sidecars on CPU {_cpu_list(cfg.sidecar_cpus)}; this bench, its client and the engines on CPU "
-            f"{_cpu_list(available - cfg.sidecar_cpus)}")  # fmt: skip
+        say(f"sidecars on CPU {_cpu_list(cfg.sidecar_cpus)}; this bench, its client and the engines on CPU {_cpu_list(rest)}")
     if cfg.engine_url:
         urls = dict.fromkeys(("kv", "ample", "sharegpt", "system"), cfg.engine_url.rstrip("/"))
         say(f"engine {urls['kv']} (every scenario on it)")
