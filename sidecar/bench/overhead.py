@@ -14,7 +14,16 @@ In one run, interleaved call by call:
 * **a streamed request's cost** (the ``stream`` path): the same closed loop through
   the HTTP door, each request streaming ``STREAM_TOKENS`` tokens with no hint, so
   the sidecar predicts its length and relays a chunk a token: its CPU a request
-  (``stream_sidecar_cpu_us_per_request``, at the most callers) is mostly the relay's.
+  (``stream_sidecar_cpu_us_per_request``, at the most callers) is mostly the relay's;
+* **the relay's cost a token** (``relay``): on that instant engine several tokens
+  arrive in one read, where a GPU engine streams each answer a token a step.  So a
+  second judged sidecar fronts the e2e bench's ample engine (it steps: one token
+  an answer a step) and closed loops of ``relay_concurrency`` callers stream
+  answers of two lengths (``RELAY_TOKENS``) directly, through the HTTP door and
+  through the gRPC door's ``GenerateStream``; the sidecar's CPU a request grows
+  with the answer by its cost a token (``relay_http_cpu_us_per_token``,
+  ``relay_grpc_cpu_us_per_token``) from its cost a request.  This is how to size
+  the sidecar's CPU for the tokens a pod streams.
 
 The bench client, the sidecar and the engine are three processes on this
 machine's cores, so the figures say what the whole stack reaches here; the
@@ -63,17 +72,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
-from .bench_clients import CallFailed, completion_body, exactly, steady_heap
-from .bench_processes import EngineProcess, EngineShape, bench_session, served_model, sidecar_doc
+from .bench_clients import (CallFailed, closed_loop, completion_body, completions_caller, exactly, sidecar_caller,
+                            steady_heap)  # fmt: skip
+from .bench_processes import EngineProcess, EngineShape, bench_session, served_model, sidecar_doc, started_engine
 from .chaos_load import percentile
 from .chaos_processes import SIDECAR_READY, SidecarProcess, http_port, metrics_port, run_to_end
-from .e2e import policy_default
+from .e2e import AMPLE_KV, policy_default
+from .workloads import BenchRequest
 
 JSON_KEYS = ("added_p50_ms", "added_p99_ms", "max_requests_per_s", "http_added_p50_ms", "http_added_p99_ms",
-             "http_max_requests_per_s", "stream_sidecar_cpu_us_per_request")
+             "http_max_requests_per_s", "stream_sidecar_cpu_us_per_request", "relay_http_cpu_us_per_token",
+             "relay_grpc_cpu_us_per_token")  # fmt: skip
 # The streamed path's answers: a short chat reply's length, so the sidecar relays as many
 # chunks a request as a real stream (its CPU a request is mostly the relay's).
 STREAM_TOKENS = 24
+# The relay's two answer lengths: a short reply and a long one (the e2e bench's ample engine holds both).
+RELAY_TOKENS = (4, 128)
+RELAY_DOORS = ("http", "grpc")
 INSTANT = EngineShape(step_a=0.0, step_c=0.0, num_gpu_blocks=65536, block_size=16, max_num_seqs=1024,
                       max_model_len=512)  # fmt: skip
 # The reference row: admission must never be what limits it: a static size far above
@@ -93,11 +108,15 @@ class OverheadConfig:
     window_s: float = 4.0
     profile: str | None = None  # cProfile dump of the judged sidecar
     tuned: bool = True  # measure the HAND_TUNED sidecar beside the judged one
+    relay_tokens: tuple[int, int] = RELAY_TOKENS  # the relay's short and long answers
+    relay_requests: int = 256  # a relay loop's requests (each length, each path)
+    relay_concurrency: int = 32
 
 
 def quick() -> OverheadConfig:
     """The seconds-long version (the test suite's)."""
-    return OverheadConfig(latency_calls=40, concurrencies=(8,), window_s=0.5)
+    return OverheadConfig(latency_calls=40, concurrencies=(8,), window_s=0.5, relay_tokens=(2, 10), relay_requests=16,
+                          relay_concurrency=8)  # fmt: skip
 
 
 def judged_sidecar_doc(engine_url: str, model: str) -> dict[str, Any]:
@@ -179,6 +198,59 @@ async def target_batch_size(session: aiohttp.ClientSession, port: int) -> int | 
     sizes = [s.value for f in text_string_to_metric_families(text) if f.name == "binbatch_target_batch_size"
              for s in f.samples]  # fmt: skip
     return round(max(sizes)) if sizes else None
+
+
+def per_token(short: tuple[int, float], long: tuple[int, float]) -> tuple[float, float]:
+    """From the CPU a request at two answer lengths ((tokens, us), (tokens, us)): its cost a
+    token (the slope) and a request (the intercept, what an answer of no token would cost)."""
+    (t0, c0), (t1, c1) = short, long
+    if not t1 > t0:
+        raise ValueError(f"the long answer must be longer than the short one, got {t0} and {t1} tokens")
+    slope = (c1 - c0) / (t1 - t0)
+    return slope, c0 - slope * t0
+
+
+async def relay_cost(cfg: OverheadConfig, session: aiohttp.ClientSession, tmp: Path, stack: contextlib.AsyncExitStack,
+                     say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """The ``relay`` measurement (module docstring): closed loops on a stepping engine, direct
+    first, each path at each answer length; the CPU the sidecar and the engine spent a request."""
+    engine, model = await started_engine(stack, AMPLE_KV, tmp)
+    sidecar = await _start_sidecar(judged_sidecar_doc(engine.url, model), tmp / "relay.yaml", tmp, None)
+    stack.push_async_callback(sidecar.signal_and_wait, signal.SIGTERM, 30)
+    channel = await stack.enter_async_context(grpc.aio.insecure_channel(sidecar.target))
+    say(f"the relay: a stepping engine ({AMPLE_KV.describe()}) on {engine.url}, a sidecar (policy default) on "
+        f"{sidecar.target}")  # fmt: skip
+    paths = {"direct": completions_caller(session, engine.url, model),
+             "http": completions_caller(session, f"http://127.0.0.1:{http_port(sidecar.lines)}", model),
+             "grpc": sidecar_caller(channel, hint=False)}  # fmt: skip
+    runs: list[dict[str, Any]] = []
+    for tokens in cfg.relay_tokens:
+        requests = [BenchRequest(prompt=f"relay {i}", output_tokens=tokens, arrival_s=0.0)
+                    for i in range(cfg.relay_requests)]  # fmt: skip
+        for name, call in paths.items():
+            before = {"sidecar": cpu_seconds(sidecar.pid), "engine": cpu_seconds(engine.pid)}
+            result, _ = await closed_loop(requests, call, cfg.relay_concurrency)
+            if result.failures:
+                raise CallFailed(f"the relay's {name} path, {tokens} tokens: {len(result.failures)} failed, "
+                                 f"first: {result.failures[0]}")  # fmt: skip
+            n = len(result.samples)
+            cpu_us = {k: _per_request_us(v, cpu_seconds(p.pid), n) for (k, v), p in zip(before.items(), (sidecar, engine))}
+            runs.append({"path": name, "tokens": tokens, "requests_per_s": n / result.elapsed_s, "cpu_us_per_request": cpu_us})
+            shown = ", ".join(f"{k} {v:.0f}" for k, v in cpu_us.items() if v is not None)
+            say(f"relay, {name}, {tokens} tokens an answer, {cfg.relay_concurrency} callers: {n / result.elapsed_s:.1f} "
+                f"requests/s (CPU us per request: {shown})")  # fmt: skip
+    # a door's cost at each length: what the sidecar spent a request over what it spent idle meanwhile
+    # (direct's run at that length, as long: about 8 ms of CPU a second, its timers and scrapes)
+    idle = {r["tokens"]: r["cpu_us_per_request"]["sidecar"] for r in runs if r["path"] == "direct"}
+    doors: dict[str, dict[str, float | None]] = {}
+    for door in RELAY_DOORS:
+        spent = [(r["tokens"], r["cpu_us_per_request"]["sidecar"], idle[r["tokens"]]) for r in runs if r["path"] == door]
+        if any(us is None or base is None for _, us, base in spent):  # no /proc to read: not measured
+            doors[door] = {"cpu_us_per_token": None, "cpu_us_per_request": None}
+            continue
+        token_us, request_us = per_token(*((tokens, us - base) for tokens, us, base in spent))
+        doors[door] = {"cpu_us_per_token": token_us, "cpu_us_per_request": request_us}
+    return {"doors": doors, "runs": runs, "concurrency": cfg.relay_concurrency}
 
 
 async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str, Any]:
@@ -280,6 +352,7 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
                     if row.get("target_batch_size") is not None and row["target_batch_size"] < c:
                         say(f"note: the {name} sidecar's batch sizing caps the engine at {row['target_batch_size']} "
                             f"requests, below the {c} callers")  # fmt: skip
+            relay = await relay_cost(cfg, session, tmp, stack, say)
     out = {
         "added_p50_ms": (p["sidecar"][0] - p["direct"][0]) * 1e3,
         "added_p99_ms": (p["sidecar"][1] - p["direct"][1]) * 1e3,
@@ -290,8 +363,12 @@ async def run_async(cfg: OverheadConfig, say: Callable[[str], None]) -> dict[str
         # the judged sidecar's CPU a streamed request, at the most callers (mostly relaying its chunks)
         "stream_sidecar_cpu_us_per_request": next(
             r["cpu_us_per_request"]["sidecar"] for r in reversed(rates) if r["path"] == "stream"),
+        # the judged sidecar's CPU a streamed token, each answer a token a step (the relay's slope)
+        "relay_http_cpu_us_per_token": relay["doors"]["http"]["cpu_us_per_token"],
+        "relay_grpc_cpu_us_per_token": relay["doors"]["grpc"]["cpu_us_per_token"],
         "latency_ms": {name: {"p50": v[0] * 1e3, "p99": v[1] * 1e3} for name, v in p.items()},
         "rates": rates,
+        "relay": relay,
     }
     if cfg.profile:
         out["profile_top"] = hot_spots(cfg.profile)
@@ -333,6 +410,16 @@ def print_table(doc: dict[str, Any]) -> None:
     if doc.get("stream_sidecar_cpu_us_per_request") is not None:
         print(f"sidecar CPU a streamed request ({STREAM_TOKENS} tokens, no hint): "
               f"{doc['stream_sidecar_cpu_us_per_request']:.0f} us")  # fmt: skip
+    if (relay := doc.get("relay")) is not None:
+        print(f"the sidecar's CPU relaying answers streamed a token a step ({relay['concurrency']} callers):")
+        for door, v in relay["doors"].items():
+            name = "HTTP" if door == "http" else "gRPC"
+            if v["cpu_us_per_token"] is None:
+                print(f"  {name} door: not measured (no /proc to read the CPU from)")
+                continue
+            per_second = f" ({1e6 / v['cpu_us_per_token']:,.0f} tokens a CPU second)" if v["cpu_us_per_token"] > 0 else ""
+            print(f"  {name} door: {v['cpu_us_per_token']:.0f} us a token + {v['cpu_us_per_request']:.0f} us a "
+                  f"request{per_second}")  # fmt: skip
     print(f"max requests/s through the sidecar (policy default): {doc['max_requests_per_s']:.0f}; "
           f"through its HTTP door: {doc['http_max_requests_per_s']:.0f}")
     sys.stdout.flush()

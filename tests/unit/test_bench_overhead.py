@@ -11,7 +11,7 @@ import time
 import pytest
 
 from binbatch_operator import builders
-from binbatch_sidecar.bench.overhead import HAND_TUNED, cpu_seconds, judged_sidecar_doc, print_table
+from binbatch_sidecar.bench.overhead import HAND_TUNED, cpu_seconds, judged_sidecar_doc, per_token, print_table
 from binbatch_sidecar.config import parse_config
 
 
@@ -57,6 +57,21 @@ def test_the_table_shows_each_process_cpu_per_request(capsys):
     assert ["http", "16", "1000", "-", "280", "800", "150"] in rows
     assert rows[-1][-1] == "1000"  # the HTTP door's most requests per second closes the table
     assert rows[-2][-2:] == ["4321", "us"]  # after the sidecar's CPU a streamed request
+
+    doc["relay"] = {"concurrency": 32, "doors": {"http": {"cpu_us_per_token": 80.0, "cpu_us_per_request": 1500.0},
+                                                 "grpc": {"cpu_us_per_token": None, "cpu_us_per_request": None}}}  # fmt: skip
+    print_table(doc)
+    out = capsys.readouterr().out
+    assert "HTTP door: 80 us a token + 1500 us a request (12,500 tokens a CPU second)" in out
+    assert "gRPC door: not measured (no /proc to read the CPU from)" in out
+
+
+def test_the_relays_cost_a_token_is_the_slope_between_two_answer_lengths():
+    # 1,000 us at 4 tokens, 11,000 at 104: 100 us a token, 600 a request
+    assert per_token((4, 1000.0), (104, 11000.0)) == (100.0, 600.0)
+    assert per_token((2, 500.0), (10, 500.0)) == (0.0, 500.0)  # a relay that cost nothing a token
+    with pytest.raises(ValueError, match="longer than the short one, got 8 and 8 tokens"):
+        per_token((8, 1.0), (8, 2.0))
 
 
 ENGINE = "http://127.0.0.1:9"
