@@ -223,18 +223,19 @@ async def relay_cost(cfg: OverheadConfig, session: aiohttp.ClientSession, tmp: P
     paths = {"direct": completions_caller(session, engine.url, model),
              "http": completions_caller(session, f"http://127.0.0.1:{http_port(sidecar.lines)}", model),
              "grpc": sidecar_caller(channel, hint=False)}  # fmt: skip
+    pids = {"sidecar": sidecar.pid, "engine": engine.pid}
     runs: list[dict[str, Any]] = []
     for tokens in cfg.relay_tokens:
         requests = [BenchRequest(prompt=f"relay {i}", output_tokens=tokens, arrival_s=0.0)
                     for i in range(cfg.relay_requests)]  # fmt: skip
         for name, call in paths.items():
-            before = {"sidecar": cpu_seconds(sidecar.pid), "engine": cpu_seconds(engine.pid)}
+            before = {k: cpu_seconds(pid) for k, pid in pids.items()}
             result, _ = await closed_loop(requests, call, cfg.relay_concurrency)
             if result.failures:
                 raise CallFailed(f"the relay's {name} path, {tokens} tokens: {len(result.failures)} failed, "
                                  f"first: {result.failures[0]}")  # fmt: skip
             n = len(result.samples)
-            cpu_us = {k: _per_request_us(v, cpu_seconds(p.pid), n) for (k, v), p in zip(before.items(), (sidecar, engine))}
+            cpu_us = {k: _per_request_us(before[k], cpu_seconds(pid), n) for k, pid in pids.items()}
             runs.append({"path": name, "tokens": tokens, "requests_per_s": n / result.elapsed_s, "cpu_us_per_request": cpu_us})
             shown = ", ".join(f"{k} {v:.0f}" for k, v in cpu_us.items() if v is not None)
             say(f"relay, {name}, {tokens} tokens an answer, {cfg.relay_concurrency} callers: {n / result.elapsed_s:.1f} "
