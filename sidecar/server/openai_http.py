@@ -409,6 +409,7 @@ class OpenAIDoor:
         call = ticket.call
         assert call.deltas is not None
         response: web.StreamResponse | None = None
+        tail = ""  # text that arrived with the answer's end: it goes out in the end's write
         try:
             try:
                 async with asyncio.timeout(timeout):
@@ -416,6 +417,9 @@ class OpenAIDoor:
                         piece = await call.deltas.get()
                         while not call.deltas.empty():  # the engine ran ahead: one chunk for what arrived
                             piece += call.deltas.get_nowait()
+                        if call.future.done():  # the last text and the end came in one turn: one write
+                            tail = piece
+                            break
                         if piece:
                             response = response or await self._open(request, ticket, None)
                             await response.write(shape.text_event(piece))
@@ -424,16 +428,16 @@ class OpenAIDoor:
                 raise Rejected("deadline", f"{TIMEOUT}: the deadline passed") from None
         except (Rejected, EngineError) as exc:
             log.debug("failed: %s", exc, extra=ticket.log_extra)
-            if response is None:
+            if response is None and not tail:
                 return error_response(exc, ticket.req.id)
-            await response.write(_event(status_of(exc)[1]) + DONE)
+            response = response or await self._open(request, ticket, None)
+            await response.write((shape.text_event(tail) if tail else b"") + _event(status_of(exc)[1]) + DONE)
             return response
         self.front.finished(ticket, completion)
-        events = []  # the end goes in one write, with the stream's last chunk
-        if response is None:  # gang mode (the text comes whole) or an empty completion
+        if response is None:  # gang mode (the text comes whole), one turn's whole answer, or an empty one
             response = await self._open(request, ticket, completion)
-            if completion.result.text:
-                events.append(shape.text_event(completion.result.text))
+            tail = tail or completion.result.text
+        events = [shape.text_event(tail)] if tail else []  # the end goes in one write, with the last text
         events.append(_event(shape.chunk(None if shape.chat else "", completion.result.finish_reason)))
         if include_usage(body):
             events.append(_event(shape.usage_chunk(completion)))
@@ -442,7 +446,7 @@ class OpenAIDoor:
         return response
 
     async def _open(self, request: web.Request, ticket: Ticket, completion: Completion | None) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        response = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                **_placement(ticket, completion, self.front.clock.now())})  # fmt: skip
         await response.prepare(request)
         return response
@@ -508,6 +512,15 @@ def _placement(ticket: Ticket, completion: Completion | None, now: float | None 
         sent = call.dispatched_at if call.dispatched_at is not None else now
         queued = max(0.0, (sent or req.arrival) - req.arrival)
     return {REQUEST_ID: req.id, PREDICTED: f"{predicted:g}", BIN: str(bin_), QUEUE_MS: f"{queued * 1000:.3f}"}
+
+
+class _EventStream(web.StreamResponse):
+    """A stream of server-sent events whose status and headers go out with its first event, in one
+    write: aiohttp's ``StreamResponse`` sends them alone when prepared (its ``Response`` holds them
+    back the same way), a socket call more for every streamed request.  ``_open`` prepares it only
+    when the first event is ready, so the client sees the headers no later."""
+
+    _send_headers_immediately = False
 
 
 @web.middleware

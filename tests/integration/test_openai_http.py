@@ -140,6 +140,47 @@ async def test_completion_stream_ends_with_the_usage_chunk(tmp_path):
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
 
 
+async def test_a_streams_headers_go_out_with_its_first_event_and_its_end_in_one_write(tmp_path, monkeypatch):
+    """What the door's socket is handed, write by write: the status line and headers never alone
+    (a socket call more a request), and the last chunk, the usage, [DONE] and the chunked body's
+    end together."""
+    writes: list[tuple[int, bytes]] = []
+    transport = asyncio.selector_events._SelectorSocketTransport  # type: ignore[attr-defined]
+    write, writelines = transport.write, transport.writelines
+
+    def port_of(t) -> int:
+        name = t.get_extra_info("sockname")
+        return name[1] if isinstance(name, tuple) else -1
+
+    def recording_write(self, data):
+        writes.append((port_of(self), bytes(data)))
+        return write(self, data)
+
+    def recording_writelines(self, lines):
+        lines = list(lines)
+        writes.append((port_of(self), b"".join(bytes(x) for x in lines)))
+        return writelines(self, lines)
+
+    monkeypatch.setattr(transport, "write", recording_write)
+    monkeypatch.setattr(transport, "writelines", recording_writelines)
+    async with door(tmp_path) as d:
+        raw = await d.client.completions.with_raw_response.create(
+            model=d.model, prompt="count", max_tokens=6, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = [c async for c in raw.parse()]
+        port = d.sc.sidecar.http_port
+    sent = [data for p, data in writes if p == port]
+    assert chunks[-1].usage.completion_tokens == 6
+    assert sent[0].startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in sent[0]
+    assert b"data: {" in sent[0].partition(b"\r\n\r\n")[2]  # the first event rode with the headers
+    assert all(not data.startswith(b"HTTP/") for data in sent[1:])
+    assert b'"finish_reason":"length"' in sent[-1] and b'"usage":' in sent[-1]
+    assert sent[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    texts = [c for c in chunks if c.choices and c.choices[0].text]
+    assert len(sent) <= len(texts) + 1  # a write a piece of text, and the end's (with the last piece, if together)
+
+
 async def test_chat_stream_opens_with_the_assistant_role_and_ends_with_usage(tmp_path):
     async with door(tmp_path) as d:
         stream = await d.client.chat.completions.create(
