@@ -447,7 +447,7 @@ class OpenAIDoor:
 
     async def _open(self, request: web.Request, ticket: Ticket, completion: Completion | None) -> web.StreamResponse:
         response = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               **_placement(ticket, completion, self.front.clock.now())})  # fmt: skip
+                                         **_placement(ticket, completion, self.front.clock.now())})  # fmt: skip
         await response.prepare(request)
         return response
 
