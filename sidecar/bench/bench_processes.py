@@ -160,6 +160,18 @@ def bench_session(timeout_s: float) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
+async def sidecar_metric(session: aiohttp.ClientSession, port: int, family: str, labels: dict[str, str] | None = None) -> float:
+    """The value of ``family``'s sample with ``labels`` on a sidecar's metrics port (0 when it has none)."""
+    async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+        text = await resp.text()
+    for fam in text_string_to_metric_families(text):
+        if fam.name == family:
+            for s in fam.samples:
+                if not s.name.endswith("_created") and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                    return s.value
+    return 0.0
+
+
 async def preemptions(session: aiohttp.ClientSession, url: str, attempts: int = 3) -> float | None:
     """The engine's cumulative preemption count from ``/metrics`` (summed over
     its label sets), or None when the engine exposes none or its metrics cannot

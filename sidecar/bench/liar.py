@@ -42,7 +42,6 @@ from typing import Any
 
 import aiohttp
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
@@ -50,8 +49,8 @@ from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 from . import workloads
 from .bench_clients import (RunResult, Sample, closed_loop, completions_caller, length_fields, replay, steady_rate,
                             streamed_sample)  # fmt: skip
-from .bench_processes import (EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, start_sidecar,
-                              write_answer_lengths)  # fmt: skip
+from .bench_processes import (EngineProcess, EngineShape, preemptions, served_model, sidecar_doc, sidecar_metric,
+                              start_sidecar, write_answer_lengths)  # fmt: skip
 from .chaos_load import percentile
 from .chaos_processes import SidecarProcess, metrics_port, run_to_end
 from .e2e import KV_LIMITED, policy_default
@@ -143,17 +142,6 @@ class _Split:
         return sample
 
 
-async def _metric(session: aiohttp.ClientSession, port: int, family: str, labels: dict[str, str]) -> float:
-    async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
-        text = await resp.text()
-    for fam in text_string_to_metric_families(text):
-        if fam.name == family:
-            for s in fam.samples:
-                if not s.name.endswith("_created") and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return s.value
-    return 0.0
-
-
 def liar_sidecar_doc(engine_url: str, model: str) -> dict[str, Any]:
     """The policy default (``e2e.policy_default``) with the class ``liar`` (hints allowed, the default)."""
     doc = sidecar_doc(engine_url, model, policy_default({}), scrape_ms=None)
@@ -171,8 +159,8 @@ async def _one_run(requests: list[workloads.BenchRequest], liars: set[int], lies
             split = _Split(caller(channel, liars, lies), liars)
             result: RunResult = await replay(requests, split)
         port = metrics_port(sidecar.lines)
-        ignored = await _metric(session, port, "binbatch_ignored_inputs", {"input": "hint"})
-        distrusted_now = await _metric(session, port, "binbatch_hints_distrusted", {"request_class": LIAR_CLASS})
+        ignored = await sidecar_metric(session, port, "binbatch_ignored_inputs", {"input": "hint"})
+        distrusted_now = await sidecar_metric(session, port, "binbatch_hints_distrusted", {"request_class": LIAR_CLASS})
     finally:
         await sidecar.signal_and_wait(signal.SIGTERM, 30)
     end = await preemptions(session, engine_url)

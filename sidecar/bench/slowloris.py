@@ -29,13 +29,14 @@ from typing import Any
 import aiohttp
 import yaml
 
-from .bench_processes import sidecar_doc, started_engine
+from .bench_processes import sidecar_doc, sidecar_metric, started_engine
 from .chaos_load import percentile
-from .chaos_processes import SidecarProcess, run_to_end
+from .chaos_processes import SidecarProcess, metrics_port, run_to_end
 from .overhead import HAND_TUNED, INSTANT, http_port
 
 HALF_HEADER = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty"
 OPEN_AT_ONCE = 200  # connects in flight at a time (the listen backlog is 128)
+IDLE_WITHIN_S = 10  # for the normal requests' connections to be gone from the sidecar before the flood
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,18 @@ async def _normal(url: str, model: str, n: int) -> tuple[list[float], int]:
             continue
         latencies.append(time.perf_counter() - t0)
     return latencies, refused
+
+
+async def _until_no_connection_open(metrics: int) -> None:
+    """Until the sidecar's HTTP door holds no connection (``binbatch_http_connections`` reads 0).
+
+    A normal request's client closes its connection as it reads the answer; the sidecar
+    drops it when its loop reads the close.  A flood opened before then would find one
+    place fewer under the cap than the bench counts on.  Each read is a round trip
+    through the sidecar's loop, which is what lets it see the close."""
+    async with aiohttp.ClientSession() as http, asyncio.timeout(IDLE_WITHIN_S):
+        while await sidecar_metric(http, metrics, "binbatch_http_connections"):
+            pass
 
 
 async def _open_half_sent(port: int, n: int) -> list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]]:
@@ -121,6 +134,7 @@ async def run_async(cfg: SlowlorisConfig, say: Callable[[str], None]) -> dict[st
             baseline, refused_before = await _normal(url, model, cfg.requests)
             if refused_before or not baseline:
                 raise RuntimeError(f"{refused_before} normal requests refused before any flood")
+            await _until_no_connection_open(metrics_port(sidecar.lines))
             flood_started = time.monotonic()
             held = await _open_half_sent(port, cfg.connections)
             say(f"{cfg.connections} half-sent connections opened in {time.monotonic() - flood_started:.2f} s")

@@ -192,6 +192,9 @@ class SidecarMetrics:
             "binbatch_queued_bytes", "Bytes of the request bodies queued and not yet sent to the engine, which "
             "batch.maxQueuedBytes bounds", registry=r,
         )  # fmt: skip
+        self.http_connections = Gauge(
+            "binbatch_http_connections", "HTTP connections open now (server.maxConnections bounds them)", registry=r
+        )
         self.http_connections_refused = Counter(
             "binbatch_http_connections_refused", "HTTP connections closed as they were made because "
             "server.maxConnections were open", registry=r,

@@ -203,6 +203,8 @@ class Sidecar:
             assert self._http_runner.server is not None
             cap_connections(self._http_runner.server, lambda: self.config.server.max_connections,
                             self.metrics.http_connections_refused.inc)  # fmt: skip
+            http_server = self._http_runner.server
+            self.metrics.http_connections.set_function(lambda: len(http_server.connections))
             self.http_port = await ports.start_site(self._http_runner, self.host, self._http_port_req,
                                                     self._port_settings[2])  # fmt: skip
             if self._take_over_port_req is not None:

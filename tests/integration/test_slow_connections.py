@@ -150,8 +150,10 @@ async def test_connections_past_max_connections_are_closed_at_once_while_open_on
             assert await completion(http, base, model) == 200  # connection 1 still served
             server = sc.sidecar._http_runner.server
             assert server is not None and len(server.connections) == 2
-            refused = (await sc.scrape())["binbatch_http_connections_refused"].samples[0]
+            scraped = await sc.scrape()
+            refused = scraped["binbatch_http_connections_refused"].samples[0]
             assert (refused.name, refused.value) == ("binbatch_http_connections_refused_total", 1)
+            assert scraped["binbatch_http_connections"].samples[0].value == 2  # the open ones, not the refused
             idle_writer.close()  # a place frees: a new connection is served again
             assert await closed_by_server(idle_reader) == b""
             async with asyncio.timeout(BOUND):
