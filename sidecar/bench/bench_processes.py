@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from ..engine.engine_client import KEEPALIVE_SECONDS
 from .chaos_processes import ChildProcess, SidecarProcess
@@ -160,16 +161,19 @@ def bench_session(timeout_s: float) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
-async def sidecar_metric(session: aiohttp.ClientSession, port: int, family: str, labels: dict[str, str] | None = None) -> float:
-    """The value of ``family``'s sample with ``labels`` on a sidecar's metrics port (0 when it has none)."""
+async def sidecar_samples(session: aiohttp.ClientSession, port: int, family: str) -> list[Sample]:
+    """The samples of ``family`` on a sidecar's metrics port (its ``_created`` ones left out)."""
     async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
         text = await resp.text()
-    for fam in text_string_to_metric_families(text):
-        if fam.name == family:
-            for s in fam.samples:
-                if not s.name.endswith("_created") and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                    return s.value
-    return 0.0
+    return [s for fam in text_string_to_metric_families(text) if fam.name == family
+            for s in fam.samples if not s.name.endswith("_created")]  # fmt: skip
+
+
+async def sidecar_metric(session: aiohttp.ClientSession, port: int, family: str, labels: dict[str, str] | None = None) -> float:
+    """The value of ``family``'s sample with ``labels`` on a sidecar's metrics port (0 when it has none)."""
+    wanted = (labels or {}).items()
+    samples = await sidecar_samples(session, port, family)
+    return next((s.value for s in samples if all(s.labels.get(k) == v for k, v in wanted)), 0.0)
 
 
 async def preemptions(session: aiohttp.ClientSession, url: str, attempts: int = 3) -> float | None:

@@ -67,14 +67,14 @@ import aiohttp
 import grpc
 import yaml
 
-from prometheus_client.parser import text_string_to_metric_families
 
 from binbatch_api.v1 import binbatch_pb2 as pb
 from binbatch_api.v1 import binbatch_pb2_grpc as pb_grpc
 
 from .bench_clients import (CallFailed, closed_loop, completion_body, completions_caller, exactly, sidecar_caller,
                             steady_heap)  # fmt: skip
-from .bench_processes import EngineProcess, EngineShape, bench_session, served_model, sidecar_doc, started_engine
+from .bench_processes import (EngineProcess, EngineShape, bench_session, served_model, sidecar_doc, sidecar_samples,
+                              started_engine)  # fmt: skip
 from .chaos_load import percentile
 from .chaos_processes import SIDECAR_READY, SidecarProcess, http_port, metrics_port, run_to_end
 from .e2e import AMPLE_KV, policy_default
@@ -193,10 +193,7 @@ async def _start_sidecar(doc: dict[str, Any], path: Path, cwd: Path, profile: st
 async def target_batch_size(session: aiohttp.ClientSession, port: int) -> int | None:
     """The largest ``binbatch_target_batch_size`` (B_t, the most requests the
     sidecar lets into the engine at once) its metrics port shows; None if none."""
-    async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
-        text = await resp.text()
-    sizes = [s.value for f in text_string_to_metric_families(text) if f.name == "binbatch_target_batch_size"
-             for s in f.samples]  # fmt: skip
+    sizes = [s.value for s in await sidecar_samples(session, port, "binbatch_target_batch_size")]
     return round(max(sizes)) if sizes else None
 
 

@@ -200,10 +200,10 @@ class Sidecar:
             self.metrics_port = await ports.start_site(self._runner, self.host, self._metrics_port_req,
                                                        self._port_settings[1])  # fmt: skip
             await self._http_runner.setup()
-            assert self._http_runner.server is not None
-            cap_connections(self._http_runner.server, lambda: self.config.server.max_connections,
-                            self.metrics.http_connections_refused.inc)  # fmt: skip
             http_server = self._http_runner.server
+            assert http_server is not None
+            cap_connections(http_server, lambda: self.config.server.max_connections,
+                            self.metrics.http_connections_refused.inc)  # fmt: skip
             self.metrics.http_connections.set_function(lambda: len(http_server.connections))
             self.http_port = await ports.start_site(self._http_runner, self.host, self._http_port_req,
                                                     self._port_settings[2])  # fmt: skip
