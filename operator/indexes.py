@@ -117,6 +117,13 @@ class Watched:
         for key in _keys(kind, entry):
             self._by[kind].setdefault(key, {})[uid] = entry
 
+    def written(self, kind: str, body: Mapping[str, Any]) -> None:
+        """A child as the server answered the operator's write: stored now, so a re-check that runs before the
+        watch's event for it compares with what was written and does not write it again.  An event already on
+        its way from before the write may still put the older copy back until the event for the write follows;
+        the worst that does is one redundant patch."""
+        self.apply(kind, "MODIFIED", body)
+
     def _drop(self, kind: str, uid: str) -> None:
         entry = self._entries[kind].pop(uid, None)
         for key in _keys(kind, entry) if entry is not None else ():

@@ -77,6 +77,9 @@ class KubeApi:
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.admission = kubernetes.client.AdmissionregistrationV1Api(client)
         self.networking = kubernetes.client.NetworkingV1Api(client)
+        # Called with (kind, object as the server returned it) after each child ``ensure`` wrote: the operator
+        # puts it into its watched store at once, so a re-check before the watch's event does not write again.
+        self.wrote: Callable[[str, Mapping[str, Any]], None] | None = None
 
     @classmethod
     def from_environment(cls) -> KubeApi:
@@ -110,10 +113,12 @@ class KubeApi:
 
         ``current`` is the object as the operator's watch last saw it (None:
         not there), so nothing is read: a write is sent only when it is missing
-        or differs from what the builder says (``covers``).  The watch may lag
-        a write by a moment: a create that meets the object (409) reads it and
-        patches it if it is the policy's own (``owned_by``), a patch that misses
-        it (404) creates it.  An object of that name that is not the policy's
+        or differs from what the builder says (``covers``).  What the server
+        answers a write goes to ``wrote`` (the operator's store), so the next
+        check compares with it before the watch's event for it comes.  The
+        watch may still lag another write (a replica's, a deletion): a create
+        that meets the object (409) reads it and patches it if it is the
+        policy's own (``owned_by``), a patch that misses it (404) creates it.  An object of that name that is not the policy's
         is never written: ``ChildConflict``.  A merge patch replaces lists
         whole (a Service's ports), so after an update the object is exactly what
         the builder said.
@@ -134,13 +139,14 @@ class KubeApi:
         }[kind]  # fmt: skip
         if current is not None:
             try:
-                await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
+                self._written(kind, await self._call(patch, meta["name"], meta["namespace"], dict(obj),
+                                                     _content_type=MERGE_PATCH))  # fmt: skip
                 return "updated"
             except ApiException as exc:
                 if exc.status != 404:  # 404: deleted meanwhile; create it below
                     raise
         try:
-            await self._call(create, meta["namespace"], dict(obj))
+            self._written(kind, await self._call(create, meta["namespace"], dict(obj)))
             return "created"
         except ApiException as exc:
             if exc.status != 409:  # 409: it exists after all; ours to patch only if it is the policy's
@@ -149,9 +155,15 @@ class KubeApi:
         if not owned_by(found, obj):
             raise ChildConflict(obj, found)
         if covers(found, obj):
+            self._written(kind, found)
             return "unchanged"
-        await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH)
+        self._written(kind, await self._call(patch, meta["name"], meta["namespace"], dict(obj), _content_type=MERGE_PATCH))
         return "updated"
+
+    def _written(self, kind: str, body: Any) -> None:
+        """Hand what the server answered to ``wrote`` (the watch's event for it may come a moment later)."""
+        if self.wrote is not None and isinstance(body, Mapping) and (body.get("metadata") or {}).get("uid"):
+            self.wrote(kind, body)
 
     async def delete(self, kind: str, name: str, namespace: str) -> bool:
         """Delete a child the spec no longer asks for: True if it was there (404 is success)."""

@@ -122,6 +122,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     memo.native_sidecar = os.environ.get("BINBATCH_SIDECAR_NATIVE", "false").lower() == "true"
     # Pods, policies and our children, listed once and then watched on every replica (see indexes.py).
     memo.watched = watched = Watched(candidate, namespaces)
+    kube.wrote = watched.written  # what the operator wrote is in its store before the watch brings it
     memo.informers = kube.informers(watched.replace, watched.apply, children=POLICY_LABEL,
                                     **({"namespaces": namespaces} if namespaces else {}))  # fmt: skip
     for informer in memo.informers:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ from binbatch_operator.builders import (
     POLICY_LABEL,
     SIDECAR_CONTAINER,
     SIDECAR_HASH_ANNOTATION,
+    build_network_policy,
 )
 from binbatch_operator.crd import GROUP, KIND, PLURAL, VERSION
 from binbatch_operator.kube import RESTART_ANNOTATION
@@ -51,6 +53,8 @@ from binbatch_sidecar.bench.fleet import kmock_emulator
 from binbatch_sidecar.emulator import running_emulator
 
 os.environ.setdefault("BINBATCH_STATS_INTERVAL_SECONDS", "0.5")  # read when main is imported
+import binbatch_operator.indexes  # noqa: E402
+import binbatch_operator.kube  # noqa: E402
 import binbatch_operator.main  # noqa: E402,F401 - registers the handlers with kopf
 import kopf  # noqa: E402
 from kopf._cogs.structs.credentials import Vault  # noqa: E402 - no public name: kopf.operator(vault=) takes one, kopf exports none
@@ -622,6 +626,32 @@ async def test_a_policy_asking_for_an_image_or_url_the_install_does_not_allow_is
     assert obj(api, "configmaps", "evil-binbatch") is None and obj(api, "services", "evil-binbatch") is None
     response = await until_admitted_without_patch(operator, ca_pem)
     assert "policy evil is invalid (spec.sidecar.image" in response["warnings"][0], response
+
+
+async def test_what_the_operator_writes_is_in_its_store_before_any_watch_brings_it(cluster: Any) -> None:
+    """A re-check that runs before the watch's event for a write compares with what was written: no second write.
+
+    No informer runs here, so only the write itself can have put the object into the store."""
+    api = cluster
+    kube = binbatch_operator.kube.KubeApi.for_host(str(api.url).rstrip("/"))
+    watched = binbatch_operator.indexes.Watched(candidate=dict)
+    kube.wrote = watched.written
+    key = ("NetworkPolicy", "fast-binbatch")
+    first = build_network_policy("fast", NS, {"sidecar": {"allowFrom": [{"podSelector": {}}]}})
+    first["metadata"]["ownerReferences"] = [{"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": "fast",
+                                             "uid": "uid-fast", "controller": True}]  # fmt: skip
+    changed = copy.deepcopy(first)
+    changed["spec"]["ingress"][0]["from"] = [{"namespaceSelector": {"matchLabels": {"team": "gateway"}}}]
+    try:
+        assert await kube.ensure(first, watched.children(NS, [key]).get(key)) == "created"
+        assert await kube.ensure(first, watched.children(NS, [key]).get(key)) == "unchanged"
+        assert await kube.ensure(changed, watched.children(NS, [key]).get(key)) == "updated"
+        assert watched.children(NS, [key])[key]["spec"]["ingress"][0]["from"] == changed["spec"]["ingress"][0]["from"]
+        assert await kube.ensure(changed, watched.children(NS, [key]).get(key)) == "unchanged"
+    finally:
+        kube.close()
+    resource = kmock.resource("networking.k8s.io/v1/networkpolicies")
+    assert (len(api["post", resource]), len(api["patch", resource]), len(api["get", resource])) == (1, 1, 0)
 
 
 async def test_each_policy_gets_its_own_network_policy_named_in_its_status(
