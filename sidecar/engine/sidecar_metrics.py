@@ -164,6 +164,45 @@ class TenantsQueued:
         yield family
 
 
+class PredictorAccuracy:
+    """The predictor's accuracy gauges, computed from its window when /metrics is scraped.
+
+    ``read`` (set by the dispatcher) returns each family's samples as
+    ``{name: [(label values, value), ...]}``: a completion counts in the next
+    scrape, not only after the sizer's next tick.  The per-source families
+    carry a ``source`` label for each source with completions in the window.
+    """
+
+    FAMILIES = (
+        ("binbatch_predictor_bin_accuracy_ratio", "Share of completions predicted into their true bin", ()),
+        ("binbatch_predictor_within_one_bin_accuracy_ratio",
+         "Share of completions predicted into their true bin or a neighbour", ()),
+        ("binbatch_predictor_source_bin_accuracy_ratio",
+         "Share of completions predicted into their true bin, by where the prediction came from "
+         "(hint|external|learned|online|max_tokens|default)", ("source",)),
+        ("binbatch_predictor_source_within_one_bin_accuracy_ratio",
+         "Share of completions predicted into their true bin or a neighbour, by prediction source", ("source",)),
+        ("binbatch_predictor_source_kendall_tau",
+         "Kendall rank correlation of predicted and actual output lengths over the accuracy window, by "
+         "prediction source (how well the order of the predictions matches the order of the answers)", ("source",)),
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.read: Callable[[], Mapping[str, list[tuple[tuple[str, ...], float]]]] = dict
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        for name, doc, labels in self.FAMILIES:
+            yield GaugeMetricFamily(name, doc, labels=list(labels))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        samples = self.read()
+        for name, doc, labels in self.FAMILIES:
+            family = GaugeMetricFamily(name, doc, labels=list(labels))
+            for values, value in samples.get(name, ()):
+                family.add_metric(list(values), value)
+            yield family
+
+
 class SidecarMetrics:
     """Every binbatch_* metric; one instance per sidecar."""
 
@@ -250,29 +289,8 @@ class SidecarMetrics:
             "binbatch_actual_output_tokens", "Actual output length of completed requests",
             buckets=TOKEN_BUCKETS, registry=r,
         )  # fmt: skip
-        self.bin_accuracy = Gauge(
-            "binbatch_predictor_bin_accuracy_ratio", "Share of completions predicted into their true bin", registry=r
-        )
-        self.within_one_accuracy = Gauge(
-            "binbatch_predictor_within_one_bin_accuracy_ratio",
-            "Share of completions predicted into their true bin or a neighbour", registry=r,
-        )  # fmt: skip
-        self.bin_accuracy_by_source = Gauge(
-            "binbatch_predictor_source_bin_accuracy_ratio",
-            "Share of completions predicted into their true bin, by where the prediction came from "
-            "(hint|external|learned|online|max_tokens|default)", ["source"], registry=r,
-        )  # fmt: skip
-        self.within_one_accuracy_by_source = Gauge(
-            "binbatch_predictor_source_within_one_bin_accuracy_ratio",
-            "Share of completions predicted into their true bin or a neighbour, by prediction source",
-            ["source"], registry=r,
-        )  # fmt: skip
-        self.kendall_tau_by_source = Gauge(
-            "binbatch_predictor_source_kendall_tau",
-            "Kendall rank correlation of predicted and actual output lengths over the accuracy window, by "
-            "prediction source (how well the order of the predictions matches the order of the answers)",
-            ["source"], registry=r,
-        )  # fmt: skip
+        self.accuracy = PredictorAccuracy()
+        r.register(self.accuracy)
         self.predictor_refits = Counter(
             "binbatch_predictor_refits", "Learned predictor: model refits off the request path, by outcome "
             "(installed|failed)", ["outcome"], registry=r,

@@ -185,7 +185,6 @@ async def test_stats_report_hint_and_learned_accuracy_apart(tmp_path):
         by_source = {s.source: s for s in predictor.sources}
         assert set(by_source) == {"hint", "max_tokens"}
         assert by_source["hint"].samples == 1 and by_source["hint"].bin_accuracy == 1.0
-        await sc.sidecar.feed.poll_once()  # a size update publishes the gauges
         fams = await sc.scrape()
         gauge = {s.labels["source"]: s.value for s in fams["binbatch_predictor_source_bin_accuracy_ratio"].samples}
         assert set(gauge) == {"hint", "max_tokens"} and gauge["hint"] == 1.0
@@ -207,7 +206,6 @@ async def test_a_warm_started_learned_predictor_is_ranked_in_stats_and_metrics(t
         [learned] = predictor.sources
         assert (learned.source, learned.samples) == ("learned", 10)
         assert learned.kendall_tau > 0.5
-        await sc.sidecar.feed.poll_once()  # a size update publishes the gauges
         fams = await sc.scrape()
         tau = {s.labels["source"]: s.value for s in fams["binbatch_predictor_source_kendall_tau"].samples}
         assert tau == {"learned": pytest.approx(learned.kendall_tau)}
