@@ -187,7 +187,7 @@ class Dispatcher:
         metrics.predictor_model_records.set_function(lambda: self._learned_model("records", 0))
         metrics.predictor_model_age.set_function(self._model_age)
         metrics.predictor_model_loaded.set_function(self._warm_start_loaded)
-        metrics.accuracy.read = self._accuracy_samples
+        metrics.accuracy.window = lambda: (self.core.accuracy, self.core.binner.boundaries)
         metrics.predictor_buffered_records.set_function(
             lambda: p.buffered if isinstance(p := self.core.predictor, LearnedPredictor) else 0)
         self._publish_queue()
@@ -715,24 +715,6 @@ class Dispatcher:
             for i, m in enumerate(d.b_mem):
                 self.metrics.b_mem.labels(str(i)).set(-1 if m is None else m)
             self.metrics.b_sla.set(-1 if d.b_sla is None else d.b_sla)
-
-    def _accuracy_samples(self) -> dict[str, list[tuple[tuple[str, ...], float]]]:
-        """The predictor's accuracy over its window, as ``PredictorAccuracy`` exports it at each scrape."""
-        b, acc = self.core.binner.boundaries, self.core.accuracy
-        samples: dict[str, list[tuple[tuple[str, ...], float]]] = {}
-        for name, value in (("binbatch_predictor_bin_accuracy_ratio", acc.bin_accuracy(b)),
-                            ("binbatch_predictor_within_one_bin_accuracy_ratio", acc.within_one_bin_accuracy(b))):
-            if value is not None:
-                samples[name] = [((), value)]
-        for source in acc.sources():
-            for name, value in (
-                ("binbatch_predictor_source_bin_accuracy_ratio", acc.bin_accuracy(b, source) or 0.0),
-                ("binbatch_predictor_source_within_one_bin_accuracy_ratio", acc.within_one_bin_accuracy(b, source) or 0.0),
-                ("binbatch_predictor_source_kendall_tau", acc.kendall_tau(source)),
-            ):  # fmt: skip
-                if value is not None:
-                    samples.setdefault(name, []).append(((source,), value))
-        return samples
 
     def _learned_model(self, attr: str, none: float) -> float:
         p = self.core.predictor

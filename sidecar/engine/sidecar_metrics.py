@@ -15,12 +15,16 @@ vLLM's own ``vllm:*`` series and the inference extension's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from ..config import CALLER_INPUTS
+
+if TYPE_CHECKING:
+    from ..core.predictor import AccuracyTracker
 
 # Seconds: from sub-millisecond queueing to long generations.
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -167,10 +171,11 @@ class TenantsQueued:
 class PredictorAccuracy:
     """The predictor's accuracy gauges, computed from its window when /metrics is scraped.
 
-    ``read`` (set by the dispatcher) returns each family's samples as
-    ``{name: [(label values, value), ...]}``: a completion counts in the next
-    scrape, not only after the sizer's next tick.  The per-source families
-    carry a ``source`` label for each source with completions in the window.
+    ``window`` (set by the dispatcher) returns the running core's accuracy
+    tracker and bin boundaries: a completion counts in the next scrape, not
+    only after the sizer's next tick.  The per-source families carry a
+    ``source`` label for each source with completions in the window; the
+    overall ones are absent until there is a completion to judge.
     """
 
     FAMILIES = (
@@ -188,19 +193,29 @@ class PredictorAccuracy:
     )  # fmt: skip
 
     def __init__(self) -> None:
-        self.read: Callable[[], Mapping[str, list[tuple[tuple[str, ...], float]]]] = dict
+        self.window: Callable[[], tuple[AccuracyTracker, Sequence[float]] | None] = lambda: None
+
+    def _families(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(name, doc, labels=list(labels)) for name, doc, labels in self.FAMILIES]
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
-        for name, doc, labels in self.FAMILIES:
-            yield GaugeMetricFamily(name, doc, labels=list(labels))
+        yield from self._families()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        samples = self.read()
-        for name, doc, labels in self.FAMILIES:
-            family = GaugeMetricFamily(name, doc, labels=list(labels))
-            for values, value in samples.get(name, ()):
-                family.add_metric(list(values), value)
-            yield family
+        families = self._families()
+        overall, within, by_source, within_by_source, tau = families
+        held = self.window()
+        if held is not None:
+            acc, b = held
+            for family, value in ((overall, acc.bin_accuracy(b)), (within, acc.within_one_bin_accuracy(b))):
+                if value is not None:
+                    family.add_metric([], value)
+            for source in acc.sources():
+                by_source.add_metric([source], acc.bin_accuracy(b, source) or 0.0)
+                within_by_source.add_metric([source], acc.within_one_bin_accuracy(b, source) or 0.0)
+                if (t := acc.kendall_tau(source)) is not None:
+                    tau.add_metric([source], t)
+        yield from families
 
 
 class SidecarMetrics:
