@@ -118,8 +118,9 @@ class KubeApi:
         check compares with it before the watch's event for it comes.  The
         watch may still lag another write (a replica's, a deletion): a create
         that meets the object (409) reads it and patches it if it is the
-        policy's own (``owned_by``), a patch that misses it (404) creates it.  An object of that name that is not the policy's
-        is never written: ``ChildConflict``.  A merge patch replaces lists
+        policy's own (``owned_by``), a patch that misses it (404) creates it.
+        An object of that name that is not the policy's is never written:
+        ``ChildConflict``.  A merge patch replaces lists
         whole (a Service's ports), so after an update the object is exactly what
         the builder said.
         """
