@@ -188,6 +188,11 @@ async def test_stats_report_hint_and_learned_accuracy_apart(tmp_path):
         fams = await sc.scrape()
         gauge = {s.labels["source"]: s.value for s in fams["binbatch_predictor_source_bin_accuracy_ratio"].samples}
         assert set(gauge) == {"hint", "max_tokens"} and gauge["hint"] == 1.0
+        overall = {name: fams[name].samples[0].value for name in ("binbatch_predictor_bin_accuracy_ratio",
+                                                                  "binbatch_predictor_within_one_bin_accuracy_ratio")}
+        assert overall == {"binbatch_predictor_bin_accuracy_ratio": pytest.approx(predictor.bin_accuracy),
+                           "binbatch_predictor_within_one_bin_accuracy_ratio":
+                               pytest.approx(predictor.within_one_bin_accuracy)}  # fmt: skip
 
 
 async def test_a_warm_started_learned_predictor_is_ranked_in_stats_and_metrics(tmp_path):
