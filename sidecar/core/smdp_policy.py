@@ -29,6 +29,7 @@ single server fed by that bin.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -48,11 +49,20 @@ def _value(i: int) -> float:
     return BUCKET_RATIO**i
 
 
+def load_fit_library() -> None:
+    """Import what ``ServiceTimeFit.fit`` uses (scipy.stats, about a second), which it
+    otherwise imports at its first run, on the event loop."""
+    import scipy.stats  # noqa: F401
+
+
 class ServiceTimeFit:
-    """Least-squares l(b) = α·b + β over the last ``window`` reports.
+    """l(b) = α·b + β over the last ``window`` reports, robust to slow batches.
 
     Every request of a gang batch reports the batch's (size, seconds), so each
-    report weighs 1/size: a batch counts once, whatever its size.
+    report weighs 1/size: a batch counts once, whatever its size.  The line is the
+    Theil–Sen fit (SciPy) through each size's median time: one batch slowed by a
+    pause (a preemption, a collection, a busy node) moves neither, where it would
+    tilt a least-squares line and could swing β, the cost of a dispatch, to 0.
     """
 
     def __init__(self, window: int = 4096, min_batches: float = 8.0) -> None:
@@ -68,19 +78,20 @@ class ServiceTimeFit:
 
     def fit(self) -> tuple[float, float] | None:
         """(α, β) in seconds, or None: too few batches, or all of one size."""
-        w = [1 / b for b, _ in self._samples]
-        n = sum(w)
-        if n < self.min_batches:
+        if sum(1 / b for b, _ in self._samples) < self.min_batches:
             return None
-        mb = sum(wi * b for wi, (b, _) in zip(w, self._samples)) / n
-        mt = sum(wi * t for wi, (_, t) in zip(w, self._samples)) / n
-        var = sum(wi * (b - mb) ** 2 for wi, (b, _) in zip(w, self._samples))
-        if var <= 1e-12:
+        by_size: dict[int, list[float]] = {}
+        for b, t in self._samples:
+            by_size.setdefault(b, []).append(t)
+        if len(by_size) < 2:
             return None
-        cov = sum(wi * (b - mb) * (t - mt) for wi, (b, t) in zip(w, self._samples))
-        alpha = max(0.0, cov / var)
-        beta = max(0.0, mt - alpha * mb)
-        return alpha, beta
+        from scipy.stats import theilslopes  # imported at start-up when Smdp is on (load_fit_library)
+
+        sizes = sorted(by_size)
+        slope, intercept, _, _ = theilslopes([statistics.median(by_size[b]) for b in sizes], sizes)
+        if slope <= 0:  # no cost per request seen: a dispatch costs the typical batch's time
+            return 0.0, max(0.0, statistics.median(statistics.median(by_size[b]) for b in sizes))
+        return float(slope), max(0.0, float(intercept))
 
 
 @dataclass(frozen=True, slots=True)

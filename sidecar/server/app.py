@@ -29,7 +29,7 @@ from ..config import ConfigError, LoadedConfig, SidecarConfig, redact_urls, rest
 from ..core.autok import ArrivalWindow
 from ..core.clock import Clock, MonotonicClock
 from ..core.length_model import load_fit_libraries
-from ..core.smdp_policy import ServiceTimeFit, solve_bucket
+from ..core.smdp_policy import ServiceTimeFit, load_fit_library, solve_bucket
 from ..core.throughput import ThroughputWindow
 from ..engine.dispatcher import Adjustment, Dispatcher
 from ..engine.engine_client import EngineClient, EngineError
@@ -492,9 +492,11 @@ def settle_heap(cfg: SidecarConfig) -> None:
     collection, which otherwise scans it again at each full one (under the overhead bench,
     collecting took ~4% of the sidecar's CPU; freezing cut that by ~40%).  A Learned
     predictor's fit libraries (sklearn, ~28,000 objects) are imported now rather than at
-    its first refit, to be among them."""
+    its first refit, to be among them; so is Smdp dispatch's (scipy.stats)."""
     if cfg.predictor.kind == "Learned":
         load_fit_libraries()
+    if cfg.batch.dispatch == "Smdp":
+        load_fit_library()
 
 
 async def serve(loaded: LoadedConfig, config_path: str | None, host: str,

@@ -35,6 +35,23 @@ def test_fit_recovers_the_intercept_and_slope():
     assert alpha == pytest.approx(ALPHA) and beta == pytest.approx(BETA)
 
 
+def test_one_slow_batch_moves_neither_the_slope_nor_the_cost_of_a_dispatch():
+    fit = fitted()
+    for _ in range(16):  # a full batch held up by a pause half a second long
+        fit.observe(16, ALPHA * 16 + BETA + 0.5)
+    alpha, beta = fit.fit()  # type: ignore[misc]
+    # A least-squares line through the batches tilts to alpha 0.013, beta 0.002.
+    assert alpha == pytest.approx(ALPHA) and beta == pytest.approx(BETA)
+
+
+def test_a_fit_that_sees_no_cost_per_request_charges_each_dispatch_the_typical_batch():
+    fit = ServiceTimeFit()
+    for b, t in ((1, 0.06), (2, 0.05), (4, 0.05), (8, 0.04)) * 3:
+        for _ in range(b):
+            fit.observe(b, t)
+    assert fit.fit() == (0.0, 0.05)
+
+
 def test_fit_needs_batches_of_more_than_one_size():
     fit = ServiceTimeFit()
     for _ in range(40):
