@@ -59,7 +59,7 @@ class ServiceTimeFit:
     """l(b) = α·b + β over the last ``window`` reports, robust to slow batches.
 
     Every request of a gang batch reports the batch's (size, seconds), so each
-    report weighs 1/size: a batch counts once, whatever its size.  The line is the
+    report counts 1/size towards the batches seen.  The line is the
     Theil–Sen fit (SciPy) through each size's median time: one batch slowed by a
     pause (a preemption, a collection, a busy node) moves neither, where it would
     tilt a least-squares line and could swing β, the cost of a dispatch, to 0.
@@ -88,9 +88,10 @@ class ServiceTimeFit:
         from scipy.stats import theilslopes  # imported at start-up when Smdp is on (load_fit_library)
 
         sizes = sorted(by_size)
-        slope, intercept, _, _ = theilslopes([statistics.median(by_size[b]) for b in sizes], sizes)
+        medians = [statistics.median(by_size[b]) for b in sizes]
+        slope, intercept, _, _ = theilslopes(medians, sizes)
         if slope <= 0:  # no cost per request seen: a dispatch costs the typical batch's time
-            return 0.0, max(0.0, statistics.median(statistics.median(by_size[b]) for b in sizes))
+            return 0.0, statistics.median(medians)
         return float(slope), max(0.0, float(intercept))
 
 
