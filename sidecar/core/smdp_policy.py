@@ -49,7 +49,7 @@ def _value(i: int) -> float:
     return BUCKET_RATIO**i
 
 
-def load_fit_library() -> None:
+def load_service_time_library() -> None:
     """Import what ``ServiceTimeFit.fit`` uses (scipy.stats, about a second), which it
     otherwise imports at its first run, on the event loop."""
     import scipy.stats  # noqa: F401
@@ -85,7 +85,7 @@ class ServiceTimeFit:
             by_size.setdefault(b, []).append(t)
         if len(by_size) < 2:
             return None
-        from scipy.stats import theilslopes  # imported at start-up when Smdp is on (load_fit_library)
+        from scipy.stats import theilslopes  # imported at start-up when Smdp is on (load_service_time_library)
 
         sizes = sorted(by_size)
         medians = [statistics.median(by_size[b]) for b in sizes]

@@ -29,7 +29,7 @@ from ..config import ConfigError, LoadedConfig, SidecarConfig, redact_urls, rest
 from ..core.autok import ArrivalWindow
 from ..core.clock import Clock, MonotonicClock
 from ..core.length_model import load_fit_libraries
-from ..core.smdp_policy import ServiceTimeFit, load_fit_library, solve_bucket
+from ..core.smdp_policy import ServiceTimeFit, load_service_time_library, solve_bucket
 from ..core.throughput import ThroughputWindow
 from ..engine.dispatcher import Adjustment, Dispatcher
 from ..engine.engine_client import EngineClient, EngineError
@@ -496,7 +496,7 @@ def settle_heap(cfg: SidecarConfig) -> None:
     if cfg.predictor.kind == "Learned":
         load_fit_libraries()
     if cfg.batch.dispatch == "Smdp":
-        load_fit_library()
+        load_service_time_library()
 
 
 async def serve(loaded: LoadedConfig, config_path: str | None, host: str,
